@@ -1,0 +1,46 @@
+"""Errors a user can act on.
+
+Every error pipecompile raises for bad input is a `PipecompileError`; the subclasses also derive
+from the built-in exception that fits (`ValueError`, `TypeError`, `RuntimeError`, `TimeoutError`)
+so that generic handlers keep working. Messages name the value, what was expected and what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PipecompileError",
+    "CaptureError",
+    "PartitionError",
+    "ScheduleError",
+    "ConfigError",
+    "LossError",
+    "StageExecutionError",
+]
+
+
+class PipecompileError(Exception):
+    """Base class of every error pipecompile raises on purpose."""
+
+
+class ConfigError(PipecompileError, ValueError):
+    """An argument of `compile` (devices, microbatches, split points, ...) cannot be used."""
+
+
+class CaptureError(PipecompileError, RuntimeError):
+    """The model could not be captured as a graph (torch.export or torch.fx failed)."""
+
+
+class PartitionError(PipecompileError, ValueError):
+    """No placement of the blocks on the devices satisfies the constraints."""
+
+
+class ScheduleError(PipecompileError, ValueError):
+    """A schedule is malformed: a missing action, an unmatched send, or a possible deadlock."""
+
+
+class LossError(PipecompileError, ValueError):
+    """The loss function returned something other than a scalar tensor."""
+
+
+class StageExecutionError(PipecompileError, RuntimeError):
+    """An action of a stage failed while a pipeline ran; names the stage and the action."""

@@ -1,0 +1,1 @@
+"""Runtime: schedules as data and the executors that interpret them."""
