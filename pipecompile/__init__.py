@@ -1,0 +1,34 @@
+"""pipecompile: pipeline-parallel training of PyTorch models as a compiler problem.
+
+    pipe = pipecompile.compile(model, example_inputs=(x,), devices=4, loss_fn=...)
+    print(pipe)                  # stage table
+    loss = pipe.step(x, target=y)
+"""
+
+from .compiler import compile
+from .errors import (
+    CaptureError,
+    ConfigError,
+    LossError,
+    PartitionError,
+    PipecompileError,
+    ScheduleError,
+    StageExecutionError,
+)
+from .passes.partition import DeviceSpec, PartitionMemoryError
+from .pipeline import Pipeline
+
+__all__ = [
+    "compile",
+    "Pipeline",
+    "DeviceSpec",
+    "PipecompileError",
+    "CaptureError",
+    "ConfigError",
+    "LossError",
+    "PartitionError",
+    "PartitionMemoryError",
+    "ScheduleError",
+    "StageExecutionError",
+]
+__version__ = "0.1.0"

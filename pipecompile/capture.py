@@ -1,0 +1,356 @@
+"""Capture: turn an `nn.Module` and example inputs into a flat fx graph (`CapturedModel`).
+
+Two front ends give the same IR:
+
+- ``method="export"`` (default): `torch.export.export` with dim 0 of every tensor input whose
+  first dimension is the batch size marked dynamic (`Dim("batch")`), so one graph serves every
+  micro-batch size. When the model will not export with a dynamic batch, it is exported again
+  with static shapes at the micro-batch size, and a note is logged.
+- ``method="fx"``: `torch.fx.symbolic_trace`, then fake-tensor propagation with a symbolic batch
+  size to give every node the shape metadata export would have given it.
+
+In both cases the graph is rewritten to take the flattened inputs as placeholders and to return
+a flat tuple; pytree specs keep the user's argument and result structures.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from dataclasses import replace
+from typing import Any, Mapping
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .errors import CaptureError, ConfigError
+from .ir import CapturedModel, ValueInfo
+
+__all__ = ["capture", "batch_size_of"]
+
+log = logging.getLogger(__name__)
+
+
+def batch_size_of(args: tuple, kwargs: Mapping[str, Any]) -> int:
+    """The batch size: dim 0 of the first tensor argument (positional first, then keyword)."""
+    for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ConfigError(
+        "example_inputs/example_kwargs contain no tensor with a batch dimension; pass at least "
+        "one tensor whose first dimension is the batch size"
+    )
+
+
+def capture(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    method: str = "export",
+    static_batch_size: int | None = None,
+) -> CapturedModel:
+    """Capture `model(*args, **kwargs)` as a flat graph.
+
+    `static_batch_size` is the batch size to re-capture at if a dynamic batch is impossible
+    (the compiler passes the micro-batch size).
+    """
+    kwargs = dict(kwargs or {})
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    batch = batch_size_of(args, kwargs)
+    if method == "export":
+        captured = _capture_export(model, tuple(args), kwargs, batch, static_batch_size)
+    elif method == "fx":
+        captured = _capture_fx(model, tuple(args), kwargs, batch)
+    else:
+        raise ConfigError(f"capture={method!r} is not a capture method; use 'export' or 'fx'")
+    return replace(
+        captured,
+        parameter_names=tuple(n for n, _ in model.named_parameters()),
+        state_keys=tuple(model.state_dict().keys()),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.export
+
+
+def _capture_export(model, args, kwargs, batch, static_batch_size) -> CapturedModel:
+    from torch.export import Dim, export
+
+    notes: list[str] = []
+    dynamic = batch >= 2  # export specialises sizes 0 and 1; nothing to make dynamic then
+    error: BaseException | None = None
+    ep = None
+    if dynamic:
+        try:
+            shapes = _dynamic_shapes(model, args, kwargs, batch, Dim("batch"))
+            ep = export(model, args, kwargs, dynamic_shapes=shapes)
+        except Exception as exc:  # noqa: BLE001 - any export failure means: try static shapes
+            error = exc
+            note = f"dynamic batch export failed ({_first_line(exc)}); captured static shapes"
+            notes.append(note)
+            log.info("pipecompile: %s", note)
+    if ep is None:
+        if static_batch_size is not None and static_batch_size != batch:
+            args, kwargs = _slice_batch((args, kwargs), batch, static_batch_size)
+            batch = static_batch_size
+        try:
+            ep = export(model, args, kwargs)
+        except Exception as exc:  # noqa: BLE001
+            raise _capture_error(model, "torch.export", error or exc, "capture='fx'") from exc
+        dynamic = False
+
+    module = ep.module()
+    signature = ep.module_call_graph[0].signature
+    graph = _flat_graph(module.graph, drop_guards=True)
+    gm = fx.GraphModule(module, graph)
+    values = _values_from_meta(gm.graph)
+    batch_symbol, sizes = _symbols(gm.graph, values, batch) if dynamic else (None, {})
+    return CapturedModel(
+        module=gm,
+        in_spec=signature.in_spec,
+        out_spec=signature.out_spec,
+        input_names=tuple(n.name for n in gm.graph.find_nodes(op="placeholder")),
+        output_names=_output_names(gm.graph),
+        values=values,
+        method="export",
+        dynamic_batch=dynamic,
+        batch_symbol=batch_symbol,
+        example_sizes=sizes,
+        captured_batch_size=batch,
+        notes=tuple(notes),
+    )
+
+
+def _dynamic_shapes(model, args, kwargs, batch, dim) -> dict[str, Any]:
+    """`dynamic_shapes` keyed by forward's parameter names: dim 0 dynamic where it is the batch."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+
+    def spec(leaf):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch:
+            return {0: dim}
+        return None
+
+    shapes = {}
+    for name, value in bound.arguments.items():
+        shapes[name] = pytree.tree_map(spec, value)
+    return shapes
+
+
+def _slice_batch(tree, batch: int, size: int):
+    def cut(leaf):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch:
+            return leaf[:size]
+        return leaf
+
+    return pytree.tree_map(cut, tree)
+
+
+def _flat_graph(graph: fx.Graph, *, drop_guards: bool) -> fx.Graph:
+    """A copy of `graph` with plain codegen, no export guard calls and a flat tuple output."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and drop_guards and node.target == "_guards_fn":
+            continue
+        if node.op == "output":
+            flat = pytree.tree_leaves(node.args[0], is_leaf=lambda x: isinstance(x, fx.Node))
+            new.output(tuple(env[x] if isinstance(x, fx.Node) else x for x in flat))
+            continue
+        env[node] = new.node_copy(node, lambda n: env[n])
+    new.lint()
+    return new
+
+
+def _values_from_meta(graph: fx.Graph) -> dict[str, ValueInfo]:
+    values = {}
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        values[node.name] = value_info(node.name, node.meta.get("val"))
+    return values
+
+
+def value_info(name: str, val: Any) -> ValueInfo:
+    """ValueInfo of a node's `meta['val']` (a FakeTensor, SymInt, or anything else)."""
+    if isinstance(val, torch.Tensor):
+        return ValueInfo(name, tuple(_expr(d) for d in val.shape), val.dtype)
+    if isinstance(val, torch.SymInt):
+        return ValueInfo(name, (), None)
+    return ValueInfo(name, (), None)
+
+
+def _expr(d: Any) -> Any:
+    if isinstance(d, torch.SymInt):
+        return d.node.expr
+    return int(d)
+
+
+def _symbols(graph: fx.Graph, values, batch: int) -> tuple[sympy.Symbol | None, dict]:
+    """The batch size's symbol, and every symbol's example value (from the shape env hints)."""
+    batch_symbol = None
+    for node in graph.find_nodes(op="placeholder"):
+        info = values[node.name]
+        if info.shape and isinstance(info.shape[0], sympy.Symbol):
+            batch_symbol = info.shape[0]
+            break
+    sizes: dict[sympy.Symbol, int] = {}
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d in val.shape:
+                if isinstance(d, torch.SymInt):
+                    for sym in d.node.expr.free_symbols:
+                        env = d.node.shape_env
+                        hints = getattr(env, "backed_var_to_val", None) or env.var_to_val
+                        hint = hints.get(sym)
+                        if hint is not None:
+                            sizes[sym] = int(hint)
+    if batch_symbol is not None:
+        sizes[batch_symbol] = batch
+    return batch_symbol, sizes
+
+
+def _output_names(graph: fx.Graph) -> tuple[str, ...]:
+    out = graph.find_nodes(op="output")[0]
+    return tuple(x.name if isinstance(x, fx.Node) else repr(x) for x in out.args[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.fx.symbolic_trace
+
+
+def _capture_fx(model, args, kwargs, batch) -> CapturedModel:
+    try:
+        traced = fx.symbolic_trace(model)
+    except Exception as exc:  # noqa: BLE001
+        raise _capture_error(model, "torch.fx.symbolic_trace", exc, "capture='export'") from exc
+
+    # Bind the call to forward's parameters: fx placeholders are those parameters, in order.
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    placeholders = list(traced.graph.find_nodes(op="placeholder"))
+    flat_args = tuple(bound.arguments[p.target.lstrip("*")] for p in placeholders)
+    in_spec = pytree.tree_flatten((flat_args, {}))[1]
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in traced.graph.nodes:
+        if node.op == "output":
+            flat, out_spec = pytree.tree_flatten(
+                node.args[0], is_leaf=lambda x: isinstance(x, fx.Node)
+            )
+            graph.output(tuple(env[x] if isinstance(x, fx.Node) else x for x in flat))
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    gm = fx.GraphModule(traced, graph)
+
+    dynamic = _propagate_fake(gm, flat_args, batch)
+    values = _values_from_meta(gm.graph)
+    batch_symbol, sizes = _symbols(gm.graph, values, batch) if dynamic else (None, {})
+    return CapturedModel(
+        module=gm,
+        in_spec=in_spec,
+        out_spec=out_spec,
+        input_names=tuple(p.name for p in placeholders),
+        output_names=_output_names(gm.graph),
+        values=values,
+        method="fx",
+        dynamic_batch=dynamic and batch_symbol is not None,
+        batch_symbol=batch_symbol,
+        example_sizes=sizes,
+        captured_batch_size=batch,
+        # Calls through an fx capture always take positional arguments in forward's order.
+        notes=("fx capture: inputs are forward's parameters in order",),
+    )
+
+
+def _propagate_fake(gm: fx.GraphModule, flat_args: tuple, batch: int) -> bool:
+    """Fill node.meta['val'] with fake tensors whose batch dimension is symbolic if possible."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    for dynamic in (True, False):
+        mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+
+        def fake(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            dims = [DimDynamic.STATIC] * x.dim()
+            if dynamic and x.dim() > 0 and x.shape[0] == batch:
+                dims[0] = DimDynamic.DYNAMIC
+            ctx = StatelessSymbolicContext(dynamic_sizes=dims)
+            return mode.from_tensor(x, symbolic_context=ctx)
+
+        try:
+            fakes = [pytree.tree_map(fake, a) for a in flat_args]
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+            return dynamic
+        except Exception as exc:  # noqa: BLE001
+            if not dynamic:
+                raise CaptureError(
+                    f"torch.fx traced the model but its graph cannot run on example inputs: "
+                    f"{_first_line(exc)}. Check example_inputs against forward()'s signature."
+                ) from exc
+            log.info("pipecompile: symbolic batch propagation failed (%s)", _first_line(exc))
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+
+
+def _capture_error(model, tool: str, exc: BaseException, alternative: str) -> CaptureError:
+    """A CaptureError naming the module whose code failed and what to try next."""
+    frames = [(f, int(n), fn) for f, n, fn in _FRAME.findall(str(exc))]
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        frames.append((code.co_filename, tb.tb_lineno, code.co_name))
+        tb = tb.tb_next
+    where = ""
+    for filename, line, _ in reversed(frames):
+        name = _module_at(model, filename, line)
+        if name is not None:
+            label = name or "<root>"
+            where = f" in module {label!r} ({type(model.get_submodule(name)).__name__}) at {filename}:{line}"
+            break
+    return CaptureError(
+        f"{tool} could not capture {type(model).__name__}{where}: {_first_line(exc)}. "
+        f"Make that code traceable (no Python branching on tensor values: use torch.where or "
+        f"torch.cond; no untraceable calls), pass use_cache=False for transformers models, "
+        f"or try {alternative}."
+    )
+
+
+def _module_at(model: torch.nn.Module, filename: str, line: int) -> str | None:
+    """Path of the deepest submodule whose forward's source contains filename:line."""
+    best = None
+    for name, module in model.named_modules():
+        try:
+            forward = type(module).forward
+            src, start = inspect.getsourcelines(forward)
+            if inspect.getsourcefile(forward) == filename and start <= line < start + len(src):
+                if best is None or name.count(".") >= best.count("."):
+                    best = name
+        except (OSError, TypeError):
+            continue
+    return best

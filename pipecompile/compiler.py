@@ -1,0 +1,262 @@
+"""`compile`: capture → linearize → annotate → partition → split → schedule → Pipeline.
+
+Each pass is timed and summarised in a `PassRecord`; `pipe.explain()` prints them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .capture import batch_size_of, capture as capture_model
+from .errors import ConfigError, PartitionError
+from .passes.annotate import DeviceModel, annotate, optimizer_state_factor
+from .passes.linearize import GRANULARITIES, linearize
+from .passes.partition import DeviceSpec, PartitionProblem, evaluate, partition
+from .passes.split import split
+from .pipeline import PassRecord, Pipeline
+from .report import StageCost
+from .runtime.schedules import SCHEDULES, make_schedule
+from .runtime.simulate import StageCosts, simulate
+
+__all__ = ["compile"]
+
+_SUPPORTED = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+def compile(  # noqa: A001 - the public name of DESIGN.md
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    devices: int | Sequence[str | torch.device | DeviceSpec] = 1,
+    microbatches: int = 4,
+    schedule: str = "gpipe",
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
+    split_points: Sequence[str] | None = None,
+    capture: str = "export",
+    granularity: str | None = None,
+    virtual_stages: int | None = None,
+    profile: bool = False,
+    memory_limit: float | Sequence[float] | None = None,
+    bandwidth: float | None = None,
+    checkpoint: bool = False,
+    timeout: float = 300.0,
+) -> Pipeline:
+    """Compile `model` into a pipeline over `devices`; see DESIGN.md for the contract.
+
+    `devices` is a count (CUDA devices if present, else that many CPU workers), a list of
+    device names, or a list of `DeviceSpec` (relative speed, memory) for heterogeneous devices.
+    `memory_limit` (bytes, per device or one for all) caps each stage's predicted memory.
+    """
+    records: list[PassRecord] = []
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    specs = _device_specs(devices, memory_limit, bandwidth)
+    if schedule not in _SUPPORTED:
+        raise ConfigError(
+            f"schedule={schedule!r} is not supported yet; use one of {', '.join(_SUPPORTED)}"
+            + (" (the asynchronous PipeDream schedules are not implemented yet)"
+               if schedule in ("pipedream", "2bw") else "")
+        )
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ConfigError(f"microbatches must be a positive int, got {microbatches!r}")
+    batch = batch_size_of(args, kwargs)
+    if batch < microbatches:
+        raise ConfigError(
+            f"the example batch has {batch} samples, fewer than microbatches={microbatches}; "
+            f"use a batch of at least {microbatches} or fewer micro-batches"
+        )
+    mb_size = math.ceil(batch / microbatches)
+    v = virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
+    num_stages = len(specs) * v
+
+    t = time.perf_counter()
+    captured = capture_model(model, args, kwargs, method=capture, static_batch_size=mb_size)
+    records.append(PassRecord("capture", time.perf_counter() - t,
+                              f"{capture}: {len(captured.module.graph.nodes)} nodes, "
+                              f"{'dynamic' if captured.dynamic_batch else 'static'} batch"))
+
+    t = time.perf_counter()
+    levels = [granularity] if granularity else list(GRANULARITIES)
+    for level in levels:  # refine blocks until every stage can get one
+        linear = linearize(captured, granularity=level)
+        if linear.num_blocks >= num_stages:
+            break
+    if linear.num_blocks < num_stages:
+        raise PartitionError(
+            f"the model has only {linear.num_blocks} blocks at granularity "
+            f"{linear.granularity!r}, fewer than the {num_stages} stages asked for; use at most "
+            f"{linear.num_blocks} devices" + ("" if granularity is None else " or a finer granularity")
+        )
+    records.append(PassRecord("linearize", time.perf_counter() - t,
+                              f"{linear.num_blocks} blocks ({linear.granularity}), max boundary "
+                              f"{max((len(b) for b in linear.boundaries), default=0)} values"))
+
+    t = time.perf_counter()
+    costs = annotate(linear, microbatch_size=mb_size, device=_device_model(specs[0]),
+                     optimizer_factor=optimizer_state_factor(optimizer))
+    if profile:
+        from .passes.profile import profile_blocks
+        costs = profile_blocks(linear, costs, args, kwargs, microbatches=microbatches,
+                               device=torch.device(specs[0].name))
+    total = sum(b.forward_flops for b in costs.blocks)
+    records.append(PassRecord("annotate", time.perf_counter() - t,
+                              f"{total / 1e9:.3f} GFLOP forward per micro-batch of {mb_size}"
+                              + (" (measured times)" if profile else "")))
+
+    t = time.perf_counter()
+    plan = make_schedule(schedule, len(specs), microbatches, virtual_stages=v)
+    inflight = _inflight(plan)
+    stage_specs = tuple(specs[plan.stage_to_device[s]] for s in range(num_stages))
+    problem = PartitionProblem(
+        block_times=tuple(b.time for b in costs.blocks),
+        cut_bytes=costs.cut_bytes,
+        static_bytes=tuple(b.static_bytes for b in costs.blocks),
+        activation_bytes=tuple(b.activation_bytes for b in costs.blocks),
+        devices=stage_specs,
+        inflight=inflight,
+    )
+    if split_points is not None:
+        bounds = _bounds_from_split_points(linear, split_points, num_stages)
+        chosen = evaluate(problem, bounds)
+        how = "split_points"
+    else:
+        chosen = partition(problem, inflight_for=lambda k: _inflight_for(schedule, k, microbatches, v, len(specs)))
+        how = "optimal DP"
+    records.append(PassRecord("partition", time.perf_counter() - t,
+                              f"{how}: bounds {chosen.bounds}, bottleneck "
+                              f"{chosen.bottleneck * 1e3:.3f} ms/mb"))
+
+    t = time.perf_counter()
+    program = split(linear, chosen.bounds, [torch.device(s.name) for s in stage_specs])
+    program = _with_costs(program, costs, chosen, inflight)
+    records.append(PassRecord("split", time.perf_counter() - t,
+                              f"{program.num_stages} stage graphs, {len(program.ties)} tied "
+                              f"parameter groups"))
+
+    stage_costs = [
+        StageCosts(forward=s.cost.forward_time, backward=s.cost.backward_time,
+                   backward_input=sum(costs.blocks[b].backward_input_time for b in s.blocks),
+                   backward_weight=sum(costs.blocks[b].backward_weight_time for b in s.blocks),
+                   send_forward=_transfer(s.cost.send_bytes, stage_specs[s.index]),
+                   send_backward=_transfer(costs.cut_bytes[s.blocks[0]], stage_specs[s.index]))
+        for s in program.stages
+    ]
+    predicted = simulate(plan, stage_costs)
+    records.append(PassRecord("schedule", 0.0, f"{schedule}: {sum(len(a) for a in plan.actions)} "
+                              f"actions, predicted bubble {predicted.bubble_fraction:.1%}"))
+    return Pipeline(program, plan, microbatches=microbatches, loss_fn=loss_fn,
+                    optimizer=optimizer, checkpoint=checkpoint, predicted=predicted,
+                    passes=records, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _device_specs(devices, memory_limit, bandwidth) -> list[DeviceSpec]:
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ConfigError(f"devices must be >= 1, got {devices}")
+        if torch.cuda.is_available():
+            if torch.cuda.device_count() < devices:
+                raise ConfigError(
+                    f"devices={devices} but only {torch.cuda.device_count()} CUDA devices are "
+                    f"visible; pass devices=['cpu'] * {devices} to run on the CPU"
+                )
+            names = [f"cuda:{i}" for i in range(devices)]
+        else:
+            names = ["cpu"] * devices
+        devices = names
+    if not devices:
+        raise ConfigError("devices is empty; pass a count or a list of device names")
+    limits = memory_limit if isinstance(memory_limit, (list, tuple)) else [memory_limit] * len(devices)
+    if len(limits) != len(devices):
+        raise ConfigError(f"memory_limit has {len(limits)} entries for {len(devices)} devices")
+    specs = []
+    for d, limit in zip(devices, limits):
+        if isinstance(d, DeviceSpec):
+            spec = d
+        else:
+            name = str(torch.device(d))
+            spec = DeviceSpec(name=name, memory=_device_memory(name),
+                              bandwidth=bandwidth or (math.inf if name == "cpu" else 10e9))
+        if limit is not None:
+            spec = DeviceSpec(spec.name, spec.speed, float(limit), spec.bandwidth)
+        specs.append(spec)
+    return specs
+
+
+def _device_memory(name: str) -> float:
+    device = torch.device(name)
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return math.inf
+
+
+def _device_model(spec: DeviceSpec) -> DeviceModel:
+    return DeviceModel()
+
+
+def _transfer(nbytes: float, spec: DeviceSpec) -> float:
+    return 0.0 if math.isinf(spec.bandwidth) else nbytes / spec.bandwidth
+
+
+def _inflight(plan) -> tuple[int, ...]:
+    """Peak in-flight micro-batches per stage, from a unit-cost simulation of the schedule."""
+    timeline = simulate(plan, [StageCosts(1.0, 2.0)] * plan.num_stages)
+    return tuple(max(1, timeline.peak_inflight(s)) for s in range(plan.num_stages))
+
+
+def _inflight_for(schedule: str, devices: int, m: int, v: int, base_devices: int) -> tuple[int, ...]:
+    """In-flight counts if the pipeline had `devices` devices (for the out-of-memory advice)."""
+    try:
+        return _inflight(make_schedule(schedule, devices // v if v > 1 else devices, m,
+                                       virtual_stages=v))
+    except Exception:  # noqa: BLE001 - e.g. interleaving constraints: assume the worst
+        return (m,) * devices
+
+
+def _bounds_from_split_points(linear, split_points, num_stages) -> tuple[int, ...]:
+    if len(split_points) != num_stages - 1:
+        raise ConfigError(
+            f"split_points has {len(split_points)} names but {num_stages} stages need "
+            f"{num_stages - 1} cuts"
+        )
+    cuts = []
+    for name in split_points:
+        index = linear.block_index(name)
+        if index is None:
+            known = ", ".join(b.name for b in linear.blocks[:12])
+            raise ConfigError(f"split point {name!r} names no block; blocks are: {known}, ...")
+        cuts.append(index)
+    bounds = (0, *cuts, linear.num_blocks)
+    if any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ConfigError(
+            f"split_points {list(split_points)} give cut positions {cuts}: they must be in "
+            f"model order, distinct, and not at the first block"
+        )
+    return bounds
+
+
+def _with_costs(program, costs, chosen, inflight):
+    from dataclasses import replace
+
+    stages = []
+    for s in program.stages:
+        blocks = [costs.blocks[b] for b in s.blocks]
+        cost = StageCost(
+            num_blocks=len(blocks),
+            params=sum(p.numel() for p in {id(p): p for p in s.module.parameters()}.values()),
+            forward_flops=sum(b.forward_flops for b in blocks),
+            forward_time=sum(b.forward_time for b in blocks),
+            backward_time=sum(b.backward_time for b in blocks),
+            memory=chosen.stage_memory[s.index],
+            inflight=inflight[s.index],
+            send_bytes=costs.cut_bytes[s.blocks[-1] + 1],
+        )
+        stages.append(replace(s, cost=cost))
+    return replace(program, stages=tuple(stages))

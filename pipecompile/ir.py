@@ -1,0 +1,213 @@
+"""The compiler's intermediate representation: plain frozen records that every pass reads and writes.
+
+    CapturedModel   a flat fx graph of the model: placeholders are the flattened inputs, the output
+                    node returns the flattened outputs; pytree specs rebuild the user's structures.
+    ValueInfo       the symbolic shape and dtype of one graph value (an fx node's result).
+    Block           a contiguous run of compute nodes that the partitioner places as one unit.
+    LinearGraph     the blocks in order plus, for every cut, its boundary: the values produced
+                    before the cut and used after it.
+
+Values are named by their fx node names; those names are global to a compiled program and are
+the names of stage inputs/outputs and of ONNX values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils._pytree import TreeSpec
+
+__all__ = ["CapturedModel", "ValueInfo", "Block", "LinearGraph", "NodeRole"]
+
+
+class NodeRole:
+    """How linearize classifies a graph node (plain strings so the IR stays printable)."""
+
+    INPUT = "input"  # a placeholder: a model input, available to every stage
+    PARAM = "param"  # get_attr: a parameter, buffer or constant, materialised in each stage using it
+    REMAT = "remat"  # a cheap deterministic function of inputs only (sizes, masks, position ids):
+    #                  recomputed in each stage that needs it instead of being sent
+    COMPUTE = "compute"  # everything else: belongs to exactly one block
+    OUTPUT = "output"
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """Shape (ints or sympy expressions of the symbolic sizes) and dtype of one value.
+
+    `dtype` is None for non-tensor values (a SymInt size, a Python scalar, a list).
+    """
+
+    name: str
+    shape: tuple[Any, ...] = ()
+    dtype: torch.dtype | None = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.dtype is not None
+
+    @property
+    def numel(self) -> sympy.Expr:
+        return sympy.Mul(*[sympy.sympify(d) for d in self.shape]) if self.shape else sympy.Integer(1)
+
+    @property
+    def nbytes(self) -> sympy.Expr:
+        """Bytes of the tensor (a non-tensor value counts as 8 bytes: one int64 on the wire)."""
+        if self.dtype is None:
+            return sympy.Integer(8)
+        return sympy.expand(self.numel * _itemsize(self.dtype))
+
+    def __repr__(self) -> str:
+        dims = ", ".join(str(d) for d in self.shape)
+        kind = str(self.dtype).replace("torch.", "") if self.dtype is not None else "scalar"
+        return f"{self.name}: {kind}[{dims}]"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class CapturedModel:
+    """A model captured as a flat fx graph, with what is needed to call it like the original.
+
+    `module` computes `flat_outputs = module(*flat_inputs)` where
+    `flat_inputs = torch.fx._pytree.tree_flatten_spec((args, kwargs), in_spec)` and the user's
+    result is `pytree.tree_unflatten(flat_outputs, out_spec)`.
+    """
+
+    module: fx.GraphModule
+    in_spec: TreeSpec
+    out_spec: TreeSpec
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    values: Mapping[str, ValueInfo]
+    method: str  # "export" or "fx"
+    dynamic_batch: bool
+    batch_symbol: sympy.Symbol | None
+    example_sizes: Mapping[sympy.Symbol, int]  # every symbol's value in the example inputs
+    captured_batch_size: int  # batch size of the inputs the graph was traced with
+    parameter_names: tuple[str, ...] = ()  # model.named_parameters() order (ties once)
+    state_keys: tuple[str, ...] = ()  # model.state_dict() keys (persistent buffers only)
+    notes: tuple[str, ...] = ()
+
+    def flatten_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
+        from torch.fx._pytree import tree_flatten_spec
+
+        return list(tree_flatten_spec((tuple(args), dict(kwargs)), self.in_spec))
+
+    def unflatten_outputs(self, flat: list[Any]) -> Any:
+        from torch.utils._pytree import tree_unflatten
+
+        return tree_unflatten(list(flat), self.out_spec)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A contiguous run of compute nodes, named after the module call it came from."""
+
+    index: int
+    name: str  # module path ("transformer.h.3"), or "<ops:first_node>" for top-level ops
+    nodes: tuple[str, ...]
+
+    def __repr__(self) -> str:
+        return f"Block({self.index}, {self.name!r}, {len(self.nodes)} nodes)"
+
+
+@dataclass(frozen=True)
+class LinearGraph:
+    """The captured graph as a chain of blocks; the output of `passes.linearize`.
+
+    `boundaries[k]` lists the values live across cut k (the cut right before block k):
+    produced by a block < k and used by a block >= k or by the model output. `boundaries[0]`
+    and `boundaries[n]` are empty by construction (inputs are fed to every stage directly; the
+    output node belongs to the last stage).
+    """
+
+    captured: CapturedModel
+    blocks: tuple[Block, ...]
+    boundaries: tuple[tuple[str, ...], ...]
+    roles: Mapping[str, str]  # node name -> NodeRole
+    block_of: Mapping[str, int]  # compute node name -> block index
+    granularity: str
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def block_index(self, module_path: str) -> int | None:
+        """Index of the first block whose name is `module_path` or lies inside it."""
+        for block in self.blocks:
+            if block.name == module_path or block.name.startswith(module_path + "."):
+                return block.index
+        return None
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Costs of one block per micro-batch, as sympy expressions of the symbolic sizes.
+
+    Times are filled in by `annotate` (analytic from FLOPs, or measured when profiling) in
+    seconds on the target device; `measured` says which.
+    """
+
+    forward_flops: sympy.Expr
+    backward_input_flops: sympy.Expr
+    backward_weight_flops: sympy.Expr
+    io_bytes: sympy.Expr  # bytes written by the block's ops in forward (memory traffic proxy)
+    num_ops: int
+    param_count: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: sympy.Expr  # tensors autograd saves for backward, parameters excluded
+    parameters: tuple[str, ...] = ()  # names of the parameters this block reads
+
+
+@dataclass(frozen=True)
+class NumericBlockCost:
+    """A `BlockCost` evaluated at one micro-batch size, with times in seconds."""
+
+    forward_flops: float
+    backward_flops: float
+    forward_time: float
+    backward_input_time: float
+    backward_weight_time: float
+    static_bytes: float  # params + grads + optimizer state
+    activation_bytes: float
+    param_count: int
+    measured: bool = False
+
+    @property
+    def backward_time(self) -> float:
+        return self.backward_input_time + self.backward_weight_time
+
+    @property
+    def time(self) -> float:
+        return self.forward_time + self.backward_time
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Output of `passes.annotate`: symbolic costs per block and per cut, and their values."""
+
+    symbolic: tuple[BlockCost, ...]
+    cut_bytes_symbolic: tuple[sympy.Expr, ...]  # len n+1
+    sizes: Mapping[sympy.Symbol, int]  # the values the expressions were evaluated at
+    blocks: tuple[NumericBlockCost, ...]
+    cut_bytes: tuple[float, ...]
+    device_flops: float  # FLOP/s the analytic times assume
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def evaluate(expr: Any, sizes: Mapping[sympy.Symbol, int]) -> float:
+    """Value of a cost expression at concrete sizes (unknown symbols are an internal error)."""
+    value = sympy.sympify(expr).subs(dict(sizes))
+    assert not value.free_symbols, f"unbound symbols {value.free_symbols} in {expr}"
+    result = float(value)
+    return result if math.isfinite(result) else 0.0

@@ -1,0 +1,279 @@
+"""annotate: the cost of every block and cut, symbolic in the batch (and other dynamic) sizes.
+
+Input: a `LinearGraph`. Output: a `CostTable`.
+
+Each block is run once on *fake* tensors (no memory, no compute) carrying the captured symbolic
+shapes, under `torch.utils.flop_counter.FlopCounterMode` and a saved-tensors hook:
+
+    forward FLOPs          counted while the block's ops run
+    backward-input FLOPs   counted during autograd.grad(outputs, block inputs)      (zero-bubble I)
+    backward-weight FLOPs  counted during autograd.grad(outputs, block parameters)  (zero-bubble W)
+    activation bytes       tensors autograd saved for backward, parameters excluded, storages once
+
+FLOP counts come back as SymInts, i.e. sympy expressions such as `1536*s0`. Parameter, gradient
+and optimizer-state bytes are static. The analytic time of a block on a device is
+
+    t = flops / device_flops + io_bytes / device_bandwidth + num_ops * op_overhead
+
+(a roofline with a per-op launch cost), with backward traffic taken as twice forward's. With
+`profile=True` the times are measured instead (`passes.profile`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..ir import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
+from .linearize import _getattr_path
+
+__all__ = ["annotate", "DeviceModel", "optimizer_state_factor", "symbolic_block_costs"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """What the analytic cost model assumes about a device."""
+
+    flops: float = 50e9  # sustained FLOP/s on matmuls
+    bandwidth: float = 10e9  # bytes/s of memory traffic for elementwise ops
+    op_overhead: float = 5e-6  # seconds of fixed cost per op (dispatch, kernel launch)
+
+    def time(self, flops: float, io_bytes: float, num_ops: int) -> float:
+        return flops / self.flops + io_bytes / self.bandwidth + num_ops * self.op_overhead
+
+
+def annotate(
+    linear: LinearGraph,
+    *,
+    microbatch_size: int,
+    device: DeviceModel | None = None,
+    optimizer_factor: float = 0.0,
+) -> CostTable:
+    """Costs of `linear`'s blocks evaluated at `microbatch_size`.
+
+    `optimizer_factor` is optimizer-state bytes per parameter byte (see `optimizer_state_factor`).
+    """
+    device = device or DeviceModel()
+    symbolic = symbolic_block_costs(linear, optimizer_factor=optimizer_factor)
+    values = linear.captured.values
+    cut_exprs = tuple(
+        sympy.Add(*[values[v].nbytes for v in cut]) if cut else sympy.Integer(0)
+        for cut in linear.boundaries
+    )
+    sizes = dict(linear.captured.example_sizes)
+    if linear.captured.batch_symbol is not None:
+        sizes[linear.captured.batch_symbol] = microbatch_size
+    blocks = tuple(
+        _numeric(cost, sizes, device) for cost in symbolic
+    )
+    return CostTable(
+        symbolic=symbolic,
+        cut_bytes_symbolic=cut_exprs,
+        sizes=sizes,
+        blocks=blocks,
+        cut_bytes=tuple(evaluate(e, sizes) for e in cut_exprs),
+        device_flops=device.flops,
+    )
+
+
+def _numeric(cost: BlockCost, sizes, device: DeviceModel) -> NumericBlockCost:
+    fwd = evaluate(cost.forward_flops, sizes)
+    bwd_i = evaluate(cost.backward_input_flops, sizes)
+    bwd_w = evaluate(cost.backward_weight_flops, sizes)
+    io = evaluate(cost.io_bytes, sizes)
+    t_f = device.time(fwd, io, cost.num_ops)
+    # Backward reads the saved tensors and writes gradients: about twice forward's traffic,
+    # split between input and weight gradients in proportion to their FLOPs.
+    t_b = device.time(bwd_i + bwd_w, 2 * io, 2 * cost.num_ops)
+    share = bwd_w / (bwd_i + bwd_w) if bwd_i + bwd_w > 0 else 0.0
+    t_i, t_w = t_b * (1 - share), t_b * share
+    return NumericBlockCost(
+        forward_flops=fwd,
+        backward_flops=bwd_i + bwd_w,
+        forward_time=t_f,
+        backward_input_time=t_i,
+        backward_weight_time=t_w,
+        static_bytes=float(cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes),
+        activation_bytes=evaluate(cost.activation_bytes, sizes),
+        param_count=cost.param_count,
+    )
+
+
+def optimizer_state_factor(optimizer: Callable | None) -> float:
+    """Optimizer-state bytes per parameter byte, found by stepping the optimizer on a probe.
+
+    SGD gives 0, SGD with momentum 1, Adam/AdamW 2 (plus a scalar step counter, ignored).
+    """
+    if optimizer is None:
+        return 0.0
+    probe = torch.nn.Parameter(torch.zeros(1024))
+    opt = optimizer([probe])
+    probe.grad = torch.ones_like(probe)
+    opt.step()
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.numel() > 1
+    )
+    return state_bytes / (probe.numel() * probe.element_size())
+
+
+# ---------------------------------------------------------------------------------------------
+# symbolic costs on fake tensors
+
+
+def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0) -> tuple[BlockCost, ...]:
+    """Per-block symbolic costs; one fake forward and two fake backward passes per block."""
+    gm = linear.captured.module
+    nodes = {n.name: n for n in gm.graph.nodes}
+    fake_mode = _fake_mode(gm.graph)
+    costs = []
+    for block in linear.blocks:
+        params = _block_parameters(block.nodes, nodes, linear.roles)
+        tensors = {name: _getattr_path(gm, nodes[name].target) for name in params}
+        trainable = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
+        unique = {id(t): t for t in trainable.values()}.values()
+        param_count = sum(t.numel() for t in unique)
+        param_bytes = sum(t.numel() * t.element_size() for t in unique)
+        try:
+            flops, act = _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode)
+        except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: estimate instead
+            log.warning("pipecompile: block %s could not run on fake tensors (%s); "
+                        "estimating its cost from output sizes", block.name, exc)
+            flops = (sympy.Integer(0),) * 3
+            act = _output_bytes(block.nodes, linear)
+        costs.append(
+            BlockCost(
+                forward_flops=flops[0],
+                backward_input_flops=flops[1],
+                backward_weight_flops=flops[2],
+                io_bytes=_output_bytes(block.nodes, linear),
+                num_ops=len(block.nodes),
+                param_count=param_count,
+                param_bytes=param_bytes,
+                grad_bytes=param_bytes,
+                optimizer_bytes=int(param_bytes * optimizer_factor),
+                activation_bytes=act,
+                parameters=tuple(str(nodes[n].target) for n in params if n in trainable),
+            )
+        )
+    return tuple(costs)
+
+
+def _fake_mode(graph: fx.Graph):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for node in graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if hasattr(val, "fake_mode"):
+            return val.fake_mode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _block_parameters(block_nodes, nodes, roles) -> list[str]:
+    names = []
+    for name in block_nodes:
+        for arg in nodes[name].all_input_nodes:
+            if roles[arg.name] == NodeRole.PARAM and arg.name not in names:
+                names.append(arg.name)
+    return names
+
+
+def _output_bytes(block_nodes, linear: LinearGraph) -> sympy.Expr:
+    values = linear.captured.values
+    return sympy.Add(*[values[n].nbytes for n in block_nodes if values[n].is_tensor])
+
+
+def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode):
+    """(fwd, bwd-input, bwd-weight) FLOPs and saved-activation bytes of one block."""
+    block = set(block_nodes)
+    env: dict[str, Any] = {}
+    inputs: list[torch.Tensor] = []
+    params: dict[int, torch.Tensor] = {}
+    saved: dict[int, Any] = {}
+
+    def pack(t):
+        root = t
+        while root._base is not None:
+            root = root._base
+        if id(root) not in params and id(root) not in saved:
+            saved[id(root)] = root.numel() * root.element_size()
+        return t
+
+    prev = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = True
+    try:
+        with fake_mode, FlopCounterMode(display=False) as counter:
+            for name in block_nodes:
+                node = nodes[name]
+                for arg in node.all_input_nodes:
+                    if arg.name not in env:
+                        env[arg.name] = _external(arg, roles, gm, fake_mode, inputs, params)
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    args = fx.node.map_arg(node.args, lambda n: env[n.name])
+                    kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+                    env[name] = node.target(*args, **kwargs)
+            forward = counter.get_total_flops()
+            outputs = [
+                env[n] for n in block_nodes
+                if isinstance(env[n], torch.Tensor) and env[n].requires_grad
+                and any(u.name not in block for u in nodes[n].users)
+            ]
+            grads = [torch.ones_like(o) for o in outputs]
+            if outputs and inputs:
+                torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+            after_input = counter.get_total_flops()
+            # Weight gradients alone would recompute the input-gradient chain; count the full
+            # backward once and attribute what it adds beyond the input gradients to W.
+            everything = inputs + list(params.values())
+            if outputs and everything:
+                torch.autograd.grad(outputs, everything, grads, allow_unused=True)
+            after_weight = counter.get_total_flops() - (after_input - forward)
+    finally:
+        fake_mode.allow_non_fake_inputs = prev
+    flops = (_sym(forward), _sym(after_input - forward), _sym(after_weight - after_input))
+    return flops, sympy.Add(*[_sym(b) for b in saved.values()])
+
+
+def _external(arg: fx.Node, roles, gm, fake_mode, inputs, params):
+    """A fake stand-in for a value the block reads from outside itself."""
+    if roles[arg.name] == NodeRole.PARAM:
+        real = _getattr_path(gm, arg.target)
+        if not isinstance(real, torch.Tensor):
+            return real
+        fake = fake_mode.from_tensor(real.detach())
+        if isinstance(real, torch.nn.Parameter) and real.requires_grad:
+            fake.requires_grad_(True)
+            params[id(fake)] = fake
+        return fake
+    val = arg.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        val = val.detach()
+        if val.is_floating_point() and roles[arg.name] == NodeRole.COMPUTE:
+            val.requires_grad_(True)
+            inputs.append(val)
+    return val
+
+
+def _sym(x: Any) -> sympy.Expr:
+    if isinstance(x, torch.SymInt):
+        return sympy.expand(x.node.expr)
+    return sympy.Integer(int(x))
+
+
+def with_measured_times(table: CostTable, measured: Mapping[int, tuple[float, float, float]]) -> CostTable:
+    """A copy of `table` whose listed blocks use measured (forward, bwd-input, bwd-weight) times."""
+    blocks = list(table.blocks)
+    for i, (t_f, t_i, t_w) in measured.items():
+        blocks[i] = replace(blocks[i], forward_time=t_f, backward_input_time=t_i,
+                            backward_weight_time=t_w, measured=True)
+    return replace(table, blocks=tuple(blocks))

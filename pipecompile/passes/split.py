@@ -1,0 +1,248 @@
+"""split: one fx.GraphModule per stage, with explicit named inputs and outputs.
+
+Input: a `LinearGraph`, the stage bounds chosen by `partition` (stage j holds blocks
+[bounds[j], bounds[j+1])) and one device per stage. Output: a `StagedProgram`.
+
+Each stage graph has one placeholder per value it reads from elsewhere, named after that value:
+model inputs (fed to every stage directly) and values produced by earlier stages (sent straight
+from the producing stage, so a skip connection never passes through the stages in between). It
+returns, as a tuple, the values later stages read; the last stage returns the model's flat
+outputs. Parameters and buffers keep their original dotted names (`transformer.h.3.attn.c_attn.
+weight`); a stage reads only those its nodes use. Remat nodes (masks, sizes) are recomputed in each
+stage that reads them.
+
+A tensor reached under several names (a tied weight such as GPT-2's `wte`/`lm_head`) is one
+object per device: stages on the same device share it, so autograd sums its gradient; stages on
+different devices hold copies listed in `StagedProgram.ties`, whose gradients the runtime sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..errors import ConfigError
+from ..ir import CapturedModel, LinearGraph, NodeRole
+from .linearize import _getattr_path
+
+__all__ = ["Stage", "StagedProgram", "TiedParameter", "split"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its graph module, device and named inputs/outputs."""
+
+    index: int
+    module: fx.GraphModule
+    device: torch.device
+    inputs: tuple[str, ...]  # value names, in the order of the module's placeholders
+    outputs: tuple[str, ...]  # value names, in the order of the returned tuple
+    blocks: tuple[int, ...]
+    parameter_names: tuple[str, ...]  # original names of the parameters this stage holds
+    cost: Any = None  # StageCost, attached by the compiler
+
+    def __repr__(self) -> str:
+        return (f"Stage({self.index}, {self.device}, blocks {self.blocks[0]}..{self.blocks[-1]}, "
+                f"in={list(self.inputs)}, out={list(self.outputs)})")
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """One parameter reached under several names; `copies` are (stage, name) holding a copy."""
+
+    names: tuple[str, ...]
+    copies: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True)
+class StagedProgram:
+    """The split program: stages plus the wiring of values between them."""
+
+    captured: CapturedModel
+    linear: LinearGraph
+    bounds: tuple[int, ...]
+    stages: tuple[Stage, ...]
+    producer: Mapping[str, int]  # value name -> producing stage
+    consumers: Mapping[str, tuple[int, ...]]  # value name -> stages that read it
+    ties: tuple[TiedParameter, ...]
+    tensors: Mapping[str, tuple[tuple[int, torch.Tensor], ...]] = field(repr=False)
+    # original parameter/buffer name -> every (stage, tensor) copy holding it (stage -1: unused)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+
+def split(
+    linear: LinearGraph, bounds: Sequence[int], devices: Sequence[torch.device | str]
+) -> StagedProgram:
+    """Split `linear` at `bounds` into stages placed on `devices` (one per stage)."""
+    n = linear.num_blocks
+    bounds = tuple(int(b) for b in bounds)
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != n or any(
+        a >= b for a, b in zip(bounds, bounds[1:])
+    ):
+        raise ConfigError(f"stage bounds {bounds} must rise strictly from 0 to {n}")
+    if len(devices) != len(bounds) - 1:
+        raise ConfigError(f"{len(bounds) - 1} stages need {len(bounds) - 1} devices, got {len(devices)}")
+    gm = linear.captured.module
+    graph = gm.graph
+    stage_of_block = [j for j in range(len(bounds) - 1) for _ in range(bounds[j], bounds[j + 1])]
+    stage_of = {name: stage_of_block[b] for name, b in linear.block_of.items()}
+    last = len(bounds) - 1 - 1
+    output_node = graph.find_nodes(op="output")[0]
+
+    consumers = _consumers(graph, linear.roles, stage_of, last)
+    producer = {v: stage_of[v] for v in consumers}
+    placed = _Placement([torch.device(d) for d in devices])
+    stages = []
+    for j in range(len(bounds) - 1):
+        members = [n for n in graph.nodes if stage_of.get(n.name) == j]
+        if j == last:  # the last stage returns the model's flat outputs
+            outputs = linear.captured.output_names
+        else:
+            outputs = tuple(v for v in consumers if producer[v] == j)
+        stage_graph, inputs, attrs = _stage_graph(
+            members, outputs, output_node if j == last else None, linear.roles, stage_of, j
+        )
+        root = {target: placed.get(j, target, _getattr_path(gm, target)) for target in attrs}
+        module = fx.GraphModule(root, stage_graph, class_name=f"Stage{j}")
+        names = tuple(name for name, _ in module.named_parameters())
+        stages.append(Stage(j, module, placed.devices[j], inputs, outputs,
+                            tuple(range(bounds[j], bounds[j + 1])), names))
+
+    tensors, ties = _tensor_copies(gm, stages)
+    return StagedProgram(linear.captured, linear, bounds, tuple(stages), producer,
+                         consumers, ties, tensors)
+
+
+def _consumers(graph, roles, stage_of, last) -> dict[str, tuple[int, ...]]:
+    """For every compute value read outside its own stage: the stages that read it."""
+    readers: dict[str, set[int]] = {}
+    for node in graph.nodes:
+        role = roles[node.name]
+        if role not in (NodeRole.COMPUTE, NodeRole.OUTPUT):
+            continue
+        j = last if role == NodeRole.OUTPUT else stage_of[node.name]
+        for arg in _reads(node, roles):
+            if stage_of[arg.name] != j:
+                readers.setdefault(arg.name, set()).add(j)
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    return {v: tuple(sorted(s)) for v, s in sorted(readers.items(), key=lambda kv: order[kv[0]])}
+
+
+def _reads(node: fx.Node, roles) -> list[fx.Node]:
+    """Compute nodes `node` reads, directly or through remat nodes."""
+    out, stack, seen = [], list(node.all_input_nodes), set()
+    while stack:
+        arg = stack.pop()
+        if arg.name in seen:
+            continue
+        seen.add(arg.name)
+        if roles[arg.name] == NodeRole.COMPUTE:
+            out.append(arg)
+        elif roles[arg.name] == NodeRole.REMAT:
+            stack.extend(arg.all_input_nodes)
+    return out
+
+
+def _stage_graph(members, outputs, output_node, roles, stage_of, j):
+    """A stage's graph; returns (graph, input value names, attribute targets it reads)."""
+    inputs: set[str] = set()
+    copied: set[str] = set(n.name for n in members)  # nodes copied into this stage
+
+    def discover(node: fx.Node) -> None:
+        for arg in node.all_input_nodes:
+            role = roles[arg.name]
+            if role == NodeRole.INPUT or (role == NodeRole.COMPUTE and stage_of[arg.name] != j):
+                inputs.add(arg.name)
+            elif arg.name not in copied:  # a parameter/buffer, or a remat node to recompute
+                copied.add(arg.name)
+                discover(arg)
+
+    for node in members + ([output_node] if output_node is not None else []):
+        discover(node)
+
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    source = output_node.graph if output_node is not None else members[0].graph
+    ordered = list(source.nodes)  # the original order is topological
+    for node in ordered:
+        if node.name in inputs:
+            env[node.name] = graph.placeholder(node.name)
+            env[node.name].meta = dict(node.meta)
+    attrs = []
+    for node in ordered:
+        if node.name in copied:
+            env[node.name] = graph.node_copy(node, lambda n: env[n.name])
+            if node.op in ("get_attr", "call_module"):
+                attrs.append(node.target)
+    if output_node is not None:
+        result = [env[x.name] if isinstance(x, fx.Node) else x for x in output_node.args[0]]
+    else:
+        result = [env[name] for name in outputs]
+    graph.output(tuple(result))
+    graph.lint()
+    input_names = tuple(n.name for n in ordered if n.name in inputs)
+    return graph, input_names, attrs
+
+
+class _Placement:
+    """The tensor each stage uses for an attribute: the original, or one copy per device."""
+
+    def __init__(self, devices: list[torch.device]):
+        self.devices = devices
+        self._copies: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def get(self, stage: int, name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value  # a submodule (fx capture) or a constant
+        device = self.devices[stage]
+        key = (id(value), device)
+        if key not in self._copies:
+            self._copies[key] = _to_device(value, device)
+        return self._copies[key]
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.device == device or (device.type == tensor.device.type == "cpu"):
+        return tensor  # shared with the user's model, as torchgpipe does
+    moved = tensor.detach().to(device)
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
+    return moved
+
+
+def _state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(module.named_parameters(remove_duplicate=False)) + list(
+        module.named_buffers(remove_duplicate=False)
+    )
+
+
+def _tensor_copies(gm: fx.GraphModule, stages: list[Stage]):
+    """Every state tensor's copies by original name, and the tied-parameter groups."""
+    names_of: dict[int, list[str]] = {}
+    for name, t in _state(gm):
+        names_of.setdefault(id(t), []).append(name)
+    original_of = {name: key for key, names in names_of.items() for name in names}
+    copies_of: dict[int, dict[int, tuple[int, torch.Tensor, str]]] = {}
+    for stage in stages:
+        for name, t in _state(stage.module):
+            key = original_of.get(name)
+            if key is not None:
+                copies_of.setdefault(key, {}).setdefault(id(t), (stage.index, t, name))
+    tensors: dict[str, tuple[tuple[int, torch.Tensor], ...]] = {}
+    ties = []
+    for key, names in names_of.items():
+        copies = copies_of.get(key)
+        if not copies:  # unused by the graph: keep the original so state_dict stays complete
+            copies = {key: (-1, _getattr_path(gm, names[0]), names[0])}
+        entry = tuple((s, t) for s, t, _ in copies.values())
+        for name in names:
+            tensors[name] = entry
+        if isinstance(entry[0][1], torch.nn.Parameter) and len(names) > 1:
+            ties.append(TiedParameter(tuple(names), tuple((s, a) for s, _, a in copies.values())))
+    return tensors, tuple(ties)

@@ -1,0 +1,238 @@
+"""Predict a schedule's timeline from per-stage costs.
+
+Terms
+-----
+- **event**: one action that ran on one device from ``start`` to ``end`` (seconds).
+- **timeline**: the events of one training step. `simulate` predicts it; the executors record
+  the same type with measured times, so a plot or a test can put both side by side.
+- **bubble**: the idle share of the devices' time,
+  ``1 - Σ compute time / (num_devices · makespan)``; compute is F, B, I, W and STEP.
+- **in flight**: a micro-batch whose forward has started on a stage and whose backward (the W
+  of a split backward) has not finished; activation memory grows with it.
+
+Semantics (`simulate`)
+----------------------
+Every device runs its actions in order, one at a time. A compute action starts when its device
+is free and its data dependencies (`pipecompile.runtime.validate.dependencies`) are met; a value
+produced on another device arrives ``send_forward`` (activations) or ``send_backward``
+(gradients) seconds after the producing stage finished it. Those costs belong to the sending
+stage. A transfer is pure latency on a link: it uses no device time, and links never contend.
+A ``SEND`` takes no time; a ``RECV`` lasts from when its device reaches it until the value
+arrives (waiting, not counted as compute). Schedules with or without explicit communication give
+the same times. p=2, m=2, F=1, B=2, 1F1B::
+
+    t      0   1   2   3   4   5   6   7   8
+    dev0   [0F0][0F1]        [ 0B0  ][ 0B1  ]
+    dev1        [1F0][ 1B0  ][1F1][ 1B1  ]
+    makespan 9, busy 6 per device, bubble 1 - 12/18 = 1/3 = (p-1)/(m+p-1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pipecompile.errors import ScheduleError
+from pipecompile.runtime.actions import Action, Kind, Schedule
+from pipecompile.runtime.validate import dependencies, validate
+
+__all__ = ["StageCosts", "Event", "Timeline", "simulate"]
+
+_COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.STEP)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Seconds one stage spends per micro-batch on each action.
+
+    ``backward_input``/``backward_weight`` are the I and W parts of ``backward``; when one is None
+    it is ``backward`` minus the other, and when both are None each is half of ``backward``.
+    """
+
+    forward: float
+    backward: float
+    backward_input: float | None = None
+    backward_weight: float | None = None
+    send_forward: float = 0.0
+    send_backward: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "send_forward", "send_backward"):
+            if getattr(self, name) < 0:
+                raise ScheduleError(f"StageCosts.{name} must be >= 0, got {getattr(self, name)}")
+        if self.input_time < 0 or self.weight_time < 0:
+            raise ScheduleError(
+                f"StageCosts: backward_input ({self.input_time}) and backward_weight "
+                f"({self.weight_time}) must be >= 0; give both or keep them within backward"
+            )
+
+    @property
+    def input_time(self) -> float:
+        if self.backward_input is not None:
+            return self.backward_input
+        if self.backward_weight is not None:
+            return self.backward - self.backward_weight
+        return self.backward / 2
+
+    @property
+    def weight_time(self) -> float:
+        if self.backward_weight is not None:
+            return self.backward_weight
+        return self.backward - self.input_time
+
+
+@dataclass(frozen=True)
+class Event:
+    device: int
+    action: Action
+    start: float
+    end: float
+
+    def __post_init__(self) -> None:
+        if self.end < self.start:
+            raise ScheduleError(f"event {self.action} on device {self.device} ends before it starts")
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The events of one step, predicted or measured."""
+
+    events: tuple[Event, ...]
+    num_devices: int
+
+    @property
+    def makespan(self) -> float:
+        if not self.events:
+            return 0.0
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    def busy(self, device: int) -> float:
+        """Compute seconds (F, B, I, W, STEP) spent on ``device``."""
+        return sum(e.duration for e in self.events if e.device == device and e.action.kind in _COMPUTE)
+
+    @property
+    def bubble_fraction(self) -> float:
+        total = self.num_devices * self.makespan
+        if total == 0:
+            return 0.0
+        return 1.0 - sum(self.busy(d) for d in range(self.num_devices)) / total
+
+    def peak_inflight(self, stage: int) -> int:
+        """Most micro-batches on ``stage`` between the start of F and the end of B (or W)."""
+        split = {e.action.microbatch for e in self.events if e.action.stage == stage and e.action.kind is Kind.W}
+        changes: list[tuple[float, int]] = []
+        for e in self.events:
+            a = e.action
+            if a.stage != stage:
+                continue
+            if a.kind is Kind.F:
+                changes.append((e.start, +1))
+            elif a.kind is Kind.W or (a.kind is Kind.B and a.microbatch not in split):
+                changes.append((e.end, -1))
+        # At equal times a release comes first: memory freed at t can be reused at t.
+        count = peak = 0
+        for _, delta in sorted(changes):
+            count += delta
+            peak = max(peak, count)
+        return peak
+
+    def to_chrome_trace(self) -> dict[str, Any]:
+        """Chrome trace-event JSON (chrome://tracing, Perfetto): one thread per device, µs."""
+        trace: list[dict[str, Any]] = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": d, "args": {"name": f"device {d}"}}
+            for d in range(self.num_devices)
+        ]
+        for e in self.events:
+            trace.append(
+                {
+                    "name": str(e.action),
+                    "cat": e.action.kind.value,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": e.device,
+                    "ts": e.start * 1e6,
+                    "dur": e.duration * 1e6,
+                    "args": {"stage": e.action.stage, "microbatch": e.action.microbatch},
+                }
+            )
+        return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_devices": self.num_devices,
+            "events": [
+                {"device": e.device, "action": str(e.action), "start": e.start, "end": e.end}
+                for e in self.events
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Timeline:
+        try:
+            events = tuple(
+                Event(int(e["device"]), Action.parse(e["action"]), float(e["start"]), float(e["end"]))
+                for e in data["events"]
+            )
+            return cls(events, int(data["num_devices"]))
+        except (KeyError, TypeError) as error:
+            raise ScheduleError(
+                f"not a timeline dict ({error!r}); expected {{'num_devices': int, 'events': "
+                f"[{{'device', 'action', 'start', 'end'}}, ...]}} as written by Timeline.to_dict"
+            ) from None
+
+
+def _duration(action: Action, cost: StageCosts, step_time: float) -> float:
+    return {
+        Kind.F: cost.forward,
+        Kind.B: cost.backward,
+        Kind.I: cost.input_time,
+        Kind.W: cost.weight_time,
+        Kind.STEP: step_time,
+    }.get(action.kind, 0.0)
+
+
+def simulate(
+    schedule: Schedule, costs: Sequence[StageCosts], *, step_time: float = 0.0
+) -> Timeline:
+    """Predict when every action of a valid ``schedule`` runs; ``costs[s]`` is stage s's."""
+    if len(costs) != schedule.num_stages:
+        raise ScheduleError(
+            f"simulate: got {len(costs)} StageCosts for {schedule.num_stages} stages; give one "
+            f"per stage (e.g. [costs] * {schedule.num_stages})"
+        )
+    validate(schedule)
+    deps = dependencies(schedule)
+    home = schedule.stage_to_device
+
+    def latency(dep: Action, action: Action) -> float:
+        if home[dep.stage] == home[action.stage]:
+            return 0.0
+        if dep.kind in (Kind.F, Kind.SEND_F):
+            return costs[dep.stage].send_forward
+        return costs[dep.stage].send_backward
+
+    end: dict[Action, float] = {}
+    free = [0.0] * schedule.num_devices
+    pcs = [0] * schedule.num_devices
+    events: list[list[Event]] = [[] for _ in range(schedule.num_devices)]
+    progress = True
+    while progress:  # validate() guarantees that this loop finishes every device
+        progress = False
+        for device, row in enumerate(schedule.actions):
+            while pcs[device] < len(row) and all(d in end for d in deps[row[pcs[device]]]):
+                action = row[pcs[device]]
+                ready = max((end[d] + latency(d, action) for d in deps[action]), default=0.0)
+                if action.kind is Kind.RECV_F or action.kind is Kind.RECV_B:
+                    start, finish = free[device], max(free[device], ready)
+                else:
+                    start = max(free[device], ready)
+                    finish = start + _duration(action, costs[action.stage], step_time)
+                events[device].append(Event(device, action, start, finish))
+                end[action] = free[device] = finish
+                pcs[device] += 1
+                progress = True
+    return Timeline(tuple(e for row in events for e in row), schedule.num_devices)

@@ -1,0 +1,176 @@
+"""StageWorker: forward and backward of one stage for one micro-batch at a time.
+
+A worker keeps, per in-flight micro-batch, the tensors its backward needs: the received inputs
+(detached into leaves, so their gradients can be sent back) and the outputs. Nothing here knows
+about other stages or transport; the executors move values between workers.
+
+    forward(i, inputs)           -> outputs          saves (leaves, outputs) of micro-batch i
+    backward(i, output_grads)    -> input grads      frees micro-batch i
+    backward_input(i, grads)     -> input grads      zero-bubble I: keeps the graph for W
+    backward_weight(i)                               zero-bubble W: accumulates param .grad
+
+With `checkpoint=True` the forward runs without autograd and keeps only the inputs (and the RNG
+state, so dropout draws the same mask); the backward recomputes the forward first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..errors import LossError
+
+__all__ = ["StageWorker", "LossSpec"]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """How the last stage turns flat model outputs into a loss."""
+
+    unflatten: Callable[[list], Any]  # flat outputs -> the model's output structure
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    scale: float  # each micro-batch loss is multiplied by this before backward (1/m: the mean)
+
+
+@dataclass
+class _Saved:
+    leaves: dict[str, torch.Tensor]  # received inputs that need a gradient, as leaves
+    outputs: dict[str, Any]
+    loss: torch.Tensor | None = None
+    inputs: dict[str, Any] | None = None  # checkpointing: what to recompute from
+    rng: Any = None
+    grad_outputs: list | None = None  # zero-bubble: kept between I and W
+    roots: list | None = None
+
+
+@dataclass
+class StageWorker:
+    """Runs one stage's module; `grad_inputs` names the received values that need gradients."""
+
+    index: int
+    module: torch.nn.Module
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    grad_inputs: frozenset[str]
+    loss: LossSpec | None = None  # set on the last stage only
+    checkpoint: bool = False
+    saved: dict[int, _Saved] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: detached losses
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        seen = {}
+        for p in self.module.parameters():
+            if p.requires_grad:
+                seen[id(p)] = p
+        return list(seen.values())
+
+    def forward(self, mb: int, inputs: Mapping[str, Any], target: Any = None) -> dict[str, Any]:
+        """Run micro-batch `mb`; returns the stage outputs (the loss too, on the last stage)."""
+        if self.checkpoint:
+            rng = torch.random.get_rng_state()
+            with torch.no_grad():
+                outputs = self._run(inputs)
+            self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=(rng, target))
+            if self.loss is not None:
+                with torch.no_grad():
+                    self.losses[mb] = self._loss(outputs, target)
+            return dict(zip(self.output_names, outputs))
+        leaves = self._leaves(inputs)
+        outputs = self._run({**inputs, **leaves})
+        saved = _Saved(leaves, dict(zip(self.output_names, outputs)))
+        if self.loss is not None:
+            saved.loss = self._loss(outputs, target)
+            self.losses[mb] = saved.loss.detach()
+        self.saved[mb] = saved
+        return dict(saved.outputs)
+
+    def backward(self, mb: int, output_grads: Mapping[str, Any]) -> dict[str, Any]:
+        """Full backward of micro-batch `mb`: accumulates parameter grads, returns input grads."""
+        saved = self._restore(mb)
+        roots, grads = self._roots(saved, output_grads)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        del self.saved[mb]
+        return {name: leaf.grad for name, leaf in saved.leaves.items()}
+
+    def backward_input(self, mb: int, output_grads: Mapping[str, Any]) -> dict[str, Any]:
+        """Zero-bubble I: gradients of the inputs only; the graph is kept for `backward_weight`."""
+        saved = self._restore(mb)
+        roots, grads = self._roots(saved, output_grads)
+        saved.roots, saved.grad_outputs = roots, grads
+        names = list(saved.leaves)
+        if not roots or not names:
+            return {name: None for name in names}
+        result = torch.autograd.grad(
+            roots, [saved.leaves[n] for n in names], grads, retain_graph=True, allow_unused=True
+        )
+        return dict(zip(names, result))
+
+    def backward_weight(self, mb: int) -> None:
+        """Zero-bubble W: accumulate the parameter gradients of micro-batch `mb` and free it."""
+        saved = self.saved.pop(mb)
+        params = self.params
+        if saved.roots and params:
+            grads = torch.autograd.grad(
+                saved.roots, params, saved.grad_outputs, allow_unused=True
+            )
+            for p, g in zip(params, grads):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _run(self, inputs: Mapping[str, Any]) -> tuple:
+        return tuple(self.module(*[inputs[n] for n in self.input_names]))
+
+    def _leaves(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        leaves = {}
+        for name in self.input_names:
+            value = inputs[name]
+            if name in self.grad_inputs and isinstance(value, torch.Tensor):
+                leaves[name] = value.detach().requires_grad_(value.is_floating_point())
+        return {n: t for n, t in leaves.items() if t.requires_grad}
+
+    def _loss(self, outputs: tuple, target: Any) -> torch.Tensor:
+        spec = self.loss
+        result = spec.unflatten(list(outputs))
+        loss = spec.loss_fn(result, target) if spec.loss_fn is not None else result
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+            source = "loss_fn" if spec.loss_fn is not None else "the model (no loss_fn given)"
+            raise LossError(
+                f"{source} returned {what}, not a scalar tensor; return a 0-dim loss "
+                f"(e.g. reduce with .mean()) or pass loss_fn=... to compile()"
+            )
+        return loss
+
+    def _restore(self, mb: int) -> _Saved:
+        """The saved state of `mb`; under checkpointing, the recomputed forward."""
+        saved = self.saved[mb]
+        if saved.inputs is None:
+            return saved
+        rng, target = saved.rng
+        with torch.random.fork_rng(devices=[]):
+            torch.random.set_rng_state(rng)
+            leaves = self._leaves(saved.inputs)
+            outputs = self._run({**saved.inputs, **leaves})
+        recomputed = _Saved(leaves, dict(zip(self.output_names, outputs)))
+        if self.loss is not None:
+            recomputed.loss = self._loss(outputs, target)
+        self.saved[mb] = recomputed
+        return recomputed
+
+    def _roots(self, saved: _Saved, output_grads: Mapping[str, Any]) -> tuple[list, list]:
+        """Tensors to backpropagate from, and their incoming gradients."""
+        if self.loss is not None:
+            return [saved.loss * self.loss.scale], [None]
+        roots, grads = [], []
+        for name, out in saved.outputs.items():
+            grad = output_grads.get(name)
+            if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+                roots.append(out)
+                grads.append(grad)
+        return roots, grads
