@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, ConfigError
 from .ir import CapturedModel, ValueInfo
+from .passes.nodes import preserve_buffers
 
 __all__ = ["capture", "batch_size_of"]
 
@@ -294,7 +295,8 @@ def _propagate_fake(gm: fx.GraphModule, flat_args: tuple, batch: int) -> bool:
 
         try:
             fakes = [pytree.tree_map(fake, a) for a in flat_args]
-            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+            with preserve_buffers(gm):  # real buffers would see in-place BatchNorm updates
+                FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
             return dynamic
         except Exception as exc:  # noqa: BLE001
             if not dynamic:

@@ -18,7 +18,7 @@ from .passes.linearize import GRANULARITIES, linearize
 from .passes.partition import DeviceSpec, PartitionProblem, evaluate, partition
 from .passes.split import split
 from .pipeline import PassRecord, Pipeline
-from .report import StageCost
+from .report import StageCost, format_count
 from .runtime.schedules import SCHEDULES, make_schedule
 from .runtime.simulate import StageCosts, simulate
 
@@ -101,11 +101,10 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                      optimizer_factor=optimizer_state_factor(optimizer))
     if profile:
         from .passes.profile import profile_blocks
-        costs = profile_blocks(linear, costs, args, kwargs, microbatches=microbatches,
-                               device=torch.device(specs[0].name))
+        costs = profile_blocks(linear, costs, args, kwargs, microbatches=microbatches)
     total = sum(b.forward_flops for b in costs.blocks)
     records.append(PassRecord("annotate", time.perf_counter() - t,
-                              f"{total / 1e9:.3f} GFLOP forward per micro-batch of {mb_size}"
+                              f"{format_count(total)}FLOP forward per micro-batch of {mb_size}"
                               + (" (measured times)" if profile else "")))
 
     t = time.perf_counter()

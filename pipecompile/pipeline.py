@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
+from .capture import batch_size_of
 from .errors import ConfigError
 from .passes.split import Stage, StagedProgram
 from .report import explain_passes, stage_table
@@ -77,8 +79,15 @@ class Pipeline:
         return self.program.stages
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward only, stage after stage on the whole batch: returns what the model returns."""
+        """Forward only, stage after stage on the whole batch: returns what the model returns.
+
+        A model captured with static shapes runs in chunks of its captured batch size, and
+        outputs with that leading size are concatenated.
+        """
         captured = self.program.captured
+        batch = batch_size_of(args, kwargs)
+        if not captured.dynamic_batch and batch != captured.captured_batch_size:
+            return self._call_in_chunks(args, kwargs, batch)
         flat = captured.flatten_inputs(args, kwargs)
         env = dict(zip(captured.input_names, flat))
         outputs: tuple = ()
@@ -87,6 +96,27 @@ class Pipeline:
             outputs = tuple(stage.module(*ins))
             env.update(zip(stage.outputs, outputs))
         return captured.unflatten_outputs(list(outputs))
+
+    def _call_in_chunks(self, args: tuple, kwargs: dict, batch: int) -> Any:
+        size = self.program.captured.captured_batch_size
+        if batch % size:
+            raise ConfigError(
+                f"this model was captured with static shapes for batch {size} "
+                f"({'; '.join(self.program.captured.notes)}); call it with a multiple of {size}"
+            )
+        chunks = split_microbatches(args, kwargs, None, batch // size)
+        results = [self(*c.args, **c.kwargs) for c in chunks]
+        leaves = [pytree.tree_flatten(r) for r in results]
+        merged = []
+        for parts in zip(*[l for l, _ in leaves]):
+            if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0 and parts[0].shape[0] == size:
+                merged.append(torch.cat(parts))
+            else:
+                raise ConfigError(
+                    "a statically captured model's output has no batch dimension to join chunks "
+                    f"along; call it with the captured batch size {size}"
+                )
+        return pytree.tree_unflatten(merged, leaves[0][1])
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """One training step over `microbatches` micro-batches; returns the mean loss.

@@ -68,6 +68,11 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.wte.weight
+        for module in self.modules():  # GPT-2's initialisation: N(0, 0.02), zero biases
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)

@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
-from .linearize import _getattr_path
+from .nodes import call_node, getattr_path as _getattr_path, preserve_buffers
 
 __all__ = ["annotate", "DeviceModel", "optimizer_state_factor", "symbolic_block_costs"]
 
@@ -138,17 +138,17 @@ def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0) 
     fake_mode = _fake_mode(gm.graph)
     costs = []
     for block in linear.blocks:
-        params = _block_parameters(block.nodes, nodes, linear.roles)
-        tensors = {name: _getattr_path(gm, nodes[name].target) for name in params}
+        tensors = _block_state(block.nodes, nodes, linear.roles, gm)
         trainable = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
         unique = {id(t): t for t in trainable.values()}.values()
         param_count = sum(t.numel() for t in unique)
         param_bytes = sum(t.numel() * t.element_size() for t in unique)
         try:
-            flops, act = _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode)
+            with preserve_buffers(gm):
+                flops, act = _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode)
         except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: estimate instead
-            log.warning("pipecompile: block %s could not run on fake tensors (%s); "
-                        "estimating its cost from output sizes", block.name, exc)
+            log.info("pipecompile: block %s could not run on fake tensors (%s); "
+                     "estimating its cost from output sizes", block.name, exc)
             flops = (sympy.Integer(0),) * 3
             act = _output_bytes(block.nodes, linear)
         costs.append(
@@ -163,7 +163,7 @@ def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0) 
                 grad_bytes=param_bytes,
                 optimizer_bytes=int(param_bytes * optimizer_factor),
                 activation_bytes=act,
-                parameters=tuple(str(nodes[n].target) for n in params if n in trainable),
+                parameters=tuple(trainable),
             )
         )
     return tuple(costs)
@@ -179,13 +179,20 @@ def _fake_mode(graph: fx.Graph):
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _block_parameters(block_nodes, nodes, roles) -> list[str]:
-    names = []
+def _block_state(block_nodes, nodes, roles, gm) -> dict[str, Any]:
+    """Original name -> tensor of what a block reads: get_attr targets, and for an fx
+    call_module node its module's parameters."""
+    state: dict[str, Any] = {}
     for name in block_nodes:
-        for arg in nodes[name].all_input_nodes:
-            if roles[arg.name] == NodeRole.PARAM and arg.name not in names:
-                names.append(arg.name)
-    return names
+        node = nodes[name]
+        if node.op == "call_module":
+            prefix = node.target
+            for p, t in _getattr_path(gm, prefix).named_parameters():
+                state.setdefault(f"{prefix}.{p}", t)
+        for arg in node.all_input_nodes:
+            if roles[arg.name] == NodeRole.PARAM:
+                state.setdefault(arg.target, _getattr_path(gm, arg.target))
+    return state
 
 
 def _output_bytes(block_nodes, linear: LinearGraph) -> sympy.Expr:
@@ -215,13 +222,17 @@ def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode):
         with fake_mode, FlopCounterMode(display=False) as counter:
             for name in block_nodes:
                 node = nodes[name]
+                if node.op == "call_module":  # fx capture: the module holds its parameters
+                    for p in _getattr_path(gm, node.target).parameters():
+                        if p.requires_grad:
+                            params[id(p)] = p
                 for arg in node.all_input_nodes:
                     if arg.name not in env:
                         env[arg.name] = _external(arg, roles, gm, fake_mode, inputs, params)
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     args = fx.node.map_arg(node.args, lambda n: env[n.name])
                     kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n.name])
-                    env[name] = node.target(*args, **kwargs)
+                    env[name] = call_node(gm, node, args, kwargs)
             forward = counter.get_total_flops()
             outputs = [
                 env[n] for n in block_nodes

@@ -28,6 +28,8 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
+from .nodes import getattr_path as _getattr_path
+
 from ..errors import ConfigError
 from ..ir import Block, CapturedModel, LinearGraph, NodeRole
 
@@ -107,13 +109,6 @@ def _is_trainable(node: fx.Node) -> bool:
     except AttributeError:
         attr = val
     return isinstance(attr, torch.Tensor) and attr.requires_grad
-
-
-def _getattr_path(module: torch.nn.Module, target: str):
-    obj = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 # ---------------------------------------------------------------------------------------------

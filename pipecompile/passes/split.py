@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from ..errors import ConfigError
 from ..ir import CapturedModel, LinearGraph, NodeRole
-from .linearize import _getattr_path
+from .nodes import getattr_path as _getattr_path
 
 __all__ = ["Stage", "StagedProgram", "TiedParameter", "split"]
 

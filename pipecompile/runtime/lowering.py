@@ -76,7 +76,8 @@ def split_backward(schedule: Schedule) -> Schedule:
         out: list[Action] = []
         for a in row:
             if a.kind is Kind.B:
-                out += [Action(a.stage, Kind.I, a.microbatch), Action(a.stage, Kind.W, a.microbatch)]
+                i = a.microbatch
+                out += [Action(a.stage, Kind.I, i), Action(a.stage, Kind.W, i)]
             else:
                 out.append(a)
         rows.append(out)

@@ -21,9 +21,9 @@ A ``SEND`` takes no time; a ``RECV`` lasts from when its device reaches it until
 arrives (waiting, not counted as compute). Schedules with or without explicit communication give
 the same times. p=2, m=2, F=1, B=2, 1F1B::
 
-    t      0   1   2   3   4   5   6   7   8
-    dev0   [0F0][0F1]        [ 0B0  ][ 0B1  ]
-    dev1        [1F0][ 1B0  ][1F1][ 1B1  ]
+    t     0    1    2    3    4    5    6    7    8    9
+    dev0  [0F0][0F1]..........[0B0     ].....[0B1     ]
+    dev1  .....[1F0][1B0     ][1F1][1B1     ]..........
     makespan 9, busy 6 per device, bubble 1 - 12/18 = 1/3 = (p-1)/(m+p-1)
 """
 
@@ -90,7 +90,9 @@ class Event:
 
     def __post_init__(self) -> None:
         if self.end < self.start:
-            raise ScheduleError(f"event {self.action} on device {self.device} ends before it starts")
+            raise ScheduleError(
+                f"event {self.action} on device {self.device} ends before it starts"
+            )
 
     @property
     def duration(self) -> float:
@@ -112,7 +114,9 @@ class Timeline:
 
     def busy(self, device: int) -> float:
         """Compute seconds (F, B, I, W, STEP) spent on ``device``."""
-        return sum(e.duration for e in self.events if e.device == device and e.action.kind in _COMPUTE)
+        return sum(
+            e.duration for e in self.events if e.device == device and e.action.kind in _COMPUTE
+        )
 
     @property
     def bubble_fraction(self) -> float:
@@ -123,12 +127,11 @@ class Timeline:
 
     def peak_inflight(self, stage: int) -> int:
         """Most micro-batches on ``stage`` between the start of F and the end of B (or W)."""
-        split = {e.action.microbatch for e in self.events if e.action.stage == stage and e.action.kind is Kind.W}
+        mine = [e for e in self.events if e.action.stage == stage]
+        split = {e.action.microbatch for e in mine if e.action.kind is Kind.W}
         changes: list[tuple[float, int]] = []
-        for e in self.events:
+        for e in mine:
             a = e.action
-            if a.stage != stage:
-                continue
             if a.kind is Kind.F:
                 changes.append((e.start, +1))
             elif a.kind is Kind.W or (a.kind is Kind.B and a.microbatch not in split):
@@ -174,7 +177,9 @@ class Timeline:
     def from_dict(cls, data: dict[str, Any]) -> Timeline:
         try:
             events = tuple(
-                Event(int(e["device"]), Action.parse(e["action"]), float(e["start"]), float(e["end"]))
+                Event(
+                    int(e["device"]), Action.parse(e["action"]), float(e["start"]), float(e["end"])
+                )
                 for e in data["events"]
             )
             return cls(events, int(data["num_devices"]))

@@ -221,7 +221,8 @@ def _check_local_order(
             dep_device, dep_index = where[dep]
             if dep_device == position[0] and dep_index > position[1]:
                 raise ScheduleError(
-                    f"{_at(action, position)}: comes before {dep} (action {dep_index}) on the same device; "
+                    f"{_at(action, position)}: comes before {dep} (action {dep_index}) on the "
+                    f"same device; "
                     f"{_why(action, dep)}"
                 )
 

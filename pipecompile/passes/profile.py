@@ -1,0 +1,132 @@
+"""profile: measure every block's forward, input-gradient and weight-gradient time for real.
+
+Input: a `LinearGraph`, its `CostTable` and one real micro-batch. Output: a new `CostTable`
+whose block times are medians of measured runs (`NumericBlockCost.measured` is True).
+
+The captured graph is first run once on the micro-batch to get every intermediate value; then
+each block is timed on its own with those values as inputs:
+
+    forward   the block's nodes, autograd recording
+    I         autograd.grad(outputs, block inputs, retain_graph=True)
+    W         autograd.grad(outputs, inputs + parameters) minus I   (as annotate counts FLOPs)
+
+Buffers (BatchNorm running statistics) and the RNG state are restored afterwards, so profiling
+leaves the model as it found it. Blocks run where the model's parameters live.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+
+from ..ir import CostTable, LinearGraph, NodeRole
+from ..runtime.microbatch import split_microbatches
+from .annotate import with_measured_times
+from .nodes import call_node, getattr_path as _getattr_path
+
+__all__ = ["profile_blocks"]
+
+
+def profile_blocks(
+    linear: LinearGraph,
+    costs: CostTable,
+    args: tuple,
+    kwargs: Mapping[str, Any],
+    *,
+    microbatches: int,
+    repeats: int = 5,
+) -> CostTable:
+    """`costs` with measured (forward, backward-input, backward-weight) seconds per block."""
+    captured = linear.captured
+    gm = captured.module
+    mb = split_microbatches(args, kwargs, None, microbatches)[0]
+    flat = captured.flatten_inputs(mb.args, mb.kwargs)
+    buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    with torch.random.fork_rng(devices=[]):
+        try:
+            env = _record_values(gm, flat)
+            nodes = {n.name: n for n in gm.graph.nodes}
+            measured = {
+                block.index: _time_block(block.nodes, nodes, linear.roles, gm, env, repeats)
+                for block in linear.blocks
+            }
+        finally:
+            with torch.no_grad():
+                for name, b in gm.named_buffers():
+                    b.copy_(buffers[name])
+    return with_measured_times(costs, measured)
+
+
+def _record_values(gm: fx.GraphModule, flat: list) -> dict[str, Any]:
+    """Every node's value on one real run (no autograd)."""
+    env: dict[str, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            env[n.name] = result
+            return result
+
+    with torch.no_grad():
+        Recorder(gm).run(*flat)
+    return env
+
+
+def _time_block(block_nodes, nodes, roles, gm, env, repeats) -> tuple[float, float, float]:
+    samples = [_run_once(block_nodes, nodes, roles, gm, env) for _ in range(repeats + 1)][1:]
+    return tuple(statistics.median(s[i] for s in samples) for i in range(3))  # type: ignore
+
+
+def _run_once(block_nodes, nodes, roles, gm, env) -> tuple[float, float, float]:
+    block = set(block_nodes)
+    local: dict[str, Any] = {}
+    inputs: list[torch.Tensor] = []
+    params: dict[int, torch.Tensor] = {}
+    for name in block_nodes:
+        for arg in nodes[name].all_input_nodes:
+            if arg.name in local or arg.name in block:
+                continue
+            if roles[arg.name] == NodeRole.PARAM:
+                value = _getattr_path(gm, arg.target)
+                if isinstance(value, torch.nn.Parameter) and value.requires_grad:
+                    params[id(value)] = value
+            else:
+                value = env[arg.name]
+                if (isinstance(value, torch.Tensor) and value.is_floating_point()
+                        and roles[arg.name] == NodeRole.COMPUTE):
+                    value = value.detach().requires_grad_(True)
+                    inputs.append(value)
+            local[arg.name] = value
+    _sync()
+    t0 = time.perf_counter()
+    for name in block_nodes:
+        node = nodes[name]
+        a = fx.node.map_arg(node.args, lambda n: local[n.name])
+        k = fx.node.map_arg(node.kwargs, lambda n: local[n.name])
+        local[name] = call_node(gm, node, a, k)
+    _sync()
+    t1 = time.perf_counter()
+    outputs = [local[n] for n in block_nodes
+               if isinstance(local[n], torch.Tensor) and local[n].requires_grad
+               and any(u.name not in block for u in nodes[n].users)]
+    grads = [torch.ones_like(o) for o in outputs]
+    t_i = t_all = 0.0
+    if outputs and inputs:
+        torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+        _sync()
+        t_i = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    if outputs and (inputs or params):
+        torch.autograd.grad(outputs, inputs + list(params.values()), grads, allow_unused=True)
+        _sync()
+        t_all = time.perf_counter() - t2
+    return t1 - t0, t_i, max(t_all - t_i, 0.0)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

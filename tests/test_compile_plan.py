@@ -1,0 +1,69 @@
+"""Compiler-level planning: partition quality on a heterogeneous model, refinement, reports."""
+
+from __future__ import annotations
+
+import torch
+
+import pipecompile as pc
+from pipecompile import zoo
+from pipecompile.passes.partition import evaluate, uniform_bounds
+
+
+def _heavy_head_gpt():
+    # A large vocabulary makes the embedding + LM head much heavier than one layer.
+    model = zoo.GPT(vocab=8192, dim=64, layers=12, heads=2, seq=16, tied=False)
+    return model, torch.randint(0, 8192, (8, 16))
+
+
+def test_heavy_lm_head_gets_fewer_layers_and_balanced_stages():
+    model, x = _heavy_head_gpt()
+    pipe = pc.compile(model, (x,), devices=4, microbatches=4, loss_fn=zoo.lm_loss)
+    counts = [len(s.blocks) for s in pipe.stages]
+    assert counts[-1] < max(counts), counts  # the stage with the LM head holds fewer blocks
+    times = [s.cost.forward_time + s.cost.backward_time for s in pipe.stages]
+
+    program = pipe.program
+    blocks = program.linear.num_blocks
+    problem_times = [b.time for b in _costs(pipe)]
+    ours = max(times)
+    equal = max(sum(problem_times[a:b]) for a, b in zip(uniform_bounds(blocks, 4),
+                                                        uniform_bounds(blocks, 4)[1:]))
+    assert ours < equal, (ours, equal)
+    lower = max(sum(problem_times) / 4, max(problem_times))
+    assert ours <= 1.35 * lower, (ours, lower)
+
+
+def _costs(pipe):
+    from pipecompile.passes.annotate import annotate
+
+    return annotate(pipe.program.linear, microbatch_size=2).blocks
+
+
+def test_blocks_are_refined_when_stages_outnumber_layers():
+    model = zoo.GPT(vocab=32, dim=16, layers=1, heads=2, seq=8)
+    x = torch.randint(0, 32, (8, 8))
+    pipe = pc.compile(model, (x,), devices=6, microbatches=2, loss_fn=zoo.lm_loss)
+    assert len(pipe.stages) == 6
+    assert pipe.program.linear.granularity != "layer"
+
+
+def test_stage_table_and_explain_mention_every_stage_and_pass():
+    model = zoo.GPT(vocab=32, dim=16, layers=4, heads=2, seq=8)
+    x = torch.randint(0, 32, (8, 8))
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=zoo.lm_loss)
+    table = str(pipe)
+    assert "stage" in table and "F+B ms/mb" in table and "predicted step" in table
+    assert sum(line.startswith(("0 ", "1 ")) for line in table.splitlines()) == 2
+    log = pipe.explain()
+    for name in ("capture", "linearize", "annotate", "partition", "split"):
+        assert name in log
+
+
+def test_profile_measures_block_times():
+    model = zoo.GPT(vocab=32, dim=16, layers=2, heads=2, seq=8)
+    x = torch.randint(0, 32, (8, 8))
+    before = [b.detach().clone() for b in model.buffers()]
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=zoo.lm_loss, profile=True)
+    assert "measured" in pipe.explain()
+    assert all(s.cost.forward_time > 0 for s in pipe.stages)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))

@@ -1,0 +1,200 @@
+"""simulate() against closed-form bubbles and hand-computed timelines; Timeline serialisation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipecompile.errors import ScheduleError
+from pipecompile.runtime.actions import Action, Kind, Schedule
+from pipecompile.runtime.lowering import strip_communication
+from pipecompile.runtime.schedules import make_schedule
+from pipecompile.runtime.simulate import Event, StageCosts, Timeline, simulate
+
+UNIFORM = StageCosts(forward=1.0, backward=2.0)  # I = W = 1
+SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16, 32)]
+
+
+def run(name: str, p: int, m: int, v: int = 1, costs: StageCosts = UNIFORM) -> Timeline:
+    schedule = make_schedule(name, p, m, virtual_stages=v)
+    return simulate(schedule, [costs] * schedule.num_stages)
+
+
+# -- bubble formulas (uniform costs F=1, B=2) --------------------------------------------------
+
+
+@pytest.mark.parametrize(("p", "m"), SIZES)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_gpipe_and_1f1b_bubble(name: str, p: int, m: int) -> None:
+    # Huang et al. 2019 / Narayanan et al. 2021: (p-1)/(m+p-1)
+    assert run(name, p, m).bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert run(name, p, m).makespan == pytest.approx(3 * (m + p - 1))
+
+
+@pytest.mark.parametrize(("d", "m"), [(d, m) for d, m in SIZES if m % d == 0])
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_bubble(d: int, m: int, v: int) -> None:
+    # Megatron-LM (Narayanan et al. 2021): (p-1)/(v·m+p-1) with p = D devices
+    assert run("interleaved-1f1b", d, m, v).bubble_fraction == pytest.approx(
+        (d - 1) / (v * m + d - 1), abs=1e-12
+    )
+
+
+@pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in SIZES if p > 1])
+def test_zb_h1_bubble_below_1f1b(p: int, m: int) -> None:
+    zb, ref = run("zb-h1", p, m).bubble_fraction, run("1f1b", p, m).bubble_fraction
+    assert zb < ref
+    if m >= p:
+        # Qi et al. 2024: idle (p-1)(F+I-W) = p-1 per device instead of (p-1)(F+B) = 3(p-1)
+        assert zb == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (4, 4), (4, 32), (8, 16)])
+def test_zb_h1_idle_time_is_a_third_of_1f1b(p: int, m: int) -> None:
+    # The paper's "1/3" is the bubble size, idle seconds per device; as a fraction of the
+    # makespan it approaches 1/3 as m grows.
+    zb, ref = run("zb-h1", p, m), run("1f1b", p, m)
+    idle = [t.makespan - t.busy(0) for t in (zb, ref)]
+    assert idle[0] == pytest.approx(idle[1] / 3)
+    if m >= 8 * p:
+        assert zb.bubble_fraction / ref.bubble_fraction == pytest.approx(1 / 3, abs=0.03)
+
+
+# -- in-flight micro-batches -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("p", "m"), SIZES)
+def test_peak_inflight(p: int, m: int) -> None:
+    assert run("gpipe", p, m).peak_inflight(0) == m
+    one_f_one_b = run("1f1b", p, m)
+    assert [one_f_one_b.peak_inflight(s) for s in range(p)] == [min(p - s, m) for s in range(p)]
+    zb = run("zb-h1", p, m)
+    assert zb.peak_inflight(0) == min(p, m)
+    assert max(zb.peak_inflight(s) for s in range(p)) == min(p, m)
+
+
+# -- exact timelines ---------------------------------------------------------------------------
+
+
+def spans(timeline: Timeline) -> dict[str, tuple[float, float]]:
+    return {str(e.action): (e.start, e.end) for e in timeline.events}
+
+
+def test_1f1b_p2_m2_by_hand() -> None:
+    timeline = run("1f1b", 2, 2)
+    got = spans(timeline)
+    expected = {
+        "0F0": (0, 1), "0F1": (1, 2), "0B0": (4, 6), "0B1": (7, 9),
+        "1F0": (1, 2), "1B0": (2, 4), "1F1": (4, 5), "1B1": (5, 7),
+    }  # fmt: skip
+    assert {k: got[k] for k in expected} == expected
+    assert got["1RECV_F1"] == (4, 4)  # the value arrived at 2, the device got there at 4
+    assert got["0RECV_B1"] == (6, 7)  # waiting for 1B1 shows as a receive from 6 to 7
+    assert timeline.makespan == 9
+    assert timeline.busy(0) == timeline.busy(1) == 6
+    assert timeline.bubble_fraction == pytest.approx(1 / 3)
+
+
+def test_transfer_latency_belongs_to_the_sender() -> None:
+    costs = [StageCosts(1, 2, send_forward=0.5), StageCosts(1, 2, send_backward=0.25)]
+    for schedule in (make_schedule("1f1b", 2, 1), strip_communication(make_schedule("1f1b", 2, 1))):
+        got = spans(simulate(schedule, costs))
+        assert got["1F0"] == (1.5, 2.5)
+        assert got["1B0"] == (2.5, 4.5)
+        assert got["0B0"] == (4.75, 6.75)
+
+
+def test_step_time_and_split_costs() -> None:
+    costs = [StageCosts(1, 3, backward_input=1)]
+    got = spans(simulate(make_schedule("zb-h1", 1, 1), costs, step_time=0.5))
+    assert got == {"0F0": (0, 1), "0I0": (1, 2), "0W0": (2, 4), "0STEP": (4, 4.5)}
+
+
+def test_stage_costs_defaults_and_checks() -> None:
+    assert (UNIFORM.input_time, UNIFORM.weight_time) == (1.0, 1.0)
+    assert StageCosts(1, 2, backward_weight=0.5).input_time == 1.5
+    with pytest.raises(ScheduleError, match="forward must be >= 0"):
+        StageCosts(-1, 2)
+    with pytest.raises(ScheduleError, match="backward_weight"):
+        StageCosts(1, 2, backward_input=3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.sampled_from(["gpipe", "1f1b", "zb-h1"]),
+    st.integers(1, 4),
+    st.integers(1, 6),
+    st.lists(
+        st.builds(
+            StageCosts,
+            st.floats(0.1, 5),
+            st.floats(0.1, 5),
+            send_forward=st.floats(0, 2),
+            send_backward=st.floats(0, 2),
+        ),
+        min_size=4,
+        max_size=4,
+    ),
+)
+def test_explicit_and_implicit_transfers_agree(
+    name: str, p: int, m: int, costs: list[StageCosts]
+) -> None:
+    lowered = make_schedule(name, p, m)
+    a, b = simulate(lowered, costs[:p]), simulate(strip_communication(lowered), costs[:p])
+    assert a.makespan == pytest.approx(b.makespan)
+    assert 0 <= a.bubble_fraction < 1
+    assert a.makespan >= max(a.busy(d) for d in range(p)) - 1e-9
+    for device in range(p):  # a device runs one action at a time, in its order
+        events = [e for e in a.events if e.device == device]
+        assert [e.action for e in events] == list(lowered.actions[device])
+        assert all(x.end <= y.start + 1e-12 for x, y in zip(events, events[1:]))
+
+
+def test_simulate_rejects_bad_input() -> None:
+    with pytest.raises(ScheduleError, match="got 1 StageCosts for 2 stages"):
+        simulate(make_schedule("1f1b", 2, 2), [UNIFORM])
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        simulate(Schedule.from_text("0F0 0B0 0F1 0B1\n1F1 1B1 1F0 1B0"), [UNIFORM] * 2)
+
+
+# -- serialisation -----------------------------------------------------------------------------
+
+
+def test_chrome_trace_structure() -> None:
+    timeline = run("interleaved-1f1b", 2, 4, 2)
+    trace = json.loads(json.dumps(timeline.to_chrome_trace()))
+    events = trace["traceEvents"]
+    spans_ = [e for e in events if e["ph"] == "X"]
+    names = [e for e in events if e["ph"] == "M"]
+    assert len(spans_) == len(timeline.events)
+    assert [e["args"]["name"] for e in names] == ["device 0", "device 1"]
+    for raw, event in zip(spans_, timeline.events):
+        assert raw["name"] == str(event.action) and raw["cat"] == event.action.kind.value
+        assert raw["pid"] == 0 and raw["tid"] == event.device
+        assert raw["ts"] == pytest.approx(event.start * 1e6)
+        assert raw["dur"] == pytest.approx((event.end - event.start) * 1e6)
+
+
+def test_to_dict_round_trip() -> None:
+    timeline = run("zb-h1", 3, 4, costs=StageCosts(1.25, 2.5, send_forward=0.1))
+    data = json.loads(json.dumps(timeline.to_dict()))
+    assert Timeline.from_dict(data) == timeline
+    assert data["events"][0] == {"device": 0, "action": "0F0", "start": 0.0, "end": 1.25}
+    with pytest.raises(ScheduleError, match="not a timeline dict"):
+        Timeline.from_dict({"events": []})
+
+
+def test_measured_timelines_need_not_start_at_zero() -> None:
+    events = (
+        Event(0, Action(0, Kind.F, 0), 100.0, 101.0),
+        Event(0, Action(0, Kind.B, 0), 102.0, 104.0),
+    )
+    timeline = Timeline(events, num_devices=1)
+    assert timeline.makespan == 4.0
+    assert timeline.bubble_fraction == pytest.approx(0.25)
+    assert timeline.peak_inflight(0) == 1
+    with pytest.raises(ScheduleError, match="ends before it starts"):
+        Event(0, Action(0, Kind.F, 0), 2.0, 1.0)
