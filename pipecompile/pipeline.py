@@ -129,6 +129,8 @@ class Pipeline:
         flat = [captured.flatten_inputs(mb.args, mb.kwargs) for mb in mbs]
         for p in self._all_parameters():
             p.grad = None
+        for worker in self.workers:
+            worker.peak_inflight = 0
         steps = self.executor.run(self.schedule, mbs, flat)
         last = self.workers[-1]
         losses = [last.losses.pop(mb.index) for mb in mbs]
@@ -170,6 +172,28 @@ class Pipeline:
     def timeline(self) -> Timeline:
         """Measured start/end of every action of the last step, in the simulator's format."""
         return Timeline(tuple(self.executor.records), self.schedule.num_devices)
+
+    def peak_inflight(self) -> tuple[int, ...]:
+        """Per stage, the most micro-batches whose activations were held at once in the last
+        step (compare with `pipe.predicted.peak_inflight(stage)`)."""
+        return tuple(w.peak_inflight for w in self.workers)
+
+    def plot_timeline(self, path: str) -> str:
+        """Draw the predicted and the last measured timeline as a Gantt chart (PNG or SVG)."""
+        from .runtime.plot import plot_timelines
+
+        timelines = {"predicted": self.predicted, "measured": self.timeline()}
+        return plot_timelines({k: t for k, t in timelines.items() if t is not None and t.events},
+                              path, title=f"{self.schedule.name}, {len(self.stages)} stages, "
+                                          f"{self.microbatches} micro-batches")
+
+    def write_chrome_trace(self, path: str) -> str:
+        """Write the last measured timeline as Chrome trace JSON (open it in Perfetto)."""
+        import json
+
+        with open(path, "w") as f:
+            json.dump(self.timeline().to_chrome_trace(), f)
+        return path
 
     # -- inspection -----------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ class StageWorker:
     checkpoint: bool = False
     saved: dict[int, _Saved] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: detached losses
+    peak_inflight: int = 0  # most micro-batches held at once (activations saved) so far
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -74,6 +75,7 @@ class StageWorker:
             with torch.no_grad():
                 outputs = self._run(inputs)
             self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=(rng, target))
+            self.peak_inflight = max(self.peak_inflight, len(self.saved))
             if self.loss is not None:
                 with torch.no_grad():
                     self.losses[mb] = self._loss(outputs, target)
@@ -85,6 +87,7 @@ class StageWorker:
             saved.loss = self._loss(outputs, target)
             self.losses[mb] = saved.loss.detach()
         self.saved[mb] = saved
+        self.peak_inflight = max(self.peak_inflight, len(self.saved))
         return dict(saved.outputs)
 
     def backward(self, mb: int, output_grads: Mapping[str, Any]) -> dict[str, Any]:

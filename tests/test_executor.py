@@ -1,0 +1,104 @@
+"""LocalExecutor: every synchronous schedule equals the unsplit model (float64)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import pipecompile as pc
+from tests.models import CASES
+from tests.reference import assert_grads_equal, reference_step
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+
+
+def _check(name, schedule, devices, microbatches=4, **options):
+    torch.manual_seed(0)
+    case = CASES[name]()
+    reference = copy.deepcopy(case.model)
+    pipe = pc.compile(case.model, case.args, case.kwargs, devices=devices,
+                      microbatches=microbatches, schedule=schedule, loss_fn=case.loss_fn,
+                      **options)
+    loss = pipe.step(*case.args, target=case.target, **case.kwargs)
+    ref_loss, ref_grads = reference_step(reference, case.args, case.kwargs, case.target,
+                                         case.loss_fn, microbatches)
+    assert torch.allclose(loss, ref_loss, rtol=1e-12, atol=0), (loss, ref_loss)
+    assert len(assert_grads_equal(pipe, ref_grads)) == len(ref_grads)
+    ref_state = reference.state_dict()
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(value, ref_state[key]), key
+    return pipe
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_matches_unsplit_model_gpt2(schedule, devices):
+    pipe = _check("gpt2", schedule, devices)
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    assert len(pipe.stages) == devices * virtual
+    assert pipe.schedule.name == schedule
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1"])
+@pytest.mark.parametrize("name", ["unet", "residual_cnn", "keyword_tuple"])
+def test_schedule_matches_unsplit_model_skips_and_buffers(name, schedule):
+    _check(name, schedule, 2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_checkpointing_gives_the_same_gradients(schedule):
+    _check("gpt", schedule, 2, checkpoint=True)
+
+
+def test_single_thread_interleaving_gives_the_same_gradients():
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    reference = copy.deepcopy(case.model)
+    pipe = pc.compile(case.model, case.args, devices=4, schedule="1f1b", loss_fn=case.loss_fn)
+    pipe.executor.threads = False
+    pipe.step(*case.args, target=case.target)
+    _, ref_grads = reference_step(reference, case.args, {}, case.target, case.loss_fn, 4)
+    assert_grads_equal(pipe, ref_grads)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+def test_measured_inflight_matches_simulator(schedule):
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    pipe = pc.compile(case.model, case.args, devices=4 if schedule != "interleaved-1f1b" else 2,
+                      microbatches=8, schedule=schedule, loss_fn=case.loss_fn)
+    pipe.step(*case.args, target=case.target)
+    measured = pipe.peak_inflight()
+    predicted = tuple(pipe.predicted.peak_inflight(s) for s in range(len(pipe.stages)))
+    assert measured == predicted, (measured, predicted)
+    if schedule == "gpipe":
+        assert measured[0] == 8
+    elif schedule == "1f1b":
+        assert measured == (4, 3, 2, 1)
+
+
+def test_timeline_has_every_action_and_exports(tmp_path):
+    import json
+
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    pipe = pc.compile(case.model, case.args, devices=2, microbatches=4, schedule="1f1b",
+                      loss_fn=case.loss_fn)
+    pipe.step(*case.args, target=case.target)
+    timeline = pipe.timeline()
+    compute = [e for e in timeline.events if e.action.kind.value in ("F", "B")]
+    assert len(compute) == 2 * 2 * 4
+    for e in timeline.events:
+        assert e.end >= e.start >= 0
+    # on each device, actions ran in schedule order without overlapping
+    for device in range(2):
+        events = [e for e in timeline.events if e.device == device]
+        assert all(a.end <= b.start + 1e-9 for a, b in zip(events, events[1:]))
+    trace = json.loads(open(pipe.write_chrome_trace(str(tmp_path / "t.json"))).read())
+    assert trace["traceEvents"]
+    png = pipe.plot_timeline(str(tmp_path / "gantt.png"))
+    assert open(png, "rb").read(8).startswith(b"\x89PNG")
+    svg = pipe.plot_timeline(str(tmp_path / "gantt.svg"))
+    assert "<svg" in open(svg).read(2000)
