@@ -137,14 +137,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                               f"{program.num_stages} stage graphs, {len(program.ties)} tied "
                               f"parameter groups"))
 
-    stage_costs = [
-        StageCosts(forward=s.cost.forward_time, backward=s.cost.backward_time,
-                   backward_input=sum(costs.blocks[b].backward_input_time for b in s.blocks),
-                   backward_weight=sum(costs.blocks[b].backward_weight_time for b in s.blocks),
-                   send_forward=_transfer(s.cost.send_bytes, stage_specs[s.index]),
-                   send_backward=_transfer(costs.cut_bytes[s.blocks[0]], stage_specs[s.index]))
-        for s in program.stages
-    ]
+    stage_costs = [_stage_costs(s, costs, stage_specs[s.index]) for s in program.stages]
     predicted = simulate(plan, stage_costs)
     records.append(PassRecord("schedule", 0.0, f"{schedule}: {sum(len(a) for a in plan.actions)} "
                               f"actions, predicted bubble {predicted.bubble_fraction:.1%}"))
@@ -198,6 +191,22 @@ def _device_memory(name: str) -> float:
 
 def _device_model(spec: DeviceSpec) -> DeviceModel:
     return DeviceModel()
+
+
+def _stage_costs(stage, costs, spec: DeviceSpec) -> StageCosts:
+    """Simulator costs of a stage. A stage that receives no gradient-carrying input (the first)
+    has nothing to do in I: its whole backward is weight gradients."""
+    blocks = [costs.blocks[b] for b in stage.blocks]
+    first = stage.blocks[0]
+    if costs.cut_bytes[first] == 0:
+        i_time, w_time = 0.0, stage.cost.backward_time
+    else:
+        i_time = sum(b.backward_input_time for b in blocks)
+        w_time = sum(b.backward_weight_time for b in blocks)
+    return StageCosts(forward=stage.cost.forward_time, backward=stage.cost.backward_time,
+                      backward_input=i_time, backward_weight=w_time,
+                      send_forward=_transfer(stage.cost.send_bytes, spec),
+                      send_backward=_transfer(costs.cut_bytes[first], spec))
 
 
 def _transfer(nbytes: float, spec: DeviceSpec) -> float:

@@ -141,16 +141,16 @@ class LocalExecutor:
             for action in schedule.actions[device]:
                 if action.kind is Kind.STEP:
                     continue
-                t0 = time.perf_counter() - start
                 try:
-                    self._dispatch(action, mailbox, feeds, microbatches)
+                    began = self._dispatch(action, mailbox, feeds, microbatches)
                 except _Aborted:
                     return
                 except BaseException as exc:  # noqa: BLE001 - reported with its action
                     errors.append(_stage_error(action, exc))
                     mailbox.abort()
                     return
-                self.records.append(Event(device, action, t0, time.perf_counter() - start))
+                self.records.append(Event(device, action, began - start,
+                                          time.perf_counter() - start))
 
         if self.threads and schedule.num_devices > 1:
             pool = [threading.Thread(target=device_loop, args=(d,), daemon=True,
@@ -177,15 +177,14 @@ class LocalExecutor:
                     action = actions[cursors[device]]
                     if action.kind is not Kind.STEP and not self._ready(action, mailbox):
                         break
-                    t0 = time.perf_counter() - start
                     if action.kind is not Kind.STEP:
                         try:
-                            self._dispatch(action, mailbox, feeds, microbatches)
+                            began = self._dispatch(action, mailbox, feeds, microbatches)
                         except BaseException as exc:  # noqa: BLE001
                             errors.append(_stage_error(action, exc))
                             return
-                        self.records.append(
-                            Event(device, action, t0, time.perf_counter() - start))
+                        self.records.append(Event(device, action, began - start,
+                                                  time.perf_counter() - start))
                     cursors[device] += 1
                     pending -= 1
                     progressed = True
@@ -197,8 +196,11 @@ class LocalExecutor:
 
     # -- actions ---------------------------------------------------------------------------
 
-    def _dispatch(self, action: Action, mailbox: Mailbox, feeds, microbatches) -> None:
-        _ACTIONS[action.kind](self, action, mailbox, feeds, microbatches)
+    def _dispatch(self, action: Action, mailbox: Mailbox, feeds, microbatches) -> float:
+        """Run `action`; returns when its compute began (after its inputs arrived)."""
+        called = time.perf_counter()
+        began = _ACTIONS[action.kind](self, action, mailbox, feeds, microbatches)
+        return began if began is not None else called
 
     def _ready(self, action: Action, mailbox: Mailbox) -> bool:
         """Single-thread mode: whether `action`'s inputs are already in the mailbox."""
@@ -231,11 +233,13 @@ class LocalExecutor:
             else:
                 inputs[name] = _to(feeds[mb][name], device)
         target = _to(microbatches[mb].target, device) if worker.loss is not None else None
+        began = time.perf_counter()
         outputs = worker.forward(mb, inputs, target)
         for name in worker.output_names:
             for consumer in self.wiring.consumers.get(name, ()):
                 value = _to(outputs[name], self.wiring.devices[consumer])
                 mailbox.put_activation(consumer, name, mb, value)
+        return began
 
     def _output_grads(self, action, mailbox) -> dict[str, Any]:
         worker = self.workers[action.stage]
@@ -254,15 +258,19 @@ class LocalExecutor:
                 producer_device = self.wiring.devices[self.wiring.producer[name]]
                 mailbox.add_gradient(name, action.microbatch, _to(grad, producer_device))
 
-    def _backward(self, action, mailbox, feeds, microbatches) -> None:
-        grads = self.workers[action.stage].backward(action.microbatch,
-                                                    self._output_grads(action, mailbox))
+    def _backward(self, action, mailbox, feeds, microbatches) -> float:
+        output_grads = self._output_grads(action, mailbox)
+        began = time.perf_counter()
+        grads = self.workers[action.stage].backward(action.microbatch, output_grads)
         self._send_input_grads(action, mailbox, grads)
+        return began
 
-    def _backward_input(self, action, mailbox, feeds, microbatches) -> None:
-        grads = self.workers[action.stage].backward_input(action.microbatch,
-                                                          self._output_grads(action, mailbox))
+    def _backward_input(self, action, mailbox, feeds, microbatches) -> float:
+        output_grads = self._output_grads(action, mailbox)
+        began = time.perf_counter()
+        grads = self.workers[action.stage].backward_input(action.microbatch, output_grads)
         self._send_input_grads(action, mailbox, grads)
+        return began
 
     def _backward_weight(self, action, mailbox, feeds, microbatches) -> None:
         self.workers[action.stage].backward_weight(action.microbatch)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import LossError
+from . import split_backward
 
 __all__ = ["StageWorker", "LossSpec"]
 
@@ -41,8 +42,7 @@ class _Saved:
     loss: torch.Tensor | None = None
     inputs: dict[str, Any] | None = None  # checkpointing: what to recompute from
     rng: Any = None
-    grad_outputs: list | None = None  # zero-bubble: kept between I and W
-    roots: list | None = None
+    weight_work: Any = None  # zero-bubble: what W needs, recorded by I
 
 
 @dataclass
@@ -100,29 +100,19 @@ class StageWorker:
         return {name: leaf.grad for name, leaf in saved.leaves.items()}
 
     def backward_input(self, mb: int, output_grads: Mapping[str, Any]) -> dict[str, Any]:
-        """Zero-bubble I: gradients of the inputs only; the graph is kept for `backward_weight`."""
+        """Zero-bubble I: gradients of the inputs only; records what `backward_weight` needs."""
         saved = self._restore(mb)
         roots, grads = self._roots(saved, output_grads)
-        saved.roots, saved.grad_outputs = roots, grads
         names = list(saved.leaves)
-        if not roots or not names:
-            return {name: None for name in names}
-        result = torch.autograd.grad(
-            roots, [saved.leaves[n] for n in names], grads, retain_graph=True, allow_unused=True
-        )
-        return dict(zip(names, result))
+        result, saved.weight_work = split_backward.backward_input(
+            roots, grads, [saved.leaves[n] for n in names], self.params)
+        return dict(zip(names, result)) if result else {name: None for name in names}
 
     def backward_weight(self, mb: int) -> None:
         """Zero-bubble W: accumulate the parameter gradients of micro-batch `mb` and free it."""
         saved = self.saved.pop(mb)
-        params = self.params
-        if saved.roots and params:
-            grads = torch.autograd.grad(
-                saved.roots, params, saved.grad_outputs, allow_unused=True
-            )
-            for p, g in zip(params, grads):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad + g
+        if saved.weight_work is not None:
+            split_backward.backward_weight(saved.weight_work)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -169,7 +159,8 @@ class StageWorker:
     def _roots(self, saved: _Saved, output_grads: Mapping[str, Any]) -> tuple[list, list]:
         """Tensors to backpropagate from, and their incoming gradients."""
         if self.loss is not None:
-            return [saved.loss * self.loss.scale], [None]
+            loss = saved.loss * self.loss.scale
+            return [loss], [torch.ones_like(loss)]
         roots, grads = [], []
         for name, out in saved.outputs.items():
             grad = output_grads.get(name)

@@ -1,0 +1,141 @@
+"""Backward split into input gradients (I) and weight gradients (W) without recomputation.
+
+Zero-bubble schedules (Qi et al. 2024) run I as soon as the next stage's gradient arrives and
+defer W to fill bubbles. Two plain `autograd.grad` calls (inputs, then parameters) would run the
+chain from the outputs to the parameters twice. Instead, I records the gradient arriving at
+every *frontier* node: an autograd node on a path to the stage inputs that also has an edge into
+a part of the graph that leads only to parameters (a Linear's AddmmBackward, say). W then starts
+from those nodes with the recorded gradients (`GradientEdge` outputs) and asks only for the
+parameters behind each, so it runs just the weight-gradient kernels.
+
+    outputs ──▶ N3 ──▶ N2 ──▶ N1 ──▶ input          I: outputs → input, recording grads at N*
+                │       │       │
+                ▼       ▼       ▼                   W: N* → their parameters only
+               W3      W2      W1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+__all__ = ["WeightWork", "backward_input", "backward_weight"]
+
+
+@dataclass
+class WeightWork:
+    """What W needs: per frontier node its recorded output gradients and its parameters."""
+
+    groups: list[tuple[list[GradientEdge], list, list[torch.Tensor]]] = field(default_factory=list)
+
+
+def backward_input(
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightWork]:
+    """Gradients of `inputs`, and the work W will need to compute the gradients of `params`."""
+    param_of = {get_gradient_edge(p).node: p for p in params}
+    input_nodes = {get_gradient_edge(t).node for t in inputs}
+    reaches_input = _Reach(input_nodes)
+    work = WeightWork()
+    frontier: dict = {}
+    seen: set = set()
+    stack = []
+    for root, grad in zip(roots, grads):
+        node = root.grad_fn
+        if node is None:
+            continue
+        if reaches_input(node):
+            stack.append(node)
+        else:  # this output depends on parameters only: W takes it whole
+            ps = _params_below(node, param_of)
+            if ps:
+                work.groups.append(([get_gradient_edge(root)], [grad], ps))
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        ps = []
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if reaches_input(child):
+                stack.append(child)
+            else:
+                ps.extend(_params_below(child, param_of))
+        if ps:
+            frontier[node] = list({id(p): p for p in ps}.values())
+
+    captured: dict = {}
+    hooks = [n.register_prehook(lambda go, n=n: captured.__setitem__(n, go)) for n in frontier]
+    try:
+        result = (torch.autograd.grad(list(roots), list(inputs), list(grads), retain_graph=True,
+                                      allow_unused=True) if inputs else [])
+    finally:
+        for h in hooks:
+            h.remove()
+    for node, ps in frontier.items():
+        outs = captured.get(node)
+        if outs is None:
+            continue  # the node received no gradient: nothing flows to its parameters
+        keep = [(GradientEdge(node, i), g) for i, g in enumerate(outs) if g is not None]
+        if keep:
+            work.groups.append(([e for e, _ in keep], [g for _, g in keep], ps))
+    return list(result), work
+
+
+def backward_weight(work: WeightWork) -> None:
+    """Accumulate every parameter's gradient from the recorded frontier gradients."""
+    for edges, grads, params in work.groups:
+        result = torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
+        for p, g in zip(params, result):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+
+class _Reach:
+    """Memoised: does an autograd node lead to one of `targets`?"""
+
+    def __init__(self, targets: set):
+        self.targets = targets
+        self.memo: dict = {}
+
+    def __call__(self, node) -> bool:
+        if node in self.memo:
+            return self.memo[node]
+        # Iterative DFS (graphs can be deep): post-order evaluation with an explicit stack.
+        stack = [(node, False)]
+        while stack:
+            current, expanded = stack.pop()
+            if current in self.memo and not expanded:
+                continue
+            children = [c for c, _ in current.next_functions if c is not None]
+            if not expanded:
+                self.memo[current] = current in self.targets  # provisional (cycles impossible)
+                stack.append((current, True))
+                stack.extend((c, False) for c in children if c not in self.memo)
+            else:
+                self.memo[current] = current in self.targets or any(self.memo.get(c, False)
+                                                                     for c in children)
+        return self.memo[node]
+
+
+def _params_below(node, param_of: dict) -> list[torch.Tensor]:
+    """Parameters whose AccumulateGrad nodes are reachable from `node`."""
+    found, stack, seen = [], [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current in param_of:
+            found.append(param_of[current])
+            continue
+        stack.extend(c for c, _ in current.next_functions if c is not None)
+    return found
