@@ -19,12 +19,14 @@ from .passes.partition import DeviceSpec, PartitionProblem, evaluate, partition
 from .passes.split import split
 from .pipeline import PassRecord, Pipeline
 from .report import StageCost, format_count
-from .runtime.schedules import SCHEDULES, make_schedule
+from .runtime.distributed import check_same_plan, local_device, plan_digest, topology_from_environment
+from .runtime.schedules import make_schedule
 from .runtime.simulate import StageCosts, simulate
 
 __all__ = ["compile"]
 
 _SUPPORTED = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+_RANK_BANDWIDTH = 3e9  # bytes/s between ranks when not told: gloo on loopback (FACTS.md)
 
 
 def compile(  # noqa: A001 - the public name of DESIGN.md
@@ -45,6 +47,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     memory_limit: float | Sequence[float] | None = None,
     bandwidth: float | None = None,
     checkpoint: bool = False,
+    data_parallel: int = 1,
     timeout: float = 300.0,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices`; see DESIGN.md for the contract.
@@ -52,9 +55,24 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     `devices` is a count (CUDA devices if present, else that many CPU workers), a list of
     device names, or a list of `DeviceSpec` (relative speed, memory) for heterogeneous devices.
     `memory_limit` (bytes, per device or one for all) caps each stage's predicted memory.
+
+    Under torch.distributed (an initialised process group, or torchrun's environment) the same
+    call runs on every rank: `devices` is the number of pipeline ranks and `data_parallel` the
+    number of pipeline replicas; each rank keeps only its own stages.
     """
     records: list[PassRecord] = []
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    count = devices if isinstance(devices, int) else len(devices)
+    if not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ConfigError(f"data_parallel must be a positive int, got {data_parallel!r}")
+    topology = topology_from_environment(count, data_parallel, timeout)
+    if topology is None and data_parallel > 1:
+        raise ConfigError(
+            f"data_parallel={data_parallel} needs torch.distributed: launch "
+            f"{count * data_parallel} ranks with torchrun (or init a process group)")
+    if topology is not None:
+        devices = [str(local_device())] * count
+        bandwidth = bandwidth or _RANK_BANDWIDTH
     specs = _device_specs(devices, memory_limit, bandwidth)
     if schedule not in _SUPPORTED:
         raise ConfigError(
@@ -102,6 +120,8 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     if profile:
         from .passes.profile import profile_blocks
         costs = profile_blocks(linear, costs, args, kwargs, microbatches=microbatches)
+        if topology is not None:  # every rank must plan with the same numbers: rank 0's
+            costs = _agree_on_costs(costs)
     total = sum(b.forward_flops for b in costs.blocks)
     records.append(PassRecord("annotate", time.perf_counter() - t,
                               f"{format_count(total)}FLOP forward per micro-batch of {mb_size}"
@@ -131,7 +151,12 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                               f"{chosen.bottleneck * 1e3:.3f} ms/mb"))
 
     t = time.perf_counter()
-    program = split(linear, chosen.bounds, [torch.device(s.name) for s in stage_specs])
+    stage_devices = [torch.device(s.name) for s in stage_specs]
+    if topology is not None:  # other ranks' stages stay where the model is: nothing is copied
+        home = _model_device(model)
+        stage_devices = [d if plan.stage_to_device[i] == topology.position else home
+                         for i, d in enumerate(stage_devices)]
+    program = split(linear, chosen.bounds, stage_devices)
     program = _with_costs(program, costs, chosen, inflight)
     records.append(PassRecord("split", time.perf_counter() - t,
                               f"{program.num_stages} stage graphs, {len(program.ties)} tied "
@@ -141,9 +166,16 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     predicted = simulate(plan, stage_costs)
     records.append(PassRecord("schedule", 0.0, f"{schedule}: {sum(len(a) for a in plan.actions)} "
                               f"actions, predicted bubble {predicted.bubble_fraction:.1%}"))
+    if topology is not None:
+        t = time.perf_counter()
+        check_same_plan(plan_digest(program, plan), local_device())
+        records.append(PassRecord("plan check", time.perf_counter() - t,
+                                  f"same plan on all {topology.world_size} ranks; this is rank "
+                                  f"{topology.rank} (position {topology.position}, replica "
+                                  f"{topology.replica})"))
     return Pipeline(program, plan, microbatches=microbatches, loss_fn=loss_fn,
                     optimizer=optimizer, checkpoint=checkpoint, predicted=predicted,
-                    passes=records, timeout=timeout)
+                    passes=records, timeout=timeout, topology=topology)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +212,24 @@ def _device_specs(devices, memory_limit, bandwidth) -> list[DeviceSpec]:
             spec = DeviceSpec(spec.name, spec.speed, float(limit), spec.bandwidth)
         specs.append(spec)
     return specs
+
+
+def _agree_on_costs(costs):
+    """Rank 0's measured block times on every rank (measurements differ between processes)."""
+    import torch.distributed as dist
+
+    from .passes.annotate import with_measured_times
+
+    times = [[b.forward_time, b.backward_input_time, b.backward_weight_time] for b in costs.blocks]
+    box = [times]
+    dist.broadcast_object_list(box, src=0)
+    return with_measured_times(costs, {i: tuple(t) for i, t in enumerate(box[0])})
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def _device_memory(name: str) -> float:

@@ -18,7 +18,18 @@ from .errors import ConfigError
 from .passes.split import Stage, StagedProgram
 from .report import explain_passes, stage_table
 from .runtime.actions import Schedule
-from .runtime.local import LocalExecutor, Wiring
+from .runtime.distributed import (
+    GradientSync,
+    Topology,
+    broadcast_outputs,
+    forward_only,
+    reduce_mean_loss,
+    value_specs,
+    _default_store,
+)
+from .runtime.executor import Executor, Wiring
+from .runtime.mailbox import Mailbox
+from .runtime.p2p import P2PTransport, Waiter
 from .runtime.microbatch import split_microbatches
 from .runtime.simulate import Timeline
 from .runtime.stage_worker import LossSpec, StageWorker
@@ -50,6 +61,7 @@ class Pipeline:
         predicted: Timeline | None,
         passes: Sequence[PassRecord],
         timeout: float = 300.0,
+        topology: Topology | None = None,
     ):
         self.program = program
         self.schedule = schedule
@@ -57,20 +69,34 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.predicted = predicted
         self.passes = tuple(passes)
+        self.topology = topology
         captured = program.captured
-        grad_values = _values_needing_grad(program)
+        self.grad_values = _values_needing_grad(program)
         loss = LossSpec(captured.unflatten_outputs, loss_fn, 1.0 / microbatches)
-        last = program.num_stages - 1
-        self.workers = [
-            StageWorker(s.index, s.module, s.inputs, s.outputs,
-                        frozenset(n for n in s.inputs if n in grad_values),
-                        loss if s.index == last else None, checkpoint)
-            for s in program.stages
-        ]
-        wiring = Wiring(program.producer, program.consumers, captured.input_names,
-                        tuple(s.device for s in program.stages))
-        self.executor = LocalExecutor(self.workers, wiring, timeout=timeout)
-        self.optimizers = _build_optimizers(program, optimizer)
+        self.last_stage = program.num_stages - 1
+        # Under torch.distributed a rank runs only the stages of its pipeline position.
+        self.own_stages = tuple(
+            s.index for s in program.stages
+            if topology is None or schedule.stage_to_device[s.index] == topology.position
+        )
+        self.workers = {
+            s.index: StageWorker(s.index, s.module, s.inputs, s.outputs,
+                                 frozenset(n for n in s.inputs if n in self.grad_values),
+                                 loss if s.index == self.last_stage else None, checkpoint)
+            for s in program.stages if s.index in self.own_stages
+        }
+        self.wiring = Wiring(program.producer, program.consumers, captured.input_names,
+                             tuple(s.device for s in program.stages))
+        self.timeout = timeout
+        if topology is None:
+            self.executor = Executor(self.workers, self.wiring)
+            self.sync = None
+        else:
+            self.executor = Executor(self.workers, self.wiring, rows=[topology.position],
+                                     label=lambda st: f"rank {topology.rank} (stage {st})")
+            self.sync = GradientSync(topology, program, schedule, self.own_stages)
+            self._waiter = Waiter()
+        self.optimizers = _build_optimizers(program, optimizer, self.own_stages)
 
     # -- the model's API ------------------------------------------------------------------
 
@@ -88,6 +114,8 @@ class Pipeline:
         batch = batch_size_of(args, kwargs)
         if not captured.dynamic_batch and batch != captured.captured_batch_size:
             return self._call_in_chunks(args, kwargs, batch)
+        if self.topology is not None:
+            return self._call_distributed(args, kwargs)
         flat = captured.flatten_inputs(args, kwargs)
         env = dict(zip(captured.input_names, flat))
         outputs: tuple = ()
@@ -127,24 +155,60 @@ class Pipeline:
         captured = self.program.captured
         mbs = split_microbatches(args, kwargs, target, self.microbatches)
         flat = [captured.flatten_inputs(mb.args, mb.kwargs) for mb in mbs]
-        for p in self._all_parameters():
+        params = self._all_parameters()
+        for p in params:
             p.grad = None
-        for worker in self.workers:
+        for worker in self.workers.values():
             worker.peak_inflight = 0
-        steps = self.executor.run(self.schedule, mbs, flat)
-        last = self.workers[-1]
-        losses = [last.losses.pop(mb.index) for mb in mbs]
-        self._sum_tied_gradients()
-        if self.optimizers and steps:
+        transport = self._transport(mbs)
+        steps = self.executor.run(self.schedule, transport, mbs, flat)
+        self.communication = getattr(transport, "stats", None)  # P2P: messages, bytes, waits
+        last = self.workers.get(self.last_stage)
+        losses = [last.losses.pop(mb.index) for mb in mbs] if last is not None else []
+        if self.sync is not None:
+            self.sync.reduce(params)
+            loss = reduce_mean_loss(losses, self.wiring.devices[self.own_stages[0]])
+        else:
+            self._sum_tied_gradients()
+            loss = torch.stack([l.to(losses[0].device) for l in losses]).mean()
+        if steps:
             for opt in self.optimizers:
-                if opt is not None:
-                    opt.step()
-        return torch.stack([l.detach().to(losses[0].device) for l in losses]).mean()
+                opt.step()
+        return loss
+
+    def _transport(self, mbs):
+        """The step's transport: in-process queues, or point-to-point messages between ranks."""
+        if self.topology is None:
+            return Mailbox(self.wiring.consumers, self.wiring.devices, self.wiring.producer,
+                           self.timeout)
+        topology, position = self.topology, self.schedule.stage_to_device
+        return P2PTransport(
+            rank=topology.rank,
+            rank_of_stage=lambda stage: topology.rank_of(position[stage]),
+            producer=self.wiring.producer, consumers=self.wiring.consumers,
+            specs=value_specs(self.program), grad_values=frozenset(self.grad_values),
+            devices=self.wiring.devices, microbatch_sizes=[mb.size for mb in mbs],
+            timeout=self.timeout, waiter=self._waiter, store=_default_store(),
+            label=lambda stage: f"rank {topology.rank} (stage {stage})")
+
+    def _call_distributed(self, args: tuple, kwargs: dict) -> Any:
+        """Forward only across the ranks of this replica; every rank gets the outputs."""
+        captured = self.program.captured
+        (mb,) = split_microbatches(args, kwargs, None, 1)
+        flat = captured.flatten_inputs(mb.args, mb.kwargs)
+        plan = forward_only(self.schedule)
+        with torch.no_grad():
+            self.executor.run(plan, self._transport([mb]), [mb], [flat], forward_only=True)
+        return captured.unflatten_outputs(
+            broadcast_outputs(self.executor.outputs.get(0), self.program, mb.size, self.topology,
+                              self.sync.replica_group, self.schedule, self.wiring.devices))
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """The model's parameter names in the model's order (a tied parameter once)."""
         for name in self.program.captured.parameter_names:
-            yield name, self.program.tensors[name][0][1]
+            tensor = self._own_copy(name)
+            if tensor is not None:
+                yield name, tensor
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         for _, p in self.named_parameters():
@@ -153,7 +217,8 @@ class Pipeline:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Original keys, interchangeable with `model.state_dict()`."""
         keys = self.program.captured.state_keys
-        return {k: self.program.tensors[k][0][1].detach() for k in keys}
+        own = {k: self._own_copy(k) for k in keys}
+        return {k: t.detach() for k, t in own.items() if t is not None}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Copy `state` into every copy of every tensor (tied copies on all their devices)."""
@@ -176,7 +241,7 @@ class Pipeline:
     def peak_inflight(self) -> tuple[int, ...]:
         """Per stage, the most micro-batches whose activations were held at once in the last
         step (compare with `pipe.predicted.peak_inflight(stage)`)."""
-        return tuple(w.peak_inflight for w in self.workers)
+        return tuple(w.peak_inflight for _, w in sorted(self.workers.items()))
 
     def plot_timeline(self, path: str) -> str:
         """Draw the predicted and the last measured timeline as a Gantt chart (PNG or SVG)."""
@@ -206,11 +271,19 @@ class Pipeline:
 
     # -- internals -------------------------------------------------------------------------
 
+    def _own_copy(self, name: str) -> torch.Tensor | None:
+        """This process's copy of a parameter or buffer (under torch.distributed: only those
+        of this rank's stages; a tensor no stage reads stays with the first position)."""
+        for stage, tensor in self.program.tensors[name]:
+            if stage in self.own_stages or (stage == -1 and 0 in self.own_stages):
+                return tensor
+        return None
+
     def _all_parameters(self) -> list[torch.Tensor]:
         seen = {}
         for copies in self.program.tensors.values():
-            for _, t in copies:
-                if isinstance(t, torch.nn.Parameter):
+            for stage, t in copies:
+                if isinstance(t, torch.nn.Parameter) and (stage in self.own_stages or stage == -1):
                     seen[id(t)] = t
         return list(seen.values())
 
@@ -230,6 +303,28 @@ class Pipeline:
             for t in tensors:
                 t.grad = total.to(t.device)
 
+    # -- export and persistence (issue 6) --
+
+    def export_onnx(self, directory: str) -> str:
+        """Write one ONNX file per stage (eval mode) and manifest.json; returns its path."""
+        from .export import export_onnx
+
+        return export_onnx(self.program, directory)
+
+    def save(self, directory: str) -> str:
+        """Write the staged program (code, weights, plan, schedule); returns plan.json's path.
+        `pipecompile.load(directory)` rebuilds the pipeline without the model's code."""
+        from .persist import save
+
+        return save(self, directory)
+
+    def draw(self, path: str, *, backend: str = "auto") -> str:
+        """Draw the partition (blocks coloured by stage, cuts with their boundary sizes) as
+        SVG or PNG by the extension of `path`; graphviz's `dot` if present, else matplotlib."""
+        from .draw import draw_partition
+
+        return draw_partition(self, path, backend=backend)
+
 
 def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor) and value.device != device:
@@ -246,17 +341,21 @@ def _values_needing_grad(program: StagedProgram) -> set[str]:
     }
 
 
-def _build_optimizers(program: StagedProgram, optimizer: Callable | None) -> list:
+def _build_optimizers(program: StagedProgram, optimizer: Callable | None,
+                      own_stages: Sequence[int]) -> list:
     """One optimizer per stage over the parameters it owns (a shared object: its first stage)."""
     if optimizer is None:
         return []
     owned: set[int] = set()
     result = []
     for stage in program.stages:
+        if stage.index not in own_stages:
+            continue
         params = []
         for p in stage.module.parameters():
             if p.requires_grad and id(p) not in owned:
                 owned.add(id(p))
                 params.append(p)
-        result.append(optimizer(params) if params else None)
+        if params:
+            result.append(optimizer(params))
     return result

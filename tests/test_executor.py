@@ -1,4 +1,4 @@
-"""LocalExecutor: every synchronous schedule equals the unsplit model (float64)."""
+"""Executor (in-process, one thread per device): every synchronous schedule equals the unsplit model (float64)."""
 
 from __future__ import annotations
 

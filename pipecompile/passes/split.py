@@ -51,7 +51,8 @@ class Stage:
 
 @dataclass(frozen=True)
 class TiedParameter:
-    """One parameter reached under several names; `copies` are (stage, name) holding a copy."""
+    """One parameter reached under several names; `copies` lists (stage, name) for every stage
+    that reads it (stages on the same device share one tensor object)."""
 
     names: tuple[str, ...]
     copies: tuple[tuple[int, str], ...]
@@ -69,7 +70,7 @@ class StagedProgram:
     consumers: Mapping[str, tuple[int, ...]]  # value name -> stages that read it
     ties: tuple[TiedParameter, ...]
     tensors: Mapping[str, tuple[tuple[int, torch.Tensor], ...]] = field(repr=False)
-    # original parameter/buffer name -> every (stage, tensor) copy holding it (stage -1: unused)
+    # original parameter/buffer name -> (stage, tensor) for every stage holding it (-1: unused)
 
     @property
     def num_stages(self) -> int:
@@ -232,8 +233,8 @@ def _tensor_copies(gm: fx.GraphModule, stages: list[Stage]):
     for stage in stages:
         for name, t in _state(stage.module):
             key = original_of.get(name)
-            if key is not None:
-                copies_of.setdefault(key, {}).setdefault(id(t), (stage.index, t, name))
+            if key is not None:  # one entry per stage (stages on one device share the object)
+                copies_of.setdefault(key, {}).setdefault(stage.index, (stage.index, t, name))
     tensors: dict[str, tuple[tuple[int, torch.Tensor], ...]] = {}
     ties = []
     for key, names in names_of.items():

@@ -90,6 +90,10 @@ class StageWorker:
         self.peak_inflight = max(self.peak_inflight, len(self.saved))
         return dict(saved.outputs)
 
+    def infer(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Forward without keeping anything for backward (forward-only calls)."""
+        return dict(zip(self.output_names, self._run(inputs)))
+
     def backward(self, mb: int, output_grads: Mapping[str, Any]) -> dict[str, Any]:
         """Full backward of micro-batch `mb`: accumulates parameter grads, returns input grads."""
         saved = self._restore(mb)

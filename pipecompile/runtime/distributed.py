@@ -1,0 +1,246 @@
+"""torch.distributed set-up for pipelines: topology, plan check, gradient and loss reductions.
+
+Ranks form a (data_parallel × pipeline) grid: rank = replica * P + position, where position p
+runs the stages the schedule puts on device p (several with interleaving) and replica d is one
+of D copies of the whole pipeline.
+
+    P = 2, D = 2:      position 0   position 1
+        replica 0       rank 0   ──▶  rank 1
+        replica 1       rank 2   ──▶  rank 3      DP groups: {0, 2}, {1, 3}
+
+After the step's backward passes, `GradientSync.reduce` sums the gradients of a tied parameter
+over the ranks of a replica holding a copy, then averages every gradient over the replicas of
+its stage, so every copy of every parameter sees the same gradient and stays bit-identical.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+__all__ = ["Topology", "topology_from_environment", "local_device", "check_same_plan",
+           "plan_digest", "GradientSync", "reduce_mean_loss", "value_specs", "forward_only",
+           "broadcast_outputs"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in the data-parallel × pipeline grid."""
+
+    rank: int
+    world_size: int
+    pipeline_size: int  # P: ranks per pipeline
+    data_parallel: int  # D: replicas
+
+    @property
+    def position(self) -> int:
+        return self.rank % self.pipeline_size
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.pipeline_size
+
+    def rank_of(self, position: int, replica: int | None = None) -> int:
+        return (self.replica if replica is None else replica) * self.pipeline_size + position
+
+
+def topology_from_environment(pipeline_size: int, data_parallel: int,
+                              timeout: float) -> Topology | None:
+    """The topology if this process is one rank of several (initialising the process group
+    from torchrun's environment if needed); None for a single process."""
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized():
+        if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+            return None
+        if int(os.environ["WORLD_SIZE"]) == 1:
+            return None
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    world = dist.get_world_size()
+    if world == 1:
+        return None
+    if world != pipeline_size * data_parallel:
+        raise ConfigError(
+            f"the process group has {world} ranks but devices={pipeline_size} × "
+            f"data_parallel={data_parallel} = {pipeline_size * data_parallel}; launch "
+            f"{pipeline_size * data_parallel} ranks or change devices/data_parallel"
+        )
+    return Topology(dist.get_rank(), world, pipeline_size, data_parallel)
+
+
+def local_device() -> torch.device:
+    """This rank's device: its CUDA device under NCCL, else the CPU."""
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def plan_digest(program, schedule) -> int:
+    """A hash of everything every rank must agree on: cuts, wiring, shapes and the schedule."""
+    values = program.captured.values
+    plan = {
+        "bounds": list(program.bounds),
+        "stages": [[list(s.inputs), list(s.outputs)] for s in program.stages],
+        "values": {v: repr(values[v]) for v in sorted(program.producer)},
+        "schedule": schedule.to_text(),
+    }
+    digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def check_same_plan(digest: int, device: torch.device) -> None:
+    """Raise on every rank if the ranks compiled different plans, naming who differs."""
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    digests = [int(t.item()) for t in everyone]
+    if len(set(digests)) > 1:
+        groups: dict[int, list[int]] = {}
+        for rank, d in enumerate(digests):
+            groups.setdefault(d, []).append(rank)
+        listing = "; ".join(f"ranks {ranks}: plan {d:016x}" for d, ranks in groups.items())
+        raise ConfigError(
+            f"the ranks compiled different pipeline plans ({listing}). Every rank must call "
+            f"compile with the same model, example inputs and options (seed the model's "
+            f"initialisation identically, or load the same weights)"
+        )
+
+
+class GradientSync:
+    """Process groups and reductions for tied parameters and data-parallel replicas."""
+
+    def __init__(self, topology: Topology, program, schedule, own_stages: Sequence[int]):
+        self.topology = topology
+        position = schedule.stage_to_device
+        P, D = topology.pipeline_size, topology.data_parallel
+        # Every rank must create every group, in the same order.
+        self.replica_group = None
+        for d in range(D):
+            group = dist.new_group([topology.rank_of(p, d) for p in range(P)])
+            if d == topology.replica:
+                self.replica_group = group
+        self.dp_group = None
+        if D > 1:
+            for p in range(P):
+                group = dist.new_group([topology.rank_of(p, d) for d in range(D)])
+                if p == topology.position:
+                    self.dp_group = group
+        self.ties: list[tuple[Any, torch.Tensor]] = []  # (group, this rank's copy)
+        own = set(own_stages)
+        for tie in program.ties:
+            positions = sorted({position[stage] for stage, _ in tie.copies})
+            if len(positions) < 2:
+                continue
+            for d in range(D):
+                group = dist.new_group([topology.rank_of(p, d) for p in positions])
+                if d == topology.replica and topology.position in positions:
+                    copy = next(t for s, t in program.tensors[tie.names[0]] if s in own)
+                    self.ties.append((group, copy))
+
+    def reduce(self, params: Sequence[torch.Tensor]) -> None:
+        """Sum tied copies' gradients within the replica, then average over replicas."""
+        for group, tensor in self.ties:
+            if tensor.grad is None:
+                tensor.grad = torch.zeros_like(tensor)
+            dist.all_reduce(tensor.grad, group=group)
+        if self.dp_group is None:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.topology.data_parallel
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+
+def reduce_mean_loss(losses: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Mean of every replica's micro-batch losses, on every rank (only last stages have any)."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    if losses:
+        total[0] = sum(float(l) for l in losses)
+        total[1] = len(losses)
+    dist.all_reduce(total)
+    return total[0] / total[1]
+
+
+def value_specs(program) -> dict:
+    """Receive-buffer specs of every boundary value: its symbolic shape at a micro-batch size."""
+    from ..ir import evaluate
+    from .p2p import ValueSpec
+
+    captured = program.captured
+    specs = {}
+    for name in program.producer:
+        info = captured.values[name]
+
+        def shape(size: int, dims=info.shape) -> tuple[int, ...]:
+            sizes = dict(captured.example_sizes)
+            if captured.batch_symbol is not None:
+                sizes[captured.batch_symbol] = size
+            return tuple(int(evaluate(d, sizes)) for d in dims)
+
+        specs[name] = ValueSpec(shape, info.dtype)
+    return specs
+
+
+def forward_only(schedule):
+    """A one-micro-batch schedule of forwards only, in stage order on every device."""
+    from .actions import Action, Kind, Schedule
+
+    rows = [tuple(Action(s, Kind.F, 0) for s in range(schedule.num_stages)
+                  if schedule.stage_to_device[s] == d) for d in range(schedule.num_devices)]
+    return Schedule(f"{schedule.name}-forward", schedule.num_stages, 1,
+                    schedule.stage_to_device, tuple(rows))
+
+
+def broadcast_outputs(outputs, program, batch: int, topology: Topology, group, schedule,
+                      devices) -> list:
+    """The model's flat outputs on every rank of the replica, sent by the last stage's rank."""
+    from ..ir import evaluate
+
+    captured = program.captured
+    last = program.num_stages - 1
+    src = topology.rank_of(schedule.stage_to_device[last])
+    device = devices[last] if src == topology.rank else local_device()
+    sizes = dict(captured.example_sizes)
+    if captured.batch_symbol is not None:
+        sizes[captured.batch_symbol] = batch
+    flat = []
+    for name in captured.output_names:
+        info = captured.values.get(name)
+        if info is None or info.dtype is None:  # a constant or non-tensor output
+            flat.append(outputs[name] if outputs is not None else None)
+            continue
+        if src == topology.rank:
+            tensor = outputs[name].contiguous()
+        else:
+            shape = tuple(int(evaluate(d, sizes)) for d in info.shape)
+            tensor = torch.empty(shape, dtype=info.dtype, device=device)
+        dist.broadcast(tensor, src=src, group=group)
+        flat.append(tensor)
+    return flat
+
+
+def _default_store():
+    """The default process group's key-value store (used to post a rank's failure)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - not every init method exposes a store
+        return None

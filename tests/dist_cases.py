@@ -1,0 +1,78 @@
+"""Functions run on every rank by tests/test_distributed.py (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import pipecompile as pc
+from tests.models import CASES
+
+
+def _shard(case, replica, replicas):
+    def cut(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == 8:
+            return x.chunk(replicas)[replica]
+        return x
+    args = tuple(cut(a) for a in case.args)
+    kwargs = {k: cut(v) for k, v in case.kwargs.items()}
+    return args, kwargs, cut(case.target)
+
+
+def train(rank, name, schedules, devices, data_parallel=1, microbatches=4, steps=1,
+          optimizer=None):
+    """For each schedule: compile, run `steps` steps; return losses, own grads, outputs."""
+    results = {}
+    for schedule in schedules:
+        torch.manual_seed(0)
+        case = CASES[name]()
+        replica = rank // devices
+        args, kwargs, target = _shard(case, replica, data_parallel)
+        opt = (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)) if optimizer else None
+        pipe = pc.compile(case.model, args, kwargs, devices=devices, microbatches=microbatches,
+                          schedule=schedule, loss_fn=case.loss_fn, data_parallel=data_parallel,
+                          optimizer=opt, timeout=60)
+        losses = [pipe.step(*args, target=target, **kwargs) for _ in range(steps)]
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        with torch.no_grad():
+            out = pipe(*args, **kwargs)
+        flat_out = torch.utils._pytree.tree_leaves(out)
+        results[schedule] = {"losses": losses, "grads": grads, "params": params,
+                             "state": {k: v.clone() for k, v in pipe.state_dict().items()},
+                             "out": flat_out, "own": pipe.own_stages}
+    return results
+
+
+def fail_in_loss(rank):
+    def loss_fn(out, y):
+        raise RuntimeError("loss exploded")
+
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    pipe = pc.compile(case.model, case.args, devices=2, microbatches=2, loss_fn=loss_fn,
+                      schedule="1f1b", timeout=60)
+    pipe.step(*case.args, target=case.target)
+    return {"ok": True}
+
+
+def die_in_loss(rank):
+    def loss_fn(out, y):
+        os._exit(3)  # the process vanishes mid-step, sockets close
+
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    pipe = pc.compile(case.model, case.args, devices=2, microbatches=2, loss_fn=loss_fn,
+                      schedule="1f1b", timeout=20)
+    pipe.step(*case.args, target=case.target)
+    return {"ok": True}
+
+
+def different_models(rank):
+    torch.manual_seed(rank)  # forgot to seed identically: different... shapes are the same
+    from pipecompile import zoo
+    model = zoo.GPT(vocab=32, dim=16, layers=2 + rank, heads=2, seq=8)
+    x = torch.randint(0, 32, (8, 8))
+    pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=zoo.lm_loss, timeout=30)
+    return {"ok": True}

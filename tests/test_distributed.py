@@ -1,0 +1,108 @@
+"""Tier 3: real gloo processes on loopback; gradients equal the unsplit model's (float64)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.dist_cases import different_models, die_in_loss, fail_in_loss, train
+from tests.models import CASES
+from tests.reference import reference_step
+
+SYNC = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+
+
+def _reference(name, microbatches):
+    torch.manual_seed(0)
+    case = CASES[name]()
+    model = copy.deepcopy(case.model)
+    loss, grads = reference_step(model, case.args, case.kwargs, case.target, case.loss_fn,
+                                 microbatches)
+    with torch.no_grad():
+        out = torch.utils._pytree.tree_leaves(model(*case.args, **case.kwargs))
+    return loss, grads, model, out
+
+
+def _check(results, name, schedules, microbatches):
+    ref_loss, ref_grads, model, ref_out = _reference(name, microbatches)
+    for rank, result in enumerate(results):
+        assert "error" not in result and "died" not in result, (rank, result)
+        for schedule in schedules:
+            r = result[schedule]
+            assert torch.allclose(r["losses"][0], ref_loss.double(), rtol=1e-12), (schedule, rank)
+            assert r["grads"], (schedule, rank)
+            for n, g in r["grads"].items():
+                scale = ref_grads[n].abs().max().item() or 1.0
+                err = (g - ref_grads[n]).abs().max().item() / scale
+                assert err <= 1e-10, (schedule, rank, n, err)
+            for got, want in zip(r["out"], ref_out):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # together the ranks hold every parameter
+    for schedule in schedules:
+        names = set().union(*(set(r[schedule]["grads"]) for r in results))
+        assert names == set(ref_grads), schedule
+
+
+@pytest.mark.parametrize("name", ["gpt2", "unet"])
+def test_two_ranks_every_schedule(name):
+    results = run_ranks(train, 2, name, SYNC, 2)
+    _check(results, name, SYNC, 4)
+
+
+def test_four_ranks_every_schedule_gpt2_tied():
+    results = run_ranks(train, 4, "gpt2", SYNC, 4)
+    _check(results, "gpt2", SYNC, 4)
+
+
+def test_data_parallel_two_by_two_equals_one_replica_on_all_shards():
+    results = run_ranks(train, 4, "residual_cnn", ["1f1b"], 2, 2, 2)
+    # 2 replicas x 2 micro-batches each = the unsplit model on 4 micro-batches of the full batch
+    ref_loss, ref_grads, _, _ = _reference("residual_cnn", 4)
+    for rank, result in enumerate(results):
+        assert "error" not in result, result
+        r = result["1f1b"]
+        assert torch.allclose(r["losses"][0], ref_loss.double(), rtol=1e-12), rank
+        for n, g in r["grads"].items():
+            err = (g - ref_grads[n]).abs().max().item() / (ref_grads[n].abs().max().item() or 1)
+            assert err <= 1e-10, (rank, n, err)
+
+
+def test_tied_copies_stay_bit_identical_with_an_optimizer():
+    results = run_ranks(train, 2, "gpt2", ["1f1b"], 2, 1, 4, 3, True)
+    first, last = results[0]["1f1b"], results[1]["1f1b"]
+    name = "transformer.wte.weight"  # = lm_head.weight: listed once, under its first name
+    assert name in first["params"] and name in last["params"]  # each rank holds a copy
+    assert first["own"] == (0,) and last["own"] == (1,)
+    start = CASES["gpt2"]().model.transformer.wte.weight
+    assert not torch.equal(first["params"][name], start.detach())  # 3 updates happened
+    assert torch.equal(first["params"][name], last["params"][name])
+
+
+def test_exception_in_one_rank_stops_every_rank_with_its_name():
+    results = run_ranks(fail_in_loss, 2, timeout=120)
+    for result in results:
+        assert "error" in result, result
+        assert "rank 1" in result["error"] and "1F0" in result["error"], result["error"]
+        assert "loss exploded" in result["error"]
+
+
+def test_killed_rank_makes_the_others_fail_within_the_timeout():
+    import time
+
+    start = time.monotonic()
+    results = run_ranks(die_in_loss, 2, timeout=120)
+    assert results[1].get("died") == 3, results[1]
+    assert "error" in results[0], results[0]
+    assert "rank 0" in results[0]["error"] and "rank 1" in results[0]["error"]
+    assert time.monotonic() - start < 90
+
+
+def test_ranks_with_different_plans_are_named():
+    results = run_ranks(different_models, 2, timeout=120)
+    for result in results:
+        assert "error" in result, result
+        assert "different pipeline plans" in result["error"], result["error"]
+        assert "ranks [0]" in result["error"] and "ranks [1]" in result["error"]
