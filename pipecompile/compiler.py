@@ -25,7 +25,8 @@ from .runtime.simulate import StageCosts, simulate
 
 __all__ = ["compile"]
 
-_SUPPORTED = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+_SUPPORTED = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "2bw")
+_ASYNC = ("pipedream", "2bw")
 _RANK_BANDWIDTH = 3e9  # bytes/s between ranks when not told: gloo on loopback (FACTS.md)
 
 
@@ -47,6 +48,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     memory_limit: float | Sequence[float] | None = None,
     bandwidth: float | None = None,
     checkpoint: bool = False,
+    vertical_sync: bool = False,
     data_parallel: int = 1,
     timeout: float = 300.0,
 ) -> Pipeline:
@@ -76,10 +78,8 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     specs = _device_specs(devices, memory_limit, bandwidth)
     if schedule not in _SUPPORTED:
         raise ConfigError(
-            f"schedule={schedule!r} is not supported yet; use one of {', '.join(_SUPPORTED)}"
-            + (" (the asynchronous PipeDream schedules are not implemented yet)"
-               if schedule in ("pipedream", "2bw") else "")
-        )
+            f"schedule={schedule!r} is not supported; use one of {', '.join(_SUPPORTED)}")
+    _check_async_options(schedule, vertical_sync, optimizer, data_parallel)
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(f"microbatches must be a positive int, got {microbatches!r}")
     batch = batch_size_of(args, kwargs)
@@ -158,6 +158,8 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                          for i, d in enumerate(stage_devices)]
     program = split(linear, chosen.bounds, stage_devices)
     program = _with_costs(program, costs, chosen, inflight)
+    if schedule in _ASYNC:
+        _check_no_cross_stage_ties(program, schedule)
     records.append(PassRecord("split", time.perf_counter() - t,
                               f"{program.num_stages} stage graphs, {len(program.ties)} tied "
                               f"parameter groups"))
@@ -175,10 +177,45 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                                   f"{topology.replica})"))
     return Pipeline(program, plan, microbatches=microbatches, loss_fn=loss_fn,
                     optimizer=optimizer, checkpoint=checkpoint, predicted=predicted,
-                    passes=records, timeout=timeout, topology=topology)
+                    stage_costs=stage_costs,
+                    passes=records, timeout=timeout, topology=topology,
+                    vertical_sync=vertical_sync)
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _check_async_options(schedule, vertical_sync, optimizer, data_parallel) -> None:
+    if vertical_sync and schedule != "pipedream":
+        raise ConfigError("vertical_sync=True only applies to schedule='pipedream'")
+    if schedule not in _ASYNC:
+        return
+    if optimizer is None:
+        raise ConfigError(
+            f"schedule={schedule!r} updates the weights during the step; pass optimizer=..., "
+            f"e.g. optimizer=lambda p: torch.optim.SGD(p, lr=0.01)")
+    if data_parallel != 1:
+        raise ConfigError(f"schedule={schedule!r} with data_parallel > 1 is not supported; "
+                          f"use a synchronous schedule for data parallelism")
+
+
+def _check_no_cross_stage_ties(program, schedule) -> None:
+    """Asynchronous stages update on their own clocks: a parameter must live in one stage."""
+    for tie in program.ties:  # one parameter under several names (wte = lm_head)
+        stages = sorted({s for s, _ in tie.copies})
+        if len(stages) > 1:
+            _shared_error(" = ".join(tie.names), stages, schedule)
+    for name in program.captured.parameter_names:  # one name read by several stages
+        stages = sorted({s for s, _ in program.tensors[name] if s >= 0})
+        if len(stages) > 1:
+            _shared_error(name, stages, schedule)
+
+
+def _shared_error(name: str, stages: list[int], schedule: str) -> None:
+    raise ConfigError(
+        f"schedule={schedule!r} updates each stage on its own clock, so the parameter {name} "
+        f"cannot be used by stages {stages}; untie it (e.g. tie_word_embeddings=False), keep "
+        f"its users in one stage with split_points, or use a synchronous schedule")
 
 
 def _device_specs(devices, memory_limit, bandwidth) -> list[DeviceSpec]:

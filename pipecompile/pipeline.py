@@ -7,8 +7,8 @@ per-stage optimizers and the executor; it offers the user-facing API of DESIGN.m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -31,8 +31,10 @@ from .runtime.executor import Executor, Wiring
 from .runtime.mailbox import Mailbox
 from .runtime.p2p import P2PTransport, Waiter
 from .runtime.microbatch import split_microbatches
-from .runtime.simulate import Timeline
+from .runtime.schedules import make_schedule
+from .runtime.simulate import StageCosts, Timeline, simulate
 from .runtime.stage_worker import LossSpec, StageWorker
+from .runtime.versions import VersionRule, WeightVersions
 
 __all__ = ["Pipeline", "PassRecord"]
 
@@ -60,19 +62,26 @@ class Pipeline:
         checkpoint: bool,
         predicted: Timeline | None,
         passes: Sequence[PassRecord],
+        stage_costs: Sequence[StageCosts] = (),
         timeout: float = 300.0,
         topology: Topology | None = None,
+        vertical_sync: bool = False,
     ):
         self.program = program
         self.schedule = schedule
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.predicted = predicted
+        self.stage_costs = tuple(stage_costs)
         self.passes = tuple(passes)
         self.topology = topology
         captured = program.captured
         self.grad_values = _values_needing_grad(program)
-        loss = LossSpec(captured.unflatten_outputs, loss_fn, 1.0 / microbatches)
+        self.asynchronous = schedule.name in ("pipedream", "2bw")
+        self.vertical_sync = vertical_sync
+        scale = (VersionRule(schedule.name, program.num_stages, 0, microbatches).loss_scale
+                 if self.asynchronous else 1.0 / microbatches)
+        loss = LossSpec(captured.unflatten_outputs, loss_fn, scale)
         self.last_stage = program.num_stages - 1
         # Under torch.distributed a rank runs only the stages of its pipeline position.
         self.own_stages = tuple(
@@ -96,7 +105,14 @@ class Pipeline:
                                      label=lambda st: f"rank {topology.rank} (stage {st})")
             self.sync = GradientSync(topology, program, schedule, self.own_stages)
             self._waiter = Waiter()
-        self.optimizers = _build_optimizers(program, optimizer, self.own_stages)
+        if self.asynchronous:  # each stage owns versions of its weights and their optimizer
+            for index, worker in self.workers.items():
+                rule = VersionRule(schedule.name, program.num_stages, index, microbatches,
+                                   vertical_sync)
+                worker.versions = WeightVersions(worker.module, rule, optimizer)
+            self.optimizers = []
+        else:
+            self.optimizers = _build_optimizers(program, optimizer, self.own_stages)
 
     # -- the model's API ------------------------------------------------------------------
 
@@ -149,32 +165,69 @@ class Pipeline:
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """One training step over `microbatches` micro-batches; returns the mean loss.
 
-        Gradients start from zero and end as those of the mean micro-batch loss; with an
-        optimizer, every stage's parameters are updated.
+        Synchronous schedules: gradients start from zero and end as those of the mean
+        micro-batch loss; with an optimizer, every stage's parameters are updated. PipeDream
+        and 2BW update during the step (see `runtime/versions.py`) and drain at its end.
         """
-        captured = self.program.captured
         mbs = split_microbatches(args, kwargs, target, self.microbatches)
+        return self._run(mbs, self.schedule, batches=1)[0]
+
+    def fit(self, batches: Iterable[tuple]) -> list[torch.Tensor]:
+        """Train on a stream of batches; returns each batch's mean loss.
+
+        Each batch is `(args, target)` or `(args, kwargs, target)`, `args` a tuple of positional
+        inputs. PipeDream and 2BW run the whole stream as one schedule, without draining the
+        pipeline between batches; synchronous schedules flush after every batch (a `step` each).
+        """
+        batches = [_batch_parts(b) for b in batches]
+        if not self.asynchronous:
+            return [self.step(*a, target=t, **k) for a, k, t in batches]
+        mbs = []
+        for a, k, t in batches:
+            for mb in split_microbatches(a, k, t, self.microbatches):
+                mbs.append(replace(mb, index=len(mbs)))
+        schedule = make_schedule(self.schedule.name, self.schedule.num_devices,
+                                 self.microbatches, batches=len(batches))
+        return self._run(mbs, schedule, batches=len(batches))
+
+    def _run(self, mbs: list, schedule: Schedule, *, batches: int) -> list[torch.Tensor]:
+        """Run `schedule` over micro-batches `mbs`; the mean loss of each batch."""
+        captured = self.program.captured
         flat = [captured.flatten_inputs(mb.args, mb.kwargs) for mb in mbs]
         params = self._all_parameters()
-        for p in params:
-            p.grad = None
+        if not self.asynchronous:
+            for p in params:
+                p.grad = None
         for worker in self.workers.values():
             worker.peak_inflight = 0
+            if worker.versions is not None:
+                worker.versions.begin_call()
         transport = self._transport(mbs)
-        steps = self.executor.run(self.schedule, transport, mbs, flat)
+        steps = self.executor.run(schedule, transport, mbs, flat)
+        self.last_schedule = schedule
         self.communication = getattr(transport, "stats", None)  # P2P: messages, bytes, waits
         last = self.workers.get(self.last_stage)
         losses = [last.losses.pop(mb.index) for mb in mbs] if last is not None else []
+        m = self.microbatches
+        per_batch = [losses[b * m:(b + 1) * m] for b in range(batches)]
         if self.sync is not None:
-            self.sync.reduce(params)
-            loss = reduce_mean_loss(losses, self.wiring.devices[self.own_stages[0]])
+            if not self.asynchronous:
+                self.sync.reduce(params)
+            device = self.wiring.devices[self.own_stages[0]]
+            result = [reduce_mean_loss(chunk, device) for chunk in per_batch]
         else:
             self._sum_tied_gradients()
-            loss = torch.stack([l.to(losses[0].device) for l in losses]).mean()
+            result = [torch.stack([l.to(chunk[0].device) for l in chunk]).mean()
+                      for chunk in per_batch]
         if steps:
             for opt in self.optimizers:
                 opt.step()
-        return loss
+        return result
+
+    def weight_versions(self) -> dict[int, int]:
+        """Asynchronous schedules: per stage, the most weight versions held at once so far."""
+        return {i: w.versions.peak_versions for i, w in self.workers.items()
+                if w.versions is not None}
 
     def _transport(self, mbs):
         """The step's transport: in-process queues, or point-to-point messages between ranks."""
@@ -237,6 +290,11 @@ class Pipeline:
     def timeline(self) -> Timeline:
         """Measured start/end of every action of the last step, in the simulator's format."""
         return Timeline(tuple(self.executor.records), self.schedule.num_devices)
+
+    def simulate(self, schedule: Schedule | None = None) -> Timeline:
+        """Predicted timeline of `schedule` (default: the last one run, else the step's)."""
+        plan = schedule or getattr(self, "last_schedule", None) or self.schedule
+        return simulate(plan, self.stage_costs)
 
     def peak_inflight(self) -> tuple[int, ...]:
         """Per stage, the most micro-batches whose activations were held at once in the last
@@ -330,6 +388,18 @@ def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor) and value.device != device:
         return value.to(device)
     return value
+
+
+def _batch_parts(batch: tuple) -> tuple[tuple, dict, Any]:
+    """(args, kwargs, target) of one `fit` batch given as (args, target) or (args, kwargs, target)."""
+    if len(batch) == 2:
+        args, target = batch
+        kwargs = {}
+    elif len(batch) == 3:
+        args, kwargs, target = batch
+    else:
+        raise ConfigError("each fit batch must be (args, target) or (args, kwargs, target)")
+    return (args if isinstance(args, tuple) else (args,)), dict(kwargs), target
 
 
 def _values_needing_grad(program: StagedProgram) -> set[str]:

@@ -76,3 +76,21 @@ def different_models(rank):
     x = torch.randint(0, 32, (8, 8))
     pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=zoo.lm_loss, timeout=30)
     return {"ok": True}
+
+
+def train_async(rank, schedule, steps=2):
+    """PipeDream/2BW on 2 ranks: own parameters after `steps` steps, and the losses."""
+    from tests.test_async import OPTIMIZERS, _batch, _model
+    from pipecompile import zoo
+
+    model = _model()
+    x, _ = _batch(0)
+    pipe = pc.compile(model, (x,), devices=2, microbatches=4, schedule=schedule,
+                      loss_fn=zoo.lm_loss, optimizer=OPTIMIZERS["adamw"], timeout=60)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step)
+        losses.append(pipe.step(x, target=y))
+    return {"params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
+            "names": [list(s.parameter_names) for s in pipe.stages], "losses": losses,
+            "versions": pipe.weight_versions()}

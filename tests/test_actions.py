@@ -59,7 +59,7 @@ def test_parse_raises_only_schedule_error(text: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "F3", "1X3", "1F", "1STEP2", "-1F0", "1f3", "1F3 1B3", "1 F3"]
+    "text", ["", "F3", "1X3", "1F", "-1F0", "1f3", "1F3 1B3", "1 F3", "1STEPX"]
 )
 def test_bad_text_is_named(text: str) -> None:
     with pytest.raises(ScheduleError, match="cannot parse action"):
@@ -70,8 +70,10 @@ def test_constructor_checks_fields() -> None:
     assert Action(0, "F", 1).kind is Kind.F  # type: ignore[arg-type]
     with pytest.raises(ScheduleError, match="needs a micro-batch"):
         Action(0, Kind.F)
-    with pytest.raises(ScheduleError, match="STEP has no micro-batch"):
-        Action(0, Kind.STEP, 1)
+    assert str(Action(0, Kind.STEP, 1)) == "0STEP1"  # an asynchronous per-micro-batch update
+    assert Action.parse("0STEP1") == Action(0, Kind.STEP, 1)
+    with pytest.raises(ScheduleError, match="needs a micro-batch int >= 0"):
+        Action(0, Kind.STEP, -1)
     with pytest.raises(ScheduleError, match="stage must be an int >= 0"):
         Action(-1, Kind.F, 0)
     with pytest.raises(ScheduleError, match="unknown action kind 'X'"):

@@ -106,3 +106,30 @@ def test_ranks_with_different_plans_are_named():
         assert "error" in result, result
         assert "different pipeline plans" in result["error"], result["error"]
         assert "ranks [0]" in result["error"] and "ranks [1]" in result["error"]
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
+def test_asynchronous_schedules_on_two_ranks_match_reference(schedule):
+    from pipecompile import zoo
+    from pipecompile.runtime.microbatch import split_microbatches
+    from tests.async_reference import AsyncReference
+    from tests.dist_cases import train_async
+    from tests.test_async import OPTIMIZERS, _batch, _model
+
+    results = run_ranks(train_async, 2, schedule)
+    for r in results:
+        assert "error" not in r, r
+    reference = AsyncReference(_model(), results[0]["names"], OPTIMIZERS["adamw"],
+                               schedule=schedule, microbatches=4)
+    for step in range(2):
+        x, y = _batch(step)
+        mbs = [(mb.args, mb.kwargs, mb.target) for mb in split_microbatches((x,), {}, y, 4)]
+        ref_losses = reference.run(mbs, zoo.lm_loss)
+        for r in results:
+            assert torch.allclose(r["losses"][step], torch.stack(ref_losses).mean().double(),
+                                  rtol=1e-10)
+    ref = reference.parameters()
+    for r in results:
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-10, atol=1e-12)
+    assert set().union(*(r["params"] for r in results)) == set(ref)

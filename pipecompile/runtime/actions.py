@@ -14,7 +14,9 @@ Terms
       2RECV_F3   stage 2 receives it
       2SEND_B3   stage 2 sends the input gradient of micro-batch 3 to stage 1
       1RECV_B3   stage 1 receives it
-      2STEP      optimizer step of stage 2 (no micro-batch)
+      2STEP      optimizer step of stage 2 after the flush (synchronous schedules)
+      2STEP5     update of stage 2 applied right after micro-batch 5's backward
+                 (asynchronous schedules: PipeDream, 2BW)
 
   ``str(action)`` gives that text and ``Action.parse(text)`` gives the action back.
 - **schedule**: one list of actions per device, in execution order, plus the placement of stages
@@ -97,7 +99,7 @@ class Action:
         # Fast path: schedules build many actions, almost all well formed.
         mb = self.microbatch
         if type(self.kind) is Kind and type(self.stage) is int and self.stage >= 0:
-            if (type(mb) is int and mb >= 0) if self.kind is not Kind.STEP else mb is None:
+            if (type(mb) is int and mb >= 0) or (self.kind is Kind.STEP and mb is None):
                 return
         if not isinstance(self.kind, Kind):
             try:
@@ -109,13 +111,9 @@ class Action:
                 ) from None
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage < 0:
             raise ScheduleError(f"action stage must be an int >= 0, got {self.stage!r}")
-        if self.kind is Kind.STEP:
-            if self.microbatch is not None:
-                raise ScheduleError(
-                    f"STEP has no micro-batch, got microbatch={self.microbatch!r}; "
-                    f"write {self.stage}STEP"
-                )
-        elif (
+        if self.kind is Kind.STEP and self.microbatch is None:
+            return
+        if (
             isinstance(self.microbatch, bool)
             or not isinstance(self.microbatch, int)
             or self.microbatch < 0
@@ -142,9 +140,7 @@ class Action:
                 f"'1F3', '0SEND_B2' or '2STEP' (kinds: {', '.join(k.value for k in Kind)})"
             )
         stage, kind, mb = match.groups()
-        if kind == Kind.STEP.value:
-            if mb:
-                raise ScheduleError(f"cannot parse action {text!r}: STEP takes no micro-batch")
+        if kind == Kind.STEP.value and not mb:
             return cls(int(stage), Kind.STEP)
         if not mb:
             raise ScheduleError(f"cannot parse action {text!r}: {kind} needs a micro-batch")

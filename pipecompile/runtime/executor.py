@@ -10,8 +10,9 @@ action kind to a small function. Values move through a *transport*:
 Both deliver a forward output straight from its producing stage to every consuming stage (skip
 connections skip the stages in between) and sum the input gradients of a value read by several
 stages. SEND/RECV actions are satisfied by the transport: a value is sent when it is produced and
-received when an action needs it. STEP actions are returned to the caller, which applies them
-once the step's gradients are complete (tied parameters and data-parallel replicas summed).
+received when an action needs it. A synchronous STEP is returned to the caller, which applies it
+once the step's gradients are complete (tied parameters and data-parallel replicas summed); an
+asynchronous STEP (with a micro-batch: PipeDream, 2BW) updates its stage in place, in order.
 
 Every wait has a timeout; an exception in one thread stops the others and is raised as a
 `StageExecutionError` naming the stage and the action.
@@ -75,7 +76,8 @@ class Executor:
         self.records = []
         self._start = time.perf_counter()
         errors: list[BaseException] = []
-        steps = [a for d in rows for a in schedule.actions[d] if a.kind is Kind.STEP]
+        steps = [a for d in rows for a in schedule.actions[d]
+                 if a.kind is Kind.STEP and a.microbatch is None]
         context = (transport, feeds, microbatches)
 
         if self.threads and len(rows) > 1:
@@ -102,8 +104,8 @@ class Executor:
     def _row(self, device: int, schedule: Schedule, context, errors: list) -> None:
         transport = context[0]
         for action in schedule.actions[device]:
-            if action.kind is Kind.STEP:
-                continue
+            if action.kind is Kind.STEP and action.microbatch is None:
+                continue  # a synchronous step waits for every stage: the caller applies it
             try:
                 self._record(device, action, self._dispatch(action, context))
             except Aborted:
@@ -124,7 +126,7 @@ class Executor:
                 actions = schedule.actions[device]
                 while cursors[device] < len(actions):
                     action = actions[cursors[device]]
-                    if action.kind is not Kind.STEP:
+                    if action.kind is not Kind.STEP or action.microbatch is not None:
                         if not self._ready(action, context[0]):
                             break
                         try:
@@ -224,6 +226,10 @@ class Executor:
     def _backward_weight(self, action, transport, feeds, microbatches) -> None:
         self.workers[action.stage].backward_weight(action.microbatch)
 
+    def _update(self, action, transport, feeds, microbatches) -> None:
+        """Asynchronous STEP: this stage's update, in the device's own order."""
+        self.workers[action.stage].apply_update()
+
     def _communication(self, action, transport, feeds, microbatches) -> None:
         """The transport sends values as they are produced and receives them when needed."""
 
@@ -233,6 +239,7 @@ _ACTIONS: dict[Kind, Callable] = {
     Kind.B: Executor._backward,
     Kind.I: Executor._backward_input,
     Kind.W: Executor._backward_weight,
+    Kind.STEP: Executor._update,
     Kind.SEND_F: Executor._communication,
     Kind.RECV_F: Executor._communication,
     Kind.SEND_B: Executor._communication,

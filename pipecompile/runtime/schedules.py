@@ -207,16 +207,27 @@ SCHEDULES: dict[str, ScheduleFn] = {
 
 
 def make_schedule(
-    name: str, num_devices: int, num_microbatches: int, *, virtual_stages: int = 1
+    name: str, num_devices: int, num_microbatches: int, *, virtual_stages: int = 1,
+    batches: int = 1,
 ) -> Schedule:
-    """Generate the schedule ``name``, add its sends and receives, and validate it."""
-    try:
-        generate = SCHEDULES[name]
-    except KeyError:
+    """Generate the schedule ``name``, add its sends and receives, and validate it.
+
+    `batches` > 1 (asynchronous schedules only) makes one stream of batches × m micro-batches.
+    """
+    from pipecompile.runtime.async_schedules import ASYNC_SCHEDULES
+
+    known = {**SCHEDULES, **ASYNC_SCHEDULES}
+    if name not in known:
         raise ScheduleError(
-            f"unknown schedule {name!r}; known schedules: {', '.join(sorted(SCHEDULES))}"
-        ) from None
-    plain = generate(num_devices, num_microbatches, virtual_stages=virtual_stages)
+            f"unknown schedule {name!r}; known schedules: {', '.join(sorted(known))}"
+        )
+    if name in ASYNC_SCHEDULES:
+        plain = ASYNC_SCHEDULES[name](num_devices, num_microbatches,
+                                      virtual_stages=virtual_stages, batches=batches)
+    elif batches != 1:
+        raise ScheduleError(f"{name} flushes after every batch; streams need pipedream or 2bw")
+    else:
+        plain = SCHEDULES[name](num_devices, num_microbatches, virtual_stages=virtual_stages)
     schedule = add_communication(plain)
     validate(schedule)
     return schedule

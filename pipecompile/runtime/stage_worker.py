@@ -22,6 +22,7 @@ import torch
 
 from ..errors import LossError
 from . import split_backward
+from .versions import WeightVersions
 
 __all__ = ["StageWorker", "LossSpec"]
 
@@ -43,6 +44,7 @@ class _Saved:
     inputs: dict[str, Any] | None = None  # checkpointing: what to recompute from
     rng: Any = None
     weight_work: Any = None  # zero-bubble: what W needs, recorded by I
+    weights: dict | None = None  # asynchronous schedules: the weight version this mb uses
 
 
 @dataclass
@@ -56,6 +58,7 @@ class StageWorker:
     grad_inputs: frozenset[str]
     loss: LossSpec | None = None  # set on the last stage only
     checkpoint: bool = False
+    versions: WeightVersions | None = None  # asynchronous schedules: stashed weight versions
     saved: dict[int, _Saved] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: detached losses
     peak_inflight: int = 0  # most micro-batches held at once (activations saved) so far
@@ -70,19 +73,21 @@ class StageWorker:
 
     def forward(self, mb: int, inputs: Mapping[str, Any], target: Any = None) -> dict[str, Any]:
         """Run micro-batch `mb`; returns the stage outputs (the loss too, on the last stage)."""
+        weights = self.versions.acquire(mb) if self.versions is not None else None
         if self.checkpoint:
             rng = torch.random.get_rng_state()
             with torch.no_grad():
-                outputs = self._run(inputs)
-            self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=(rng, target))
+                outputs = self._run(inputs, weights)
+            self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=(rng, target),
+                                    weights=weights)
             self.peak_inflight = max(self.peak_inflight, len(self.saved))
             if self.loss is not None:
                 with torch.no_grad():
                     self.losses[mb] = self._loss(outputs, target)
             return dict(zip(self.output_names, outputs))
         leaves = self._leaves(inputs)
-        outputs = self._run({**inputs, **leaves})
-        saved = _Saved(leaves, dict(zip(self.output_names, outputs)))
+        outputs = self._run({**inputs, **leaves}, weights)
+        saved = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=weights)
         if self.loss is not None:
             saved.loss = self._loss(outputs, target)
             self.losses[mb] = saved.loss.detach()
@@ -98,10 +103,27 @@ class StageWorker:
         """Full backward of micro-batch `mb`: accumulates parameter grads, returns input grads."""
         saved = self._restore(mb)
         roots, grads = self._roots(saved, output_grads)
+        del self.saved[mb]
+        if saved.weights is not None:
+            return self._backward_versioned(mb, saved, roots, grads)
         if roots:
             torch.autograd.backward(roots, grads)
-        del self.saved[mb]
         return {name: leaf.grad for name, leaf in saved.leaves.items()}
+
+    def _backward_versioned(self, mb: int, saved: _Saved, roots, grads) -> dict[str, Any]:
+        """Gradients of this micro-batch's own weight version, kept for the next update."""
+        names = list(saved.leaves)
+        weights = list(saved.weights)
+        wanted = [saved.leaves[n] for n in names] + [saved.weights[n] for n in weights]
+        result = (torch.autograd.grad(roots, wanted, grads, allow_unused=True)
+                  if roots and wanted else [None] * len(wanted))
+        self.versions.accumulate(dict(zip(weights, result[len(names):])))
+        self.versions.release(mb)
+        return dict(zip(names, result[: len(names)]))
+
+    def apply_update(self) -> None:
+        """Asynchronous STEP: the optimizer applies the pending gradient to the live weights."""
+        self.versions.update()
 
     def backward_input(self, mb: int, output_grads: Mapping[str, Any]) -> dict[str, Any]:
         """Zero-bubble I: gradients of the inputs only; records what `backward_weight` needs."""
@@ -120,8 +142,11 @@ class StageWorker:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _run(self, inputs: Mapping[str, Any]) -> tuple:
-        return tuple(self.module(*[inputs[n] for n in self.input_names]))
+    def _run(self, inputs: Mapping[str, Any], weights: dict | None = None) -> tuple:
+        args = [inputs[n] for n in self.input_names]
+        if weights is not None:  # a stashed version, without touching the live parameters
+            return tuple(torch.func.functional_call(self.module, weights, tuple(args)))
+        return tuple(self.module(*args))
 
     def _leaves(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         leaves = {}
@@ -153,8 +178,8 @@ class StageWorker:
         with torch.random.fork_rng(devices=[]):
             torch.random.set_rng_state(rng)
             leaves = self._leaves(saved.inputs)
-            outputs = self._run({**saved.inputs, **leaves})
-        recomputed = _Saved(leaves, dict(zip(self.output_names, outputs)))
+            outputs = self._run({**saved.inputs, **leaves}, saved.weights)
+        recomputed = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=saved.weights)
         if self.loss is not None:
             recomputed.loss = self._loss(outputs, target)
         self.saved[mb] = recomputed

@@ -4,7 +4,8 @@ Terms
 -----
 - **data dependency**: an action that must have finished before another may start. ``F(s, i)``
   needs ``F(s-1, i)`` (the input), ``B/I(s, i)`` needs ``F(s, i)`` and ``B/I(s+1, i)`` (the output
-  gradient), ``W(s, i)`` needs ``I(s, i)``, ``STEP(s)`` needs every backward of stage ``s``.
+  gradient), ``W(s, i)`` needs ``I(s, i)``, ``STEP(s)`` needs every backward of stage ``s``, and an asynchronous ``STEP(s, i)`` needs
+  ``B(s, i)``.
 - **explicit / implicit communication**: a schedule with ``SEND_*``/``RECV_*`` actions states its
   transfers, and then every dependency across devices must go through a ``SEND`` on the producer's
   device and a matching ``RECV`` on the consumer's (``1SEND_F3`` matches ``2RECV_F3``,
@@ -85,6 +86,9 @@ def dependencies(schedule: Schedule) -> dict[Action, tuple[Action, ...]]:
             need.append(Action(s - 1, Kind.SEND_F, i))
         elif kind is Kind.RECV_B and s < last:
             need.append(Action(s + 1, Kind.SEND_B, i))
+        elif kind is Kind.STEP and i is not None:  # asynchronous: right after that backward
+            need.append(Action(s, Kind.W, i) if Action(s, Kind.W, i) in present
+                        else Action(s, Kind.B, i))
         elif kind is Kind.STEP:
             need.extend(
                 sorted(a for a in present if a.stage == s and a.kind in (Kind.B, Kind.W))
@@ -193,6 +197,8 @@ def _why(action: Action, dep: Action) -> str:
         return "a forward needs its input received first"
     if dep.kind is Kind.RECV_B:
         return "a backward needs its output gradient received first"
+    if action.kind is Kind.STEP and action.microbatch is not None:
+        return "an asynchronous update comes after the backward whose gradient it applies"
     if action.kind is Kind.STEP:
         return "the optimizer step comes after every backward of its stage"
     if action.kind is Kind.W:
