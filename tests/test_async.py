@@ -133,3 +133,13 @@ def test_async_configuration_errors():
     with pytest.raises(pc.ConfigError, match="own clock"):
         pc.compile(tied, (x,), devices=2, schedule="pipedream", loss_fn=zoo.lm_loss,
                    optimizer=OPTIMIZERS["adamw"])
+
+
+def test_async_schedules_validate_and_keep_pipedream_order():
+    schedule = make_schedule("pipedream", 3, 4)
+    row = [str(a) for a in schedule.actions[0] if a.kind.value in ("F", "B", "STEP")]
+    assert row == ["0F0", "0F1", "0F2", "0B0", "0STEP0", "0F3", "0B1", "0STEP1",
+                   "0B2", "0STEP2", "0B3", "0STEP3"]
+    two = make_schedule("2bw", 2, 2, batches=2)
+    steps = [str(a) for a in two.actions[1] if a.kind.value == "STEP"]
+    assert steps == ["1STEP1", "1STEP3"]

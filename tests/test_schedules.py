@@ -175,7 +175,7 @@ def test_lowered_sends_sit_next_to_their_compute() -> None:
 
 
 def test_unknown_name_lists_known_ones() -> None:
-    with pytest.raises(ScheduleError, match="unknown schedule 'zb-h9'.*1f1b, gpipe"):
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb-h9'.*1f1b, 2bw, gpipe"):
         make_schedule("zb-h9", 2, 2)
 
 

@@ -137,20 +137,17 @@ def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0) 
     nodes = {n.name: n for n in gm.graph.nodes}
     fake_mode = _fake_mode(gm.graph)
     costs = []
+    measured: dict[tuple, tuple] = {}  # repeated layers have one signature: run them once
     for block in linear.blocks:
         tensors = _block_state(block.nodes, nodes, linear.roles, gm)
         trainable = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
         unique = {id(t): t for t in trainable.values()}.values()
         param_count = sum(t.numel() for t in unique)
         param_bytes = sum(t.numel() * t.element_size() for t in unique)
-        try:
-            with preserve_buffers(gm):
-                flops, act = _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode)
-        except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: estimate instead
-            log.info("pipecompile: block %s could not run on fake tensors (%s); "
-                     "estimating its cost from output sizes", block.name, exc)
-            flops = (sympy.Integer(0),) * 3
-            act = _output_bytes(block.nodes, linear)
+        signature = _signature(block.nodes, nodes, linear)
+        if signature not in measured:
+            measured[signature] = _fake_costs(block, nodes, linear, gm, fake_mode)
+        flops, act = measured[signature]
         costs.append(
             BlockCost(
                 forward_flops=flops[0],
@@ -167,6 +164,47 @@ def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0) 
             )
         )
     return tuple(costs)
+
+
+def _fake_costs(block, nodes, linear: LinearGraph, gm, fake_mode) -> tuple[tuple, sympy.Expr]:
+    try:
+        with preserve_buffers(gm):
+            return _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode)
+    except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: estimate instead
+        log.info("pipecompile: block %s could not run on fake tensors (%s); "
+                 "estimating its cost from output sizes", block.name, exc)
+        return (sympy.Integer(0),) * 3, _output_bytes(block.nodes, linear)
+
+
+def _signature(block_nodes, nodes, linear: LinearGraph) -> tuple:
+    """What a block computes, up to names: its ops, and the shapes, dtypes and roles of what
+    they read. Two blocks with one signature have the same costs."""
+    values = linear.captured.values
+    position = {name: i for i, name in enumerate(block_nodes)}
+
+    def describe(arg):
+        if isinstance(arg, fx.Node):
+            if arg.name in position:
+                return ("local", position[arg.name])
+            info = values.get(arg.name)
+            role = linear.roles[arg.name]
+            shape = (tuple(str(d) for d in info.shape), str(info.dtype)) if info else ()
+            if role == NodeRole.PARAM:
+                value = _getattr_path(arg.graph.owning_module, arg.target)
+                return ("param", shape, getattr(value, "requires_grad", None))
+            return (role, shape)
+        return repr(arg)
+
+    out = []
+    for name in block_nodes:
+        node = nodes[name]
+        if node.op == "call_module":  # fx capture: modules differ by parameters we can't see
+            return ("unique", name)
+        args = fx.node.map_aggregate(node.args, describe)
+        kwargs = fx.node.map_aggregate(node.kwargs, describe)
+        users_outside = any(u.name not in position for u in node.users)
+        out.append((node.op, str(node.target), repr(args), repr(kwargs), users_outside))
+    return tuple(out)
 
 
 def _fake_mode(graph: fx.Graph):
