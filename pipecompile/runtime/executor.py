@@ -20,6 +20,7 @@ Every wait has a timeout; an exception in one thread stops the others and is rai
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -102,6 +103,14 @@ class Executor:
         return steps
 
     def _row(self, device: int, schedule: Schedule, context, errors: list) -> None:
+        with _device_stream(self._row_device(device, schedule)):
+            self._walk(device, schedule, context, errors)
+
+    def _row_device(self, row: int, schedule: Schedule) -> torch.device:
+        stages = [s for s in range(schedule.num_stages) if schedule.stage_to_device[s] == row]
+        return self.wiring.devices[stages[0]] if stages else torch.device("cpu")
+
+    def _walk(self, device: int, schedule: Schedule, context, errors: list) -> None:
         transport = context[0]
         for action in schedule.actions[device]:
             if action.kind is Kind.STEP and action.microbatch is None:
@@ -192,6 +201,7 @@ class Executor:
         else:
             target = _to(microbatches[mb].target, device) if worker.loss is not None else None
             outputs = worker.forward(mb, inputs, target)
+        _publish(device)
         for name in worker.output_names:
             if name in self.wiring.consumers:
                 transport.send_activation(stage, name, mb, outputs[name])
@@ -213,6 +223,7 @@ class Executor:
         output_grads = self._output_grads(action, transport)
         began = time.perf_counter()
         grads = self.workers[action.stage].backward(action.microbatch, output_grads)
+        _publish(self.wiring.devices[action.stage])
         self._send_input_grads(action, transport, grads)
         return began
 
@@ -220,6 +231,7 @@ class Executor:
         output_grads = self._output_grads(action, transport)
         began = time.perf_counter()
         grads = self.workers[action.stage].backward_input(action.microbatch, output_grads)
+        _publish(self.wiring.devices[action.stage])
         self._send_input_grads(action, transport, grads)
         return began
 
@@ -245,6 +257,20 @@ _ACTIONS: dict[Kind, Callable] = {
     Kind.SEND_B: Executor._communication,
     Kind.RECV_B: Executor._communication,
 }
+
+
+def _device_stream(device: torch.device):
+    """On a CUDA device each worker thread issues its kernels on a stream of its own, so the
+    devices of one process compute concurrently; elsewhere nothing changes."""
+    if device.type == "cuda":
+        return torch.cuda.stream(torch.cuda.Stream(device))
+    return contextlib.nullcontext()
+
+
+def _publish(device: torch.device) -> None:
+    """Values leave this thread's stream: wait for the kernels that produce them (CUDA only)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _to(value: Any, device: torch.device) -> Any:
