@@ -94,3 +94,16 @@ def train_async(rank, schedule, steps=2):
     return {"params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
             "names": [list(s.parameter_names) for s in pipe.stages], "losses": losses,
             "versions": pipe.weight_versions()}
+
+
+def other_batch_size(rank):
+    """Compile with a batch of 8, train on a batch of 12: shapes come from the symbolic plan."""
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    pipe = pc.compile(case.model, case.args, devices=2, microbatches=4, schedule="1f1b",
+                      loss_fn=case.loss_fn, timeout=60)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 64, (12, 8), generator=g)
+    y = torch.randint(0, 64, (12, 8), generator=g)
+    loss = pipe.step(x, target=y)
+    return {"loss": loss, "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()}}

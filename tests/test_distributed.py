@@ -133,3 +133,21 @@ def test_asynchronous_schedules_on_two_ranks_match_reference(schedule):
         for name, value in r["params"].items():
             torch.testing.assert_close(value, ref[name], rtol=1e-10, atol=1e-12)
     assert set().union(*(r["params"] for r in results)) == set(ref)
+
+
+def test_another_batch_size_than_the_example_works_across_ranks():
+    from tests.dist_cases import other_batch_size
+
+    results = run_ranks(other_batch_size, 2)
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 64, (12, 8), generator=g)
+    y = torch.randint(0, 64, (12, 8), generator=g)
+    ref_loss, ref_grads = reference_step(case.model, (x,), {}, y, case.loss_fn, 4)
+    for r in results:
+        assert "error" not in r, r
+        assert torch.allclose(r["loss"], ref_loss.double(), rtol=1e-12)
+        for n, grad in r["grads"].items():
+            err = (grad - ref_grads[n]).abs().max().item() / (ref_grads[n].abs().max().item() or 1)
+            assert err <= 1e-10, (n, err)
