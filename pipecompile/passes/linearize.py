@@ -205,7 +205,7 @@ def _boundaries(graph: fx.Graph, roles, block_of, n: int) -> tuple[tuple[str, ..
             user_block = block_of[node.name]
         else:
             continue
-        for arg in _compute_inputs(node, roles):
+        for arg in compute_inputs(node, roles):
             last_use[arg.name] = max(last_use.get(arg.name, -1), user_block)
     cuts: list[list[str]] = [[] for _ in range(n + 1)]
     for node in graph.nodes:
@@ -216,7 +216,7 @@ def _boundaries(graph: fx.Graph, roles, block_of, n: int) -> tuple[tuple[str, ..
     return tuple(tuple(c) for c in cuts)
 
 
-def _compute_inputs(node: fx.Node, roles) -> list[fx.Node]:
+def compute_inputs(node: fx.Node, roles) -> list[fx.Node]:
     """Compute nodes `node` reads, looking through remat nodes (a stage recomputes those)."""
     out, stack, seen = [], list(node.all_input_nodes), set()
     while stack:

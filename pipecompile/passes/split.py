@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from ..errors import ConfigError
 from ..ir import CapturedModel, LinearGraph, NodeRole
+from .linearize import compute_inputs
 from .nodes import getattr_path as _getattr_path
 
 __all__ = ["Stage", "StagedProgram", "TiedParameter", "split"]
@@ -128,26 +129,11 @@ def _consumers(graph, roles, stage_of, last) -> dict[str, tuple[int, ...]]:
         if role not in (NodeRole.COMPUTE, NodeRole.OUTPUT):
             continue
         j = last if role == NodeRole.OUTPUT else stage_of[node.name]
-        for arg in _reads(node, roles):
+        for arg in compute_inputs(node, roles):
             if stage_of[arg.name] != j:
                 readers.setdefault(arg.name, set()).add(j)
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     return {v: tuple(sorted(s)) for v, s in sorted(readers.items(), key=lambda kv: order[kv[0]])}
-
-
-def _reads(node: fx.Node, roles) -> list[fx.Node]:
-    """Compute nodes `node` reads, directly or through remat nodes."""
-    out, stack, seen = [], list(node.all_input_nodes), set()
-    while stack:
-        arg = stack.pop()
-        if arg.name in seen:
-            continue
-        seen.add(arg.name)
-        if roles[arg.name] == NodeRole.COMPUTE:
-            out.append(arg)
-        elif roles[arg.name] == NodeRole.REMAT:
-            stack.extend(arg.all_input_nodes)
-    return out
 
 
 def _stage_graph(members, outputs, output_node, roles, stage_of, j):
