@@ -16,10 +16,12 @@ from .errors import (
     StageExecutionError,
 )
 from .passes.partition import DeviceSpec, PartitionMemoryError
+from .persist import load
 from .pipeline import Pipeline
 
 __all__ = [
     "compile",
+    "load",
     "Pipeline",
     "DeviceSpec",
     "PipecompileError",

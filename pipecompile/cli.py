@@ -1,0 +1,298 @@
+"""The `pipecompile` command (also `python -m pipecompile`).
+
+    pipecompile inspect FILE.py:FACTORY --devices 4 [--schedule 1f1b] [--microbatches 8]
+                        [--code] [--draw partition.svg] [--json]
+    pipecompile plan    FILE.py:FACTORY ... [--gantt timeline.png] [--json]
+    pipecompile export  FILE.py:FACTORY ... [--onnx DIR] [--save DIR] [--json]
+
+FACTORY is a function in FILE.py returning `(model, example_inputs)` or `(model,
+example_inputs, example_kwargs)`; the model is compiled as `pipecompile.compile(model,
+example_inputs, example_kwargs, devices=..., microbatches=..., schedule=...)`.
+
+`inspect` prints the stage table, each cut's boundary tensors (name, shape, dtype, bytes per
+micro-batch) and, with --code, each stage's graph code. `plan` prints the schedule as an action
+grid, the predicted step time, bubble and peak in-flight micro-batches per stage; --gantt draws
+the predicted timeline. `export` writes ONNX files and a manifest (--onnx) and/or the saved
+program (--save, read back by `pipecompile.load`). --json prints one JSON object on stdout
+instead of text. Progress goes to stderr. A bad FILE, FACTORY or option prints a one-line error
+on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import PipecompileError
+
+__all__ = ["main"]
+
+log = logging.getLogger("pipecompile.cli")
+
+
+class UsageError(Exception):
+    """A mistake on the command line: reported in one line, exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        # progress on stderr; stray prints (from libraries) must not spoil --json on stdout
+        with _progress_on_stderr(), contextlib.redirect_stdout(sys.stderr):
+            result, text = args.command(args)
+    except (UsageError, PipecompileError) as error:
+        message = " ".join(str(error).split())
+        print(f"pipecompile: error: {message}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else text)
+    return 0
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def _inspect(args: argparse.Namespace) -> tuple[dict, str]:
+    from .cuts import cuts
+
+    pipe = _compile(args)
+    program = pipe.program
+    boundary = cuts(program, microbatches=pipe.microbatches)
+    result: dict[str, Any] = {
+        "stages": [_stage_json(s, program) for s in program.stages],
+        "cuts": [{"index": c.index, "after_block": c.block_name, "bytes": c.nbytes,
+                  "values": [{"name": v.name, "shape": list(v.shape),
+                              "microbatch_shape": list(v.microbatch_shape), "dtype": v.dtype,
+                              "bytes": v.nbytes, "producer": v.producer,
+                              "consumers": list(v.consumers)} for v in c.values]}
+                 for c in boundary],
+        "predicted": _predicted_json(pipe),
+    }
+    lines = [str(pipe), "", "cuts (tensors sent between stages, per micro-batch):"]
+    for c in boundary:
+        lines.append(f"  cut {c.index} (stage {c.index} | {c.index + 1}, after {c.block_name}): "
+                     f"{len(c.values)} value{'s' if len(c.values) != 1 else ''}, "
+                     f"{_bytes(c.nbytes)}")
+        rows = [(v.name, "[" + ", ".join(map(str, v.shape)) + "]",
+                 "= (" + ", ".join(map(str, v.microbatch_shape)) + ")", v.dtype, _bytes(v.nbytes),
+                 f"stage {v.producer} -> {', '.join(map(str, v.consumers))}") for v in c.values]
+        lines += _table(rows, indent=4)
+    if args.code:
+        result["code"] = {str(s.index): s.module.code for s in program.stages}
+        for s in program.stages:
+            lines += ["", f"# stage {s.index} ({s.device})", s.module.code.strip("\n")]
+    if args.draw:
+        log.info("drawing the partition")
+        result["drawing"] = pipe.draw(args.draw)
+        lines += ["", f"partition drawn to {args.draw}"]
+    return result, "\n".join(lines)
+
+
+def _plan(args: argparse.Namespace) -> tuple[dict, str]:
+    pipe = _compile(args)
+    schedule = pipe.schedule
+    result = {"schedule": {"name": schedule.name, "num_stages": schedule.num_stages,
+                           "num_microbatches": schedule.num_microbatches,
+                           "stage_to_device": list(schedule.stage_to_device),
+                           "actions": [[str(a) for a in row] for row in schedule.actions]},
+              **_predicted_json(pipe)}
+    lines = [str(schedule), ""]
+    if pipe.predicted is not None:
+        lines += [f"predicted step time  {pipe.predicted.makespan * 1e3:.3f} ms",
+                  f"bubble               {pipe.predicted.bubble_fraction:.1%}",
+                  "peak in-flight micro-batches per stage: "
+                  + ", ".join(f"{s}: {n}" for s, n in enumerate(result["peak_inflight"]))]
+    if args.gantt:
+        log.info("drawing the predicted timeline")
+        result["gantt"] = pipe.plot_timeline(args.gantt)
+        lines.append(f"Gantt chart written to {args.gantt}")
+    return result, "\n".join(lines)
+
+
+def _export(args: argparse.Namespace) -> tuple[dict, str]:
+    if not args.onnx and not args.save:
+        raise UsageError("export needs --onnx DIR and/or --save DIR")
+    pipe = _compile(args)
+    result, lines = {}, []
+    if args.onnx:
+        start = time.perf_counter()
+        log.info("exporting %d stages to ONNX in %s", len(pipe.stages), args.onnx)
+        result["onnx"] = pipe.export_onnx(args.onnx)
+        log.info("exported in %.1f s", time.perf_counter() - start)
+        lines.append(f"ONNX manifest: {result['onnx']}")
+    if args.save:
+        log.info("saving the staged program in %s", args.save)
+        result["save"] = pipe.save(args.save)
+        lines.append(f"saved program: {result['save']} (load with pipecompile.load)")
+    return result, "\n".join(lines)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _compile(args: argparse.Namespace):
+    import pipecompile
+
+    model, inputs, kwargs = _call_factory(args.target)
+    log.info("compiling %s for %d devices (capture, cost, partition, split)",
+             type(model).__name__, args.devices)
+    start = time.perf_counter()
+    pipe = pipecompile.compile(model, inputs, kwargs, devices=args.devices,
+                               microbatches=args.microbatches, schedule=args.schedule,
+                               capture=args.capture)
+    log.info("compiled in %.1f s", time.perf_counter() - start)
+    return pipe
+
+
+def _call_factory(target: str) -> tuple[Any, tuple, dict]:
+    """Import FILE.py and call FACTORY(); check what it returns."""
+    import torch
+
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        raise UsageError(f"{target!r} is not FILE.py:FACTORY (e.g. examples/factories.py:gpt2)")
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"{path}: no such file")
+    log.info("loading %s", target)
+    spec = importlib.util.spec_from_file_location(f"_pipecompile_factory_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(file.parent.resolve()))  # let the file import its neighbours
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - any failure of the user's file
+        raise UsageError(f"importing {path} failed: {type(error).__name__}: {error}") from None
+    finally:
+        sys.path.pop(0)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        found = sorted(k for k, v in vars(module).items()
+                       if callable(v) and not k.startswith("_") and getattr(v, "__module__", None)
+                       == module.__name__)
+        raise UsageError(f"{path} has no function {name!r}; functions there: "
+                         f"{', '.join(found) or 'none'}")
+    log.info("building the model: %s()", name)
+    try:
+        made = factory()
+    except Exception as error:  # noqa: BLE001
+        raise UsageError(f"{name}() raised {type(error).__name__}: {error}") from None
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise UsageError(f"{name}() returned {type(made).__name__}; return (model, "
+                         f"example_inputs) or (model, example_inputs, example_kwargs)")
+    model, inputs, kwargs = (*made, {}) if len(made) == 2 else made
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"{name}() returned a {type(model).__name__} as the model; expected a "
+                         f"torch.nn.Module")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list)) or not isinstance(kwargs or {}, dict):
+        raise UsageError(f"{name}() must return example_inputs as a tuple and example_kwargs as "
+                         f"a dict")
+    return model, tuple(inputs), dict(kwargs or {})
+
+
+def _stage_json(stage, program) -> dict[str, Any]:
+    blocks = program.linear.blocks
+    c = stage.cost
+    return {"index": stage.index, "device": str(stage.device),
+            "blocks": [blocks[b].name for b in stage.blocks],
+            "inputs": list(stage.inputs), "outputs": list(stage.outputs),
+            "parameters": c.params if c else None,
+            "forward_flops": c.forward_flops if c else None,
+            "forward_time_s": c.forward_time if c else None,
+            "backward_time_s": c.backward_time if c else None,
+            "memory_bytes": c.memory if c else None,
+            "inflight": c.inflight if c else None}
+
+
+def _predicted_json(pipe) -> dict[str, Any]:
+    t = pipe.predicted
+    if t is None:
+        return {"step_time_s": None, "bubble_fraction": None, "peak_inflight": None}
+    return {"step_time_s": t.makespan, "bubble_fraction": t.bubble_fraction,
+            "peak_inflight": [t.peak_inflight(s) for s in range(len(pipe.stages))]}
+
+
+def _bytes(n: float) -> str:
+    from .cuts import format_bytes
+
+    return format_bytes(n)
+
+
+def _table(rows: list[tuple[str, ...]], *, indent: int) -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [" " * indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+            for r in rows]
+
+
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (main() may run many times in a process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("pipecompile: %(message)s"))
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _progress_on_stderr():
+    """Show pipecompile's INFO log lines (progress) on stderr while a command runs."""
+    logger = logging.getLogger("pipecompile")
+    saved = logger.level, logger.propagate
+    handler = _Stderr()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipecompile", description="Compile a PyTorch model into a pipeline and inspect, "
+        "plan or export it.")
+    commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("target", metavar="FILE.py:FACTORY",
+                        help="a function returning (model, inputs) or (model, inputs, kwargs)")
+    common.add_argument("--devices", type=int, default=2, help="number of devices (default 2)")
+    common.add_argument("--microbatches", type=int, default=4, help="default 4")
+    common.add_argument("--schedule", default="gpipe",
+                        help="gpipe, 1f1b, interleaved-1f1b, zb-h1 (default gpipe)")
+    common.add_argument("--capture", default="export", choices=("export", "fx"))
+    common.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect_ = commands.add_parser("inspect", parents=[common],
+                                  help="stage table, cuts and boundary tensors, code")
+    inspect_.add_argument("--code", action="store_true", help="print each stage's graph code")
+    inspect_.add_argument("--draw", metavar="PATH", help="draw the partition (.svg or .png)")
+    inspect_.set_defaults(command=_inspect)
+    plan = commands.add_parser("plan", parents=[common],
+                               help="schedule grid, predicted step time, bubble, in-flight")
+    plan.add_argument("--gantt", metavar="PATH", help="draw the predicted timeline (.png/.svg)")
+    plan.set_defaults(command=_plan)
+    export = commands.add_parser("export", parents=[common], help="ONNX files and/or saved program")
+    export.add_argument("--onnx", metavar="DIR", help="write stageN.onnx and manifest.json")
+    export.add_argument("--save", metavar="DIR", help="write the program for pipecompile.load")
+    export.set_defaults(command=_export)
+    return parser

@@ -1,0 +1,164 @@
+"""pipe.save / pipecompile.load: the loaded pipeline computes the same outputs and gradients."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipecompile as pc
+from pipecompile.runtime.actions import Schedule
+from tests.models import CASES
+
+ROUND_TRIP = ["gpt", "residual_cnn", "keyword_tuple"]
+
+
+def _compiled(name: str, **options):
+    torch.manual_seed(0)
+    case = CASES[name]()
+    pipe = pc.compile(case.model, case.args, case.kwargs, devices=3, microbatches=2,
+                      loss_fn=case.loss_fn, **options)
+    return case, pipe
+
+
+def _leaves(tree):
+    return torch.utils._pytree.tree_leaves(tree)
+
+
+@pytest.mark.parametrize("name", ROUND_TRIP)
+def test_loaded_pipeline_gives_same_outputs_and_gradients(name, tmp_path):
+    case, pipe = _compiled(name, schedule="1f1b")
+    pipe.save(tmp_path)
+    loaded = pc.load(tmp_path, loss_fn=case.loss_fn)
+
+    with torch.no_grad():
+        want, got = pipe(*case.args, **case.kwargs), loaded(*case.args, **case.kwargs)
+    assert type(got) is type(want)
+    for g, w in zip(_leaves(got), _leaves(want), strict=True):
+        assert torch.equal(g, w)
+
+    want_loss = pipe.step(*case.args, target=case.target, **case.kwargs)
+    got_loss = loaded.step(*case.args, target=case.target, **case.kwargs)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
+    want_grads = dict(pipe.named_parameters())
+    names = [n for n, _ in loaded.named_parameters()]
+    assert names == [n for n, _ in pipe.named_parameters()]
+    for n, p in loaded.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[n].grad, rtol=1e-12, atol=1e-15)
+    # buffers (BatchNorm statistics) advanced the same way; ties and plan came back
+    want_state = pipe.state_dict()
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, want_state[key], rtol=1e-12, atol=1e-15)
+    assert [t.names for t in loaded.program.ties] == [t.names for t in pipe.program.ties]
+    assert loaded.program.bounds == pipe.program.bounds
+    assert str(loaded.schedule) == str(pipe.schedule)
+    assert str(loaded) == str(pipe)
+
+
+def test_directory_holds_code_json_and_safetensors_only(tmp_path):
+    case, pipe = _compiled("gpt")
+    plan_path = pipe.save(tmp_path)
+    assert Path(plan_path) == tmp_path / "plan.json"
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["plan.json", "schedule.json", "stage0.py", "stage0.safetensors",
+                     "stage1.py", "stage1.safetensors", "stage2.py", "stage2.safetensors"]
+    code = (tmp_path / "stage1.py").read_text()
+    assert "class Stage1(torch.nn.Module):" in code and "def forward(self, " in code
+    assert pipe.stages[1].module.code.strip() in "\n".join(
+        line[4:] for line in code.splitlines())  # the fx code, indented in the class
+    plan = json.loads(Path(plan_path).read_text())
+    assert plan["microbatches"] == 2 and plan["bounds"] == list(pipe.program.bounds)
+    assert plan["stages"][1]["inputs"] == list(pipe.stages[1].inputs)
+    assert plan["ties"][0]["names"] == ["wte.weight", "lm_head.weight"]
+    schedule = json.loads((tmp_path / "schedule.json").read_text())
+    assert Schedule.from_text(pipe.schedule.to_text()).actions == tuple(
+        tuple(a for a in row) for row in pipe.schedule.actions)
+    assert schedule["actions"] == [[str(a) for a in row] for row in pipe.schedule.actions]
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "stage0.safetensors"))
+    assert set(weights) == set(plan["stages"][0]["attributes"])  # the names stage 0 reads
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, pipe.stages[0].module.get_parameter(name))
+
+
+def test_save_of_a_loaded_pipeline_writes_the_same_files(tmp_path):
+    case, pipe = _compiled("keyword_tuple")
+    pipe.save(tmp_path / "a")
+    pc.load(tmp_path / "a").save(tmp_path / "b")
+    for name in ("stage0.py", "stage1.py", "stage2.py", "schedule.json"):
+        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text(), name
+
+
+def test_load_without_the_model_code_in_a_fresh_process(tmp_path):
+    case, pipe = _compiled("gpt")
+    pipe.save(tmp_path / "program")
+    from safetensors.torch import save_file
+
+    x = case.args[0]
+    with torch.no_grad():
+        save_file({"x": x, "y": pipe(x)}, str(tmp_path / "io.safetensors"))
+    script = (
+        "import sys, torch, pipecompile\n"
+        "from safetensors.torch import load_file\n"
+        f"io = load_file({str(tmp_path / 'io.safetensors')!r})\n"
+        f"pipe = pipecompile.load({str(tmp_path / 'program')!r})\n"
+        "assert 'pipecompile.zoo' not in sys.modules and 'tests' not in sys.modules\n"
+        "with torch.no_grad():\n"
+        "    assert torch.equal(pipe(io['x']), io['y'])\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"
+
+
+def test_optimizer_given_to_load_steps_like_the_original(tmp_path):
+    opt = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    case, pipe = _compiled("keyword_tuple", optimizer=opt)
+    pipe.save(tmp_path)
+    loaded = pc.load(tmp_path, loss_fn=case.loss_fn, optimizer=opt)
+    for _ in range(2):
+        pipe.step(*case.args, target=case.target, **case.kwargs)
+        loaded.step(*case.args, target=case.target, **case.kwargs)
+    want = dict(pipe.named_parameters())
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p, want[name], rtol=1e-10, atol=1e-12)
+
+
+def test_model_output_types_come_back_or_fall_back_to_dict(tmp_path):
+    case, pipe = _compiled("gpt2")
+    pipe.save(tmp_path)
+    with torch.no_grad():
+        want = pipe(*case.args)
+        got = pc.load(tmp_path)(*case.args)
+    assert type(got) is type(want)  # transformers is importable here
+    # a type that cannot be imported where the program is loaded: a dict with the same keys
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan["captured"]["out_spec"] = plan["captured"]["out_spec"].replace(
+        "transformers.modeling_outputs.CausalLMOutputWithCrossAttentions", "nowhere.Output")
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    with torch.no_grad():
+        fallback = pc.load(tmp_path)(*case.args)
+    assert isinstance(fallback, dict) and list(fallback) == ["logits"]
+    assert torch.equal(fallback["logits"], want.logits)
+
+
+def test_load_errors_name_the_fix(tmp_path):
+    case, pipe = _compiled("keyword_tuple")
+    pipe.save(tmp_path)
+    loaded = pc.load(tmp_path / "plan.json", devices=["cpu"])
+    assert [str(s.device) for s in loaded.stages] == ["cpu"] * 3
+    with pytest.raises(pc.ConfigError, match="one device per schedule device"):
+        pc.load(tmp_path, devices=["cpu", "cpu"])
+    with pytest.raises(pc.ConfigError, match="does not exist"):
+        pc.load(tmp_path / "missing")
+    fx_case = CASES["gpt"]()
+    fx_pipe = pc.compile(fx_case.model, fx_case.args, devices=2, microbatches=2, capture="fx")
+    with pytest.raises(pc.ConfigError, match="capture='export'"):
+        fx_pipe.save(tmp_path / "fx")
