@@ -5,6 +5,7 @@ Each pass is timed and summarised in a `PassRecord`; `pipe.explain()` prints the
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -115,7 +116,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                               f"{max((len(b) for b in linear.boundaries), default=0)} values"))
 
     t = time.perf_counter()
-    costs = annotate(linear, microbatch_size=mb_size, device=_device_model(specs[0]),
+    costs = annotate(linear, microbatch_size=mb_size, device=_device_model(specs[0], topology),
                      optimizer_factor=optimizer_state_factor(optimizer))
     if profile:
         from .passes.profile import profile_blocks
@@ -276,8 +277,34 @@ def _device_memory(name: str) -> float:
     return math.inf
 
 
-def _device_model(spec: DeviceSpec) -> DeviceModel:
-    return DeviceModel()
+def _device_model(spec: DeviceSpec, topology) -> DeviceModel:
+    """The analytic model's FLOP rate, measured on the first device (rank 0's under
+    torch.distributed, so that every rank plans with the same numbers)."""
+    rate = _matmul_rate(spec.name)
+    if topology is not None:
+        import torch.distributed as dist
+
+        box = [rate]
+        dist.broadcast_object_list(box, src=0)
+        rate = box[0]
+    return DeviceModel(flops=rate)
+
+
+@functools.lru_cache(maxsize=None)
+def _matmul_rate(device: str, n: int = 512, repeats: int = 5) -> float:
+    """FLOP/s of an n×n×n fp32 matmul on `device` (median of a few runs, ~10 ms on a CPU)."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        if a.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if a.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / sorted(times[1:])[repeats // 2]
 
 
 def _stage_costs(stage, costs, spec: DeviceSpec) -> StageCosts:

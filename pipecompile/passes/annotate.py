@@ -21,6 +21,7 @@ and optimizer-state bytes are static. The analytic time of a block on a device i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -256,8 +257,12 @@ def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode):
 
     prev = fake_mode.allow_non_fake_inputs
     fake_mode.allow_non_fake_inputs = True
+    # Ops such as interpolate would otherwise add guards that pin the symbolic batch size in the
+    # capture's shared shape environment, turning every later cost into a constant.
+    shape_env = getattr(fake_mode, "shape_env", None)
+    no_guards = shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
     try:
-        with fake_mode, FlopCounterMode(display=False) as counter:
+        with no_guards, fake_mode, FlopCounterMode(display=False) as counter:
             for name in block_nodes:
                 node = nodes[name]
                 if node.op == "call_module":  # fx capture: the module holds its parameters

@@ -80,6 +80,9 @@ class Executor:
         steps = [a for d in rows for a in schedule.actions[d]
                  if a.kind is Kind.STEP and a.microbatch is None]
         context = (transport, feeds, microbatches)
+        post = getattr(transport, "post_receives", None)
+        if post is not None:  # point-to-point: let messages arrive while this rank computes
+            post([a for d in rows for a in schedule.actions[d]], self.workers)
 
         if self.threads and len(rows) > 1:
             pool = [threading.Thread(target=self._row, args=(d, schedule, context, errors),

@@ -6,8 +6,9 @@ handshake precedes a message, and a batch of another size than the example still
 message has its own tag, so messages between two ranks cannot be confused whatever the order
 in which the ranks post them (gloo honours tags).
 
-Sends are asynchronous (`isend`) and completed by `finish()` at the end of the step; receives
-block until the value arrives. gloo requests only complete inside `Work.wait()`, so a waiter
+Sends are asynchronous (`isend`) and completed by `finish()` at the end of the step. Every
+receive of the step is posted before it starts (`post_receives`: gloo moves a message only once
+its receive is posted), and an action blocks until its values have arrived. gloo requests only complete inside `Work.wait()`, so a waiter
 thread calls it while the stage's thread waits on an event, checking every 50 ms the process
 group's store for an error posted by another rank (`abort`): a failure anywhere ends every rank
 promptly, and after `timeout` seconds a wait gives up with an error naming the peer.
@@ -93,6 +94,7 @@ class P2PTransport:
         self._local_acts: dict[tuple[int, str, int], Any] = {}
         self._local_grads: dict[tuple[str, int], Any] = {}
         self._sends: list[tuple[Any, str]] = []
+        self._posted: dict[tuple, tuple[Any, torch.Tensor]] = {}  # receives posted up front
         self.stats = {"messages": 0, "bytes": 0, "wait_seconds": 0.0}  # this rank, this step
 
     # -- transport interface ---------------------------------------------------------------
@@ -113,12 +115,10 @@ class P2PTransport:
         if local is not _MISSING:
             return local
         src = self.rank_of(self.producer[name])
-        spec = self.specs[name]
-        buf = torch.empty(spec.shape(self.sizes[mb]), dtype=spec.dtype or torch.int64,
-                          device=self.devices[stage])
-        work = dist.irecv(buf, src=src, tag=self._tag(name, stage, mb, 0))
+        key = ("act", name, stage, mb)
+        work, buf = self._posted.pop(key, None) or self._post(key)
         self._wait(work, stage, f"activation {name!r} of micro-batch {mb}", src)
-        return buf if spec.dtype is not None else int(buf.item())
+        return buf if self.specs[name].dtype is not None else int(buf.item())
 
     def send_gradient(self, stage: int, name: str, mb: int, grad: Any) -> None:
         if name not in self.grad_values:
@@ -145,17 +145,52 @@ class P2PTransport:
         if name not in self.grad_values:
             return None
         total = self._local_grads.pop((name, mb), None)
-        spec = self.specs[name]
         for consumer in self.consumers[name]:
             src = self.rank_of(consumer)
             if src == self.rank:
                 continue  # delivered locally above
-            buf = torch.empty(spec.shape(self.sizes[mb]), dtype=spec.dtype,
-                              device=self.devices[stage])
-            work = dist.irecv(buf, src=src, tag=self._tag(name, consumer, mb, 1))
+            key = ("grad", name, consumer, mb)
+            work, buf = self._posted.pop(key, None) or self._post(key)
             self._wait(work, stage, f"gradient of {name!r} for micro-batch {mb}", src)
             total = buf if total is None else total + buf
         return total
+
+    def post_receives(self, actions, workers) -> None:
+        """Post, before the step starts, every receive these actions will need.
+
+        gloo moves a message only once its receive is posted; posting them all up front lets
+        a value travel while its receiver is still computing something else.
+        """
+        for action in actions:
+            worker = workers.get(action.stage)
+            if worker is None or action.microbatch is None:
+                continue
+            if action.kind.value == "F":
+                for name in worker.input_names:
+                    if name in self.producer and self.rank_of(self.producer[name]) != self.rank:
+                        key = ("act", name, action.stage, action.microbatch)
+                        self._posted[key] = self._post(key)
+            elif action.kind.value in ("B", "I") and worker.loss is None:
+                for name in worker.output_names:
+                    if name not in self.grad_values:
+                        continue
+                    for consumer in self.consumers[name]:
+                        if self.rank_of(consumer) != self.rank:
+                            key = ("grad", name, consumer, action.microbatch)
+                            self._posted[key] = self._post(key)
+
+    def _post(self, key: tuple):
+        """irecv for ("act", value, consumer stage, mb) or ("grad", value, consumer, mb)."""
+        kind, name, consumer, mb = key
+        spec = self.specs[name]
+        if kind == "act":
+            src, direction = self.rank_of(self.producer[name]), 0
+            device, dtype = self.devices[consumer], spec.dtype or torch.int64
+        else:
+            src, direction = self.rank_of(consumer), 1
+            device, dtype = self.devices[self.producer[name]], spec.dtype
+        buf = torch.empty(spec.shape(self.sizes[mb]), dtype=dtype, device=device)
+        return dist.irecv(buf, src=src, tag=self._tag(name, consumer, mb, direction)), buf
 
     def finish(self) -> None:
         """Complete every send of the step (they complete once their receiver has the data)."""
