@@ -6,7 +6,7 @@ import torch
 
 import pipecompile as pc
 from pipecompile import zoo
-from pipecompile.passes.partition import evaluate, uniform_bounds
+from pipecompile.passes.partition import uniform_bounds
 
 
 def _heavy_head_gpt():
