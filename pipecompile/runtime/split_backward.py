@@ -16,6 +16,7 @@ parameters behind each, so it runs just the weight-gradient kernels.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -90,13 +91,20 @@ def backward_input(
     return list(result), work
 
 
+# Stages on one device share a parameter read by several of them (a weight used at both ends);
+# their W actions run on different threads, so accumulating into its .grad must be atomic, as
+# autograd's own AccumulateGrad is.
+_ACCUMULATE = threading.Lock()
+
+
 def backward_weight(work: WeightWork) -> None:
     """Accumulate every parameter's gradient from the recorded frontier gradients."""
     for edges, grads, params in work.groups:
         result = torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
-        for p, g in zip(params, result):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+        with _ACCUMULATE:
+            for p, g in zip(params, result):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
 
 
 class _Reach:
