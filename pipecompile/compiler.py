@@ -145,7 +145,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
         chosen = evaluate(problem, bounds)
         how = "split_points"
     else:
-        chosen = partition(problem, inflight_for=lambda k: _inflight_for(schedule, k, microbatches, v, len(specs)))
+        chosen = partition(problem, inflight_for=lambda k: _inflight_for(schedule, k, microbatches, v))
         how = "optimal DP"
     records.append(PassRecord("partition", time.perf_counter() - t,
                               f"{how}: bounds {chosen.bounds}, bottleneck "
@@ -333,7 +333,7 @@ def _inflight(plan) -> tuple[int, ...]:
     return tuple(max(1, timeline.peak_inflight(s)) for s in range(plan.num_stages))
 
 
-def _inflight_for(schedule: str, devices: int, m: int, v: int, base_devices: int) -> tuple[int, ...]:
+def _inflight_for(schedule: str, devices: int, m: int, v: int) -> tuple[int, ...]:
     """In-flight counts if the pipeline had `devices` devices (for the out-of-memory advice)."""
     try:
         return _inflight(make_schedule(schedule, devices // v if v > 1 else devices, m,

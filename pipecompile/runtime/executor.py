@@ -223,17 +223,16 @@ class Executor:
                 transport.send_gradient(action.stage, name, action.microbatch, grads.get(name))
 
     def _backward(self, action, transport, feeds, microbatches) -> float:
-        output_grads = self._output_grads(action, transport)
-        began = time.perf_counter()
-        grads = self.workers[action.stage].backward(action.microbatch, output_grads)
-        _publish(self.wiring.devices[action.stage])
-        self._send_input_grads(action, transport, grads)
-        return began
+        return self._backward_with(StageWorker.backward, action, transport)
 
     def _backward_input(self, action, transport, feeds, microbatches) -> float:
+        return self._backward_with(StageWorker.backward_input, action, transport)
+
+    def _backward_with(self, method: Callable, action, transport) -> float:
+        """B or I: wait for the output gradients, run `method`, send the input gradients."""
         output_grads = self._output_grads(action, transport)
         began = time.perf_counter()
-        grads = self.workers[action.stage].backward_input(action.microbatch, output_grads)
+        grads = method(self.workers[action.stage], action.microbatch, output_grads)
         _publish(self.wiring.devices[action.stage])
         self._send_input_grads(action, transport, grads)
         return began
