@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -14,15 +15,20 @@ import torch
 
 from .capture import batch_size_of, capture as capture_model
 from .errors import ConfigError, PartitionError
+from .ir import LinearGraph
 from .passes.annotate import DeviceModel, annotate, optimizer_state_factor
+from .passes.calibrate import calibrate_blocks, fit_calibration, measure_stages
+from .passes.profile import profile_blocks, record_values
 from .passes.linearize import GRANULARITIES, linearize
-from .passes.partition import DeviceSpec, PartitionProblem, evaluate, partition
+from .passes.partition import DeviceSpec, PartitionProblem, evaluate, lower_bound, partition
 from .passes.split import split
-from .pipeline import PassRecord, Pipeline
+from .pipeline import PassRecord, Pipeline, values_needing_grad
 from .report import StageCost, format_count
 from .runtime.distributed import check_same_plan, local_device, plan_digest, topology_from_environment
 from .runtime.schedules import make_schedule
+from .runtime.microbatch import split_microbatches
 from .runtime.simulate import StageCosts, simulate
+from .runtime.stage_worker import LossSpec
 
 __all__ = ["compile"]
 
@@ -40,6 +46,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     microbatches: int = 4,
     schedule: str = "gpipe",
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    example_target: Any = None,
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
     split_points: Sequence[str] | None = None,
     capture: str = "export",
@@ -58,6 +65,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     `devices` is a count (CUDA devices if present, else that many CPU workers), a list of
     device names, or a list of `DeviceSpec` (relative speed, memory) for heterogeneous devices.
     `memory_limit` (bytes, per device or one for all) caps each stage's predicted memory.
+    `example_target` (the target of the example batch) lets `profile=True` time `loss_fn` too.
 
     Under torch.distributed (an initialised process group, or torchrun's environment) the same
     call runs on every rank: `devices` is the number of pipeline ranks and `data_parallel` the
@@ -115,49 +123,79 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                               f"{linear.num_blocks} blocks ({linear.granularity}), max boundary "
                               f"{max((len(b) for b in linear.boundaries), default=0)} values"))
 
+    plan = make_schedule(schedule, len(specs), microbatches, virtual_stages=v)
+    inflight = _inflight(plan)
+    stage_specs = tuple(specs[plan.stage_to_device[s]] for s in range(num_stages))
+    stage_devices = [torch.device(s.name) for s in stage_specs]
+    if topology is not None:  # other ranks' stages stay where the model is: nothing is copied
+        home = _model_device(model)
+        stage_devices = [d if plan.stage_to_device[i] == topology.position else home
+                         for i, d in enumerate(stage_devices)]
+    device_model = _device_model(specs[0], topology)
+    calibration = None
+
+    def cost(linear: LinearGraph):
+        """The cost table of `linear`'s blocks (measured with profile=True, then calibrated)."""
+        costs = annotate(linear, microbatch_size=mb_size, device=device_model,
+                         optimizer_factor=optimizer_state_factor(optimizer))
+        if profile:
+            costs = profile_blocks(linear, costs, args, kwargs, microbatches=microbatches)
+            if topology is not None:  # every rank must plan with the same numbers: rank 0's
+                costs = _agree_on_costs(costs)
+        return costs if calibration is None else calibrate_blocks(costs, calibration)
+
+    def place(linear: LinearGraph, costs):
+        problem = _problem(costs, stage_specs, inflight)
+        if split_points is not None:
+            return evaluate(problem, _bounds_from_split_points(linear, split_points, num_stages))
+        return partition(problem, inflight_for=lambda k: _inflight_for(schedule, k, microbatches, v))
+
+    def measure(program):
+        return _measure_stages(program, linear=program.linear, args=args, kwargs=kwargs,
+                               target=example_target, microbatches=microbatches,
+                               loss_fn=loss_fn, topology=topology, plan=plan)
+
     t = time.perf_counter()
-    costs = annotate(linear, microbatch_size=mb_size, device=_device_model(specs[0], topology),
-                     optimizer_factor=optimizer_state_factor(optimizer))
-    if profile:
-        from .passes.profile import profile_blocks
-        costs = profile_blocks(linear, costs, args, kwargs, microbatches=microbatches)
-        if topology is not None:  # every rank must plan with the same numbers: rank 0's
-            costs = _agree_on_costs(costs)
+    costs = cost(linear)
     total = sum(b.forward_flops for b in costs.blocks)
     records.append(PassRecord("annotate", time.perf_counter() - t,
                               f"{format_count(total)}FLOP forward per micro-batch of {mb_size}"
                               + (" (measured times)" if profile else "")))
 
     t = time.perf_counter()
-    plan = make_schedule(schedule, len(specs), microbatches, virtual_stages=v)
-    inflight = _inflight(plan)
-    stage_specs = tuple(specs[plan.stage_to_device[s]] for s in range(num_stages))
-    problem = PartitionProblem(
-        block_times=tuple(b.time for b in costs.blocks),
-        cut_bytes=costs.cut_bytes,
-        static_bytes=tuple(b.static_bytes for b in costs.blocks),
-        activation_bytes=tuple(b.activation_bytes for b in costs.blocks),
-        devices=stage_specs,
-        inflight=inflight,
-    )
-    if split_points is not None:
-        bounds = _bounds_from_split_points(linear, split_points, num_stages)
-        chosen = evaluate(problem, bounds)
-        how = "split_points"
-    else:
-        chosen = partition(problem, inflight_for=lambda k: _inflight_for(schedule, k, microbatches, v))
-        how = "optimal DP"
+    chosen = place(linear, costs)
+    how = "split_points" if split_points is not None else "optimal DP"
     records.append(PassRecord("partition", time.perf_counter() - t,
                               f"{how}: bounds {chosen.bounds}, bottleneck "
                               f"{chosen.bottleneck * 1e3:.3f} ms/mb"))
 
+    program = measured = None
+    if profile:  # time the stages as the runtime runs them; re-plan on the corrected costs
+        t = time.perf_counter()
+        program = split(linear, chosen.bounds, stage_devices)
+        calibration = fit_calibration(costs, chosen.bounds, measure(program))
+        costs = calibrate_blocks(costs, calibration)
+        before, chosen = chosen.bounds, place(linear, costs)
+        records.append(PassRecord("calibrate", time.perf_counter() - t,
+                                  f"stages measured: {calibration}; bounds {before} -> "
+                                  f"{chosen.bounds}, bottleneck {chosen.bottleneck * 1e3:.3f} ms/mb"))
+        if chosen.bounds != before:
+            program = None
+
+    if granularity is None and split_points is None:
+        t = time.perf_counter()
+        bound = lambda c: lower_bound(_problem(c, stage_specs, inflight))  # noqa: E731
+        refined = _refine(captured, linear, costs, chosen, cost, place, bound, num_stages)
+        if refined is not None:
+            linear, costs, chosen, note = refined
+            program = None
+            records.append(PassRecord("refine", time.perf_counter() - t, note))
+
     t = time.perf_counter()
-    stage_devices = [torch.device(s.name) for s in stage_specs]
-    if topology is not None:  # other ranks' stages stay where the model is: nothing is copied
-        home = _model_device(model)
-        stage_devices = [d if plan.stage_to_device[i] == topology.position else home
-                         for i, d in enumerate(stage_devices)]
-    program = split(linear, chosen.bounds, stage_devices)
+    if program is None:
+        program = split(linear, chosen.bounds, stage_devices)
+    if profile:  # the simulator uses the final stages' measured times
+        measured = measure(program)
     program = _with_costs(program, costs, chosen, inflight)
     if schedule in _ASYNC:
         _check_no_cross_stage_ties(program, schedule)
@@ -165,8 +203,11 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                               f"{program.num_stages} stage graphs, {len(program.ties)} tied "
                               f"parameter groups"))
 
-    stage_costs = [_stage_costs(s, costs, stage_specs[s.index]) for s in program.stages]
-    predicted = simulate(plan, stage_costs)
+    stage_costs = [_stage_costs(s, costs, stage_specs[s.index],
+                                measured[s.index] if measured else None)
+                   for s in program.stages]
+    cores = _shared_cores(stage_specs, topology)
+    predicted = simulate(plan, stage_costs, cores=cores)
     records.append(PassRecord("schedule", 0.0, f"{schedule}: {sum(len(a) for a in plan.actions)} "
                               f"actions, predicted bubble {predicted.bubble_fraction:.1%}"))
     if topology is not None:
@@ -178,7 +219,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                                   f"{topology.replica})"))
     return Pipeline(program, plan, microbatches=microbatches, loss_fn=loss_fn,
                     optimizer=optimizer, checkpoint=checkpoint, predicted=predicted,
-                    stage_costs=stage_costs,
+                    stage_costs=stage_costs, cores=cores,
                     passes=records, timeout=timeout, topology=topology,
                     vertical_sync=vertical_sync)
 
@@ -307,20 +348,100 @@ def _matmul_rate(device: str, n: int = 512, repeats: int = 5) -> float:
     return 2 * n**3 / sorted(times[1:])[repeats // 2]
 
 
-def _stage_costs(stage, costs, spec: DeviceSpec) -> StageCosts:
-    """Simulator costs of a stage. A stage that receives no gradient-carrying input (the first)
-    has nothing to do in I: its whole backward is weight gradients."""
-    blocks = [costs.blocks[b] for b in stage.blocks]
+def _shared_cores(specs: Sequence[DeviceSpec], topology) -> int | None:
+    """How many CPU device threads of this process can compute at full speed at once.
+
+    In one process every CPU "device" is a worker thread on the same cores, each op using
+    torch's intra-op threads; more devices than that oversubscribes the cores, and the simulator
+    must share them. None (no sharing) for accelerators and for one rank per process."""
+    if topology is not None or any(torch.device(s.name).type != "cpu" for s in specs):
+        return None
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (available or 1) // max(1, torch.get_num_threads()))
+
+
+def _refine(captured, linear, costs, chosen, cost, place, bound, num_stages):
+    """A finer block granularity when it beats the current placement.
+
+    Whole layers cannot balance a model whose stages come out uneven (a heavy head, a few
+    large layers on few devices). While the bottleneck is more than 5 % above the lower bound
+    (`partition.lower_bound`), try the next granularity and keep it if its optimum is at least
+    3 % faster. Returns None when the first granularity stays, else (linear, costs, chosen,
+    summary)."""
+    start = (linear.granularity, chosen.bottleneck)
+    best = None
+    levels = list(GRANULARITIES)
+    for level in levels[levels.index(linear.granularity) + 1:]:
+        if chosen.bottleneck <= 1.05 * bound(costs):
+            break
+        finer = linearize(captured, granularity=level)
+        if finer.num_blocks < num_stages or finer.num_blocks == linear.num_blocks:
+            continue
+        finer_costs = cost(finer)
+        finer_chosen = place(finer, finer_costs)
+        if finer_chosen.bottleneck > 0.97 * chosen.bottleneck:
+            break
+        linear, costs, chosen = finer, finer_costs, finer_chosen
+        best = (linear, costs, chosen)
+    if best is None:
+        return None
+    return (*best, f"{start[0]} -> {linear.granularity} ({linear.num_blocks} blocks): bottleneck "
+                   f"{start[1] * 1e3:.3f} -> {chosen.bottleneck * 1e3:.3f} ms/mb, bounds "
+                   f"{chosen.bounds}")
+
+
+def _problem(costs, stage_specs, inflight) -> PartitionProblem:
+    return PartitionProblem(
+        block_times=tuple(b.time for b in costs.blocks),
+        cut_bytes=costs.cut_bytes,
+        static_bytes=tuple(b.static_bytes for b in costs.blocks),
+        activation_bytes=tuple(b.activation_bytes for b in costs.blocks),
+        devices=stage_specs,
+        inflight=inflight,
+    )
+
+
+def _measure_stages(program, *, linear, args, kwargs, target, microbatches, loss_fn, topology,
+                    plan) -> dict:
+    """Every stage's measured F/B/I/W on the first micro-batch (`passes.calibrate`). Under
+    torch.distributed each rank times its own stages and all ranks share the results."""
+    mb = split_microbatches(args, kwargs, target, microbatches)[0]
+    captured = linear.captured
+    values = record_values(captured.module, captured.flatten_inputs(mb.args, mb.kwargs))
+    own = None if topology is None else [s for s in range(program.num_stages)
+                                         if plan.stage_to_device[s] == topology.position]
+    measured = measure_stages(program, values, grad_values=values_needing_grad(program),
+                              loss=LossSpec(captured.unflatten_outputs, loss_fn, 1.0 / microbatches),
+                              target=mb.target, stages=own)
+    if topology is not None:
+        import torch.distributed as dist
+
+        gathered = [None] * topology.world_size
+        dist.all_gather_object(gathered, measured)
+        for part in gathered[: topology.pipeline_size]:  # the first replica's measurements
+            measured.update(part)
+    return measured
+
+
+def _stage_costs(stage, costs, spec: DeviceSpec, measured=None) -> StageCosts:
+    """Simulator costs of a stage: measured (`profile=True`) or the sum of its blocks'. A stage
+    that receives no gradient-carrying input (the first) has nothing to do in I: its whole
+    backward is weight gradients."""
     first = stage.blocks[0]
+    transfers = dict(send_forward=_transfer(stage.cost.send_bytes, spec),
+                     send_backward=_transfer(costs.cut_bytes[first], spec))
+    if measured is not None:
+        return StageCosts(forward=measured.forward, backward=measured.backward,
+                          backward_input=measured.backward_input,
+                          backward_weight=measured.backward_weight, **transfers)
+    blocks = [costs.blocks[b] for b in stage.blocks]
     if costs.cut_bytes[first] == 0:
         i_time, w_time = 0.0, stage.cost.backward_time
     else:
         i_time = sum(b.backward_input_time for b in blocks)
         w_time = sum(b.backward_weight_time for b in blocks)
     return StageCosts(forward=stage.cost.forward_time, backward=stage.cost.backward_time,
-                      backward_input=i_time, backward_weight=w_time,
-                      send_forward=_transfer(stage.cost.send_bytes, spec),
-                      send_backward=_transfer(costs.cut_bytes[first], spec))
+                      backward_input=i_time, backward_weight=w_time, **transfers)
 
 
 def _transfer(nbytes: float, spec: DeviceSpec) -> float:

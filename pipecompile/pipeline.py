@@ -63,6 +63,7 @@ class Pipeline:
         predicted: Timeline | None,
         passes: Sequence[PassRecord],
         stage_costs: Sequence[StageCosts] = (),
+        cores: int | None = None,
         timeout: float = 300.0,
         topology: Topology | None = None,
         vertical_sync: bool = False,
@@ -73,10 +74,11 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.predicted = predicted
         self.stage_costs = tuple(stage_costs)
+        self.cores = cores  # compute actions the devices can run at once (None: one per device)
         self.passes = tuple(passes)
         self.topology = topology
         captured = program.captured
-        self.grad_values = _values_needing_grad(program)
+        self.grad_values = values_needing_grad(program)
         self.asynchronous = schedule.name in ("pipedream", "2bw")
         self.vertical_sync = vertical_sync
         scale = (VersionRule(schedule.name, program.num_stages, 0, microbatches).loss_scale
@@ -294,7 +296,7 @@ class Pipeline:
     def simulate(self, schedule: Schedule | None = None) -> Timeline:
         """Predicted timeline of `schedule` (default: the last one run, else the step's)."""
         plan = schedule or getattr(self, "last_schedule", None) or self.schedule
-        return simulate(plan, self.stage_costs)
+        return simulate(plan, self.stage_costs, cores=self.cores)
 
     def peak_inflight(self) -> tuple[int, ...]:
         """Per stage, the most micro-batches whose activations were held at once in the last
@@ -402,7 +404,7 @@ def _batch_parts(batch: tuple) -> tuple[tuple, dict, Any]:
     return (args if isinstance(args, tuple) else (args,)), dict(kwargs), target
 
 
-def _values_needing_grad(program: StagedProgram) -> set[str]:
+def values_needing_grad(program: StagedProgram) -> set[str]:
     """Boundary values that are floating point (gradients flow back through them)."""
     values = program.captured.values
     return {

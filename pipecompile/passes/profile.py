@@ -28,7 +28,7 @@ from ..runtime.microbatch import split_microbatches
 from .annotate import with_measured_times
 from .nodes import call_node, getattr_path as _getattr_path
 
-__all__ = ["profile_blocks"]
+__all__ = ["profile_blocks", "record_values"]
 
 
 def profile_blocks(
@@ -48,7 +48,7 @@ def profile_blocks(
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     with torch.random.fork_rng(devices=[]):
         try:
-            env = _record_values(gm, flat)
+            env = record_values(gm, flat)
             nodes = {n.name: n for n in gm.graph.nodes}
             measured = {
                 block.index: _time_block(block.nodes, nodes, linear.roles, gm, env, repeats)
@@ -61,7 +61,7 @@ def profile_blocks(
     return with_measured_times(costs, measured)
 
 
-def _record_values(gm: fx.GraphModule, flat: list) -> dict[str, Any]:
+def record_values(gm: fx.GraphModule, flat: list) -> dict[str, Any]:
     """Every node's value on one real run (no autograd)."""
     env: dict[str, Any] = {}
 

@@ -19,7 +19,14 @@ produced on another device arrives ``send_forward`` (activations) or ``send_back
 stage. A transfer is pure latency on a link: it uses no device time, and links never contend.
 A ``SEND`` takes no time; a ``RECV`` lasts from when its device reaches it until the value
 arrives (waiting, not counted as compute). Schedules with or without explicit communication give
-the same times. p=2, m=2, F=1, B=2, 1F1B::
+the same times.
+
+Devices that share cores (``cores``): worker threads of one process on a CPU compete for its
+cores. With ``cores=c``, when k > c compute actions run at once each progresses at c/k of its
+speed (processor sharing, as the OS time-slices the threads); with k <= c, at full speed. The
+default (``cores=None``) gives every device its own hardware.
+
+p=2, m=2, F=1, B=2, 1F1B::
 
     t     0    1    2    3    4    5    6    7    8    9
     dev0  [0F0][0F1]..........[0B0     ].....[0B1     ]
@@ -201,9 +208,17 @@ def _duration(action: Action, cost: StageCosts, step_time: float) -> float:
 
 
 def simulate(
-    schedule: Schedule, costs: Sequence[StageCosts], *, step_time: float = 0.0
+    schedule: Schedule,
+    costs: Sequence[StageCosts],
+    *,
+    step_time: float = 0.0,
+    cores: int | None = None,
 ) -> Timeline:
-    """Predict when every action of a valid ``schedule`` runs; ``costs[s]`` is stage s's."""
+    """Predict when every action of a valid ``schedule`` runs; ``costs[s]`` is stage s's.
+
+    ``cores``: how many compute actions the devices can run at full speed at once (None: no
+    limit); see the module docstring.
+    """
     if len(costs) != schedule.num_stages:
         raise ScheduleError(
             f"simulate: got {len(costs)} StageCosts for {schedule.num_stages} stages; give one "
@@ -220,6 +235,10 @@ def simulate(
             return costs[dep.stage].send_forward
         return costs[dep.stage].send_backward
 
+    if cores is not None and cores < 1:
+        raise ScheduleError(f"simulate: cores must be >= 1 or None, got {cores}")
+    if cores is not None and cores < schedule.num_devices:
+        return _simulate_shared(schedule, costs, deps, latency, step_time, cores)
     end: dict[Action, float] = {}
     free = [0.0] * schedule.num_devices
     pcs = [0] * schedule.num_devices
@@ -241,3 +260,64 @@ def simulate(
                 pcs[device] += 1
                 progress = True
     return Timeline(tuple(e for row in events for e in row), schedule.num_devices)
+
+
+def _simulate_shared(schedule, costs, deps, latency, step_time: float, cores: int) -> Timeline:
+    """`simulate` when the devices share ``cores``: an event-driven fluid simulation.
+
+    Between two events (an action finishing, a transfer arriving) the k running compute actions
+    each progress at rate min(1, cores / k); every device still runs its row in order.
+    """
+    n = schedule.num_devices
+    end: dict[Action, float] = {}
+    pcs = [0] * n
+    free = [0.0] * n  # when each device finished its previous action
+    running: dict[int, list] = {}  # device -> [action, start, remaining seconds of work]
+    waiting: dict[int, float] = {}  # device -> when its next action's inputs arrive
+    events: list[list[Event]] = [[] for _ in range(n)]
+    now = 0.0
+
+    def finish(device: int, action: Action, start: float, t: float) -> None:
+        events[device].append(Event(device, action, start, t))
+        end[action] = free[device] = t
+        pcs[device] += 1
+
+    def start_ready() -> None:
+        """Start (or finish, if instantaneous) every idle device's next action that can go now."""
+        progress = True
+        while progress:
+            progress = False
+            for device, row in enumerate(schedule.actions):
+                if device in running or pcs[device] >= len(row):
+                    continue
+                action = row[pcs[device]]
+                if not all(d in end for d in deps[action]):
+                    continue
+                ready = max((end[d] + latency(d, action) for d in deps[action]), default=0.0)
+                if ready > now:
+                    waiting[device] = ready
+                    continue
+                waiting.pop(device, None)
+                if action.kind is Kind.RECV_F or action.kind is Kind.RECV_B:
+                    finish(device, action, free[device], max(free[device], ready))
+                    progress = True
+                    continue
+                work = _duration(action, costs[action.stage], step_time)
+                if work <= 0:
+                    finish(device, action, now, now)
+                    progress = True
+                else:
+                    running[device] = [action, now, work]
+
+    start_ready()
+    while running or waiting:
+        rate = min(1.0, cores / len(running)) if running else 1.0
+        t_next = min([now + r[2] / rate for r in running.values()] + list(waiting.values()))
+        for r in running.values():
+            r[2] -= (t_next - now) * rate
+        now = t_next
+        for device in [d for d, r in running.items() if r[2] <= 1e-12]:
+            action, start, _ = running.pop(device)
+            finish(device, action, start, now)
+        start_ready()
+    return Timeline(tuple(e for row in events for e in row), n)

@@ -16,7 +16,6 @@ parameters behind each, so it runs just the weight-gradient kernels.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -40,6 +39,11 @@ def backward_input(
     params: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
     """Gradients of `inputs`, and the work W will need to compute the gradients of `params`."""
+    if not inputs:  # the first stage: W is the whole backward, I has nothing to do
+        work = WeightWork([([get_gradient_edge(r) for r in roots if r.grad_fn is not None],
+                            [g for r, g in zip(roots, grads) if r.grad_fn is not None],
+                            list(params))])
+        return [], work if work.groups[0][0] and params else WeightWork()
     param_of = {get_gradient_edge(p).node: p for p in params}
     input_nodes = {get_gradient_edge(t).node for t in inputs}
     reaches_input = _Reach(input_nodes)
@@ -53,10 +57,9 @@ def backward_input(
             continue
         if reaches_input(node):
             stack.append(node)
-        else:  # this output depends on parameters only: W takes it whole
-            ps = _params_below(node, param_of)
-            if ps:
-                work.groups.append(([get_gradient_edge(root)], [grad], ps))
+        elif params:  # this output depends on parameters only: W takes it whole
+            # (all of them: autograd.grad skips the unreachable ones, no graph walk needed)
+            work.groups.append(([get_gradient_edge(root)], [grad], list(params)))
     while stack:
         node = stack.pop()
         if node in seen:
@@ -91,20 +94,14 @@ def backward_input(
     return list(result), work
 
 
-# Stages on one device share a parameter read by several of them (a weight used at both ends);
-# their W actions run on different threads, so accumulating into its .grad must be atomic, as
-# autograd's own AccumulateGrad is.
-_ACCUMULATE = threading.Lock()
-
-
 def backward_weight(work: WeightWork) -> None:
-    """Accumulate every parameter's gradient from the recorded frontier gradients."""
+    """Accumulate every parameter's gradient from the recorded frontier gradients.
+
+    `backward(inputs=params)` accumulates into `.grad` through autograd's AccumulateGrad, which
+    locks the parameter: stages on one device that share a parameter (a weight used at both
+    ends) run their W on different threads."""
     for edges, grads, params in work.groups:
-        result = torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
-        with _ACCUMULATE:
-            for p, g in zip(params, result):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad + g
+        torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
 
 
 class _Reach:

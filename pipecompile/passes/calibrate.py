@@ -1,0 +1,182 @@
+"""calibrate: measure the split stages as the runtime runs them, and correct the block costs.
+
+`profile` times every block alone. A stage in a pipeline costs more than the sum of its blocks:
+one graph module call and one autograd call per action instead of one per block, gradient
+accumulation into `.grad`, the loss on the last stage, and, for zero-bubble's split backward,
+one autograd call per weight-consuming op. This pass measures each stage with the runtime's own
+`StageWorker` on one real micro-batch (single thread, no transport):
+
+    F    forward, the loss included on the last stage (when a target is known)
+    B    full backward
+    I, W zero-bubble's input and weight parts (`runtime.split_backward`)
+    loss the loss's forward and backward alone (part of the last stage's F and B)
+
+Inputs come from one run of the captured graph; output gradients are ones (their values do not
+change the time). Parameter gradients, buffers and the RNG state are restored afterwards.
+
+`fit_calibration` finds one factor for every block's time (the median of the stages'
+measured / predicted ratios) and takes the loss's time, measured alone on the last stage;
+`calibrate_blocks` applies them to a cost table (of any granularity). The compiler re-plans on
+the calibrated costs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..ir import CostTable
+from ..runtime.stage_worker import LossSpec, StageWorker
+
+__all__ = ["StageTimes", "Calibration", "measure_stages", "fit_calibration", "calibrate_blocks"]
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Measured seconds of one stage's actions for one micro-batch."""
+
+    forward: float
+    backward: float
+    backward_input: float
+    backward_weight: float
+    loss: float = 0.0  # of forward + backward: the loss's own forward and backward (last stage)
+
+
+def measure_stages(
+    program,
+    values: Mapping[str, Any],
+    *,
+    grad_values: set[str],
+    loss: LossSpec | None,
+    target: Any = None,
+    stages: Sequence[int] | None = None,
+    repeats: int = 5,
+) -> dict[int, StageTimes]:
+    """Median times of `stages` (default: all) of a `StagedProgram` on one micro-batch.
+
+    `values` maps every boundary value and graph input to its value on that micro-batch;
+    `loss` (for the last stage) is used only when `target` is given or `loss.loss_fn` is None.
+    """
+    last = program.num_stages - 1
+    chosen = range(program.num_stages) if stages is None else stages
+    params = {id(p): p for s in program.stages for p in s.module.parameters()}
+    grads = {k: p.grad for k, p in params.items()}
+    buffers = {id(b): (b, b.detach().clone()) for s in program.stages for b in s.module.buffers()}
+    result = {}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for index in chosen:
+                stage = program.stages[index]
+                with_loss = index == last and loss is not None and (
+                    target is not None or loss.loss_fn is None)
+                worker = StageWorker(index, stage.module, stage.inputs, stage.outputs,
+                                     frozenset(n for n in stage.inputs if n in grad_values),
+                                     loss if with_loss else None)
+                inputs = {n: _to(values[n], stage.device) for n in stage.inputs}
+                result[index] = _time_stage(worker, inputs, _to(target, stage.device), repeats)
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers.values():
+                b.copy_(saved)
+        for k, p in params.items():
+            p.grad = grads[k]
+    return result
+
+
+def _time_stage(worker: StageWorker, inputs, target, repeats: int) -> StageTimes:
+    samples = []
+    for _ in range(repeats + 1):  # the first round warms up
+        t_f = _clock(lambda: worker.forward(0, inputs, target))
+        outputs = worker.saved[0].outputs
+        grads = {n: torch.ones_like(v) for n, v in outputs.items()
+                 if isinstance(v, torch.Tensor) and v.requires_grad}
+        t_b = _clock(lambda: worker.backward(0, grads))
+        worker.forward(0, inputs, target)
+        t_i = _clock(lambda: worker.backward_input(0, grads))
+        t_w = _clock(lambda: worker.backward_weight(0))
+        t_loss = _time_loss(worker, outputs, target) if worker.loss is not None else 0.0
+        samples.append((t_f, t_b, t_i, t_w, t_loss))
+    return StageTimes(*(statistics.median(s[k] for s in samples[1:]) for k in range(5)))
+
+
+def _time_loss(worker: StageWorker, outputs: Mapping[str, Any], target) -> float:
+    """Seconds of the loss's forward and backward alone, on the stage's outputs."""
+    leaves = [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor)
+              else v for v in outputs.values()]
+
+    def run():
+        loss = worker._loss(tuple(leaves), target)
+        if loss.requires_grad:
+            loss.backward()
+
+    return _clock(run)
+
+
+def _clock(fn) -> float:
+    _sync()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How measured stages differ from the sum of their blocks: a time factor for every block,
+    and the loss's seconds per micro-batch, charged to the last block."""
+
+    factor: float = 1.0
+    loss_time: float = 0.0
+
+    def __str__(self) -> str:
+        return f"block times x{self.factor:.2f}, loss {self.loss_time * 1e3:.3f} ms/mb"
+
+
+def fit_calibration(
+    costs: CostTable, bounds: Sequence[int], measured: Mapping[int, StageTimes]
+) -> Calibration:
+    """The factor is the median over the stages of measured / predicted F+B (the loss's own
+    measured time left out); the loss is measured directly on the last stage."""
+    predicted = [sum(costs.blocks[b].time for b in range(lo, hi))
+                 for lo, hi in zip(bounds, bounds[1:])]
+    loss = measured[len(predicted) - 1].loss
+    actual = [measured[s].forward + measured[s].backward - measured[s].loss
+              for s in range(len(predicted))]
+    ratios = [a / p for a, p in zip(actual, predicted) if p > 0]
+    return Calibration(statistics.median(ratios) if ratios else 1.0, loss)
+
+
+def calibrate_blocks(costs: CostTable, calibration: Calibration) -> CostTable:
+    """`costs` with every block time scaled and the loss added to the last block."""
+    blocks = []
+    last = len(costs.blocks) - 1
+    for i, b in enumerate(costs.blocks):
+        extra = calibration.loss_time if i == last else 0.0
+        # the loss runs in forward and starts the backward: charge it to F and I evenly
+        blocks.append(replace(
+            b,
+            forward_time=b.forward_time * calibration.factor + extra / 2,
+            backward_input_time=b.backward_input_time * calibration.factor + extra / 2,
+            backward_weight_time=b.backward_weight_time * calibration.factor,
+        ))
+    return replace(costs, blocks=tuple(blocks),
+                   notes=(*costs.notes, f"calibrated by the measured stages: {calibration}"))
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
