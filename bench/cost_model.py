@@ -83,7 +83,7 @@ def _rank(rank: int, world: int, quick: bool, steps: int) -> list:
     for profile in (False, True):
         model, x, y = _setup(quick)
         pipe = pc.compile(model, (x,), devices=world, microbatches=M, schedule="1f1b",
-                          loss_fn=C.ce, profile=profile)
+                          loss_fn=C.ce, profile=profile, example_target=y)
         pipe.step(x, target=y)
         times, busy = [], []
         for _ in range(steps):
@@ -118,7 +118,7 @@ def main() -> None:
                 try:
                     pipes["profile" if profile else "analytic"] = pc.compile(
                         model, (x,), devices=d, microbatches=M, schedule=schedule,
-                        loss_fn=C.ce, profile=profile)
+                        loss_fn=C.ce, profile=profile, example_target=y)
                 except Exception as exc:  # noqa: BLE001 - e.g. m not a multiple of d
                     err = f"{type(exc).__name__}: {str(exc)[:90]}"
             if err:

@@ -17,7 +17,7 @@ from .capture import batch_size_of, capture as capture_model
 from .errors import ConfigError, PartitionError
 from .ir import LinearGraph
 from .passes.annotate import DeviceModel, annotate, optimizer_state_factor
-from .passes.calibrate import calibrate_blocks, fit_calibration, measure_stages
+from .passes.calibrate import calibrate_blocks, fit_calibration, measure_stages, thread_efficiency
 from .passes.profile import profile_blocks, record_values
 from .passes.linearize import GRANULARITIES, linearize
 from .passes.partition import DeviceSpec, PartitionProblem, evaluate, lower_bound, partition
@@ -207,7 +207,13 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                                 measured[s.index] if measured else None)
                    for s in program.stages]
     cores = _shared_cores(stage_specs, topology)
-    predicted = simulate(plan, stage_costs, cores=cores)
+    efficiency = 1.0
+    if profile and cores is not None and len(specs) > 1:  # device threads slow each other down
+        t = time.perf_counter()
+        efficiency = _thread_efficiency(program, linear, args, kwargs, microbatches, plan, cores)
+        records.append(PassRecord("threads", time.perf_counter() - t, f"{len(specs)} device threads on {cores} "
+                                  f"cores run at {efficiency:.2f} of their share"))
+    predicted = simulate(plan, stage_costs, cores=cores, efficiency=efficiency)
     records.append(PassRecord("schedule", 0.0, f"{schedule}: {sum(len(a) for a in plan.actions)} "
                               f"actions, predicted bubble {predicted.bubble_fraction:.1%}"))
     if topology is not None:
@@ -219,7 +225,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                                   f"{topology.replica})"))
     return Pipeline(program, plan, microbatches=microbatches, loss_fn=loss_fn,
                     optimizer=optimizer, checkpoint=checkpoint, predicted=predicted,
-                    stage_costs=stage_costs, cores=cores,
+                    stage_costs=stage_costs, cores=cores, efficiency=efficiency,
                     passes=records, timeout=timeout, topology=topology,
                     vertical_sync=vertical_sync)
 
@@ -405,14 +411,13 @@ def _measure_stages(program, *, linear, args, kwargs, target, microbatches, loss
                     plan) -> dict:
     """Every stage's measured F/B/I/W on the first micro-batch (`passes.calibrate`). Under
     torch.distributed each rank times its own stages and all ranks share the results."""
-    mb = split_microbatches(args, kwargs, target, microbatches)[0]
-    captured = linear.captured
-    values = record_values(captured.module, captured.flatten_inputs(mb.args, mb.kwargs))
+    values, mb_target = _first_microbatch_values(linear, args, kwargs, target, microbatches)
     own = None if topology is None else [s for s in range(program.num_stages)
                                          if plan.stage_to_device[s] == topology.position]
     measured = measure_stages(program, values, grad_values=values_needing_grad(program),
-                              loss=LossSpec(captured.unflatten_outputs, loss_fn, 1.0 / microbatches),
-                              target=mb.target, stages=own)
+                              loss=LossSpec(linear.captured.unflatten_outputs, loss_fn,
+                                            1.0 / microbatches),
+                              target=mb_target, stages=own)
     if topology is not None:
         import torch.distributed as dist
 
@@ -421,6 +426,21 @@ def _measure_stages(program, *, linear, args, kwargs, target, microbatches, loss
         for part in gathered[: topology.pipeline_size]:  # the first replica's measurements
             measured.update(part)
     return measured
+
+
+def _first_microbatch_values(linear, args, kwargs, target, microbatches):
+    """Every graph value on the first micro-batch, and that micro-batch's target."""
+    mb = split_microbatches(args, kwargs, target, microbatches)[0]
+    captured = linear.captured
+    return record_values(captured.module, captured.flatten_inputs(mb.args, mb.kwargs)), mb.target
+
+
+def _thread_efficiency(program, linear, args, kwargs, microbatches, plan, cores) -> float:
+    values, _ = _first_microbatch_values(linear, args, kwargs, None, microbatches)
+    firsts = [min(s for s in range(plan.num_stages) if plan.stage_to_device[s] == d)
+              for d in range(plan.num_devices)]
+    return thread_efficiency(program, values, grad_values=values_needing_grad(program),
+                             device_stages=firsts, cores=cores)
 
 
 def _stage_costs(stage, costs, spec: DeviceSpec, measured=None) -> StageCosts:

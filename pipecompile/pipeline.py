@@ -64,6 +64,7 @@ class Pipeline:
         passes: Sequence[PassRecord],
         stage_costs: Sequence[StageCosts] = (),
         cores: int | None = None,
+        efficiency: float = 1.0,
         timeout: float = 300.0,
         topology: Topology | None = None,
         vertical_sync: bool = False,
@@ -75,6 +76,7 @@ class Pipeline:
         self.predicted = predicted
         self.stage_costs = tuple(stage_costs)
         self.cores = cores  # compute actions the devices can run at once (None: one per device)
+        self.efficiency = efficiency  # their speed when several run at once (see simulate)
         self.passes = tuple(passes)
         self.topology = topology
         captured = program.captured
@@ -296,7 +298,7 @@ class Pipeline:
     def simulate(self, schedule: Schedule | None = None) -> Timeline:
         """Predicted timeline of `schedule` (default: the last one run, else the step's)."""
         plan = schedule or getattr(self, "last_schedule", None) or self.schedule
-        return simulate(plan, self.stage_costs, cores=self.cores)
+        return simulate(plan, self.stage_costs, cores=self.cores, efficiency=self.efficiency)
 
     def peak_inflight(self) -> tuple[int, ...]:
         """Per stage, the most micro-batches whose activations were held at once in the last

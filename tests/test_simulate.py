@@ -198,3 +198,46 @@ def test_measured_timelines_need_not_start_at_zero() -> None:
     assert timeline.peak_inflight(0) == 1
     with pytest.raises(ScheduleError, match="ends before it starts"):
         Event(0, Action(0, Kind.F, 0), 2.0, 1.0)
+
+
+# -- devices sharing cores (threads of one process) ---------------------------------------------
+
+
+def test_shared_core_timeline_by_hand() -> None:
+    """1F1B, p=2, m=2, F=1, B=2 on one core: actions that overlap share it (rate 1/2 each)."""
+    timeline = simulate(make_schedule("1f1b", 2, 2), [UNIFORM] * 2, cores=1)
+    spans = {str(e.action): (e.start, e.end) for e in timeline.events
+             if e.action.kind in (Kind.F, Kind.B)}
+    assert spans == {
+        "0F0": (0, 1),
+        "0F1": (1, 3), "1F0": (1, 3),   # both ready at 1, each at half speed
+        "1B0": (3, 5),                  # alone
+        "0B0": (5, 9), "1F1": (5, 7),   # shared until 1F1 ends at 7
+        "1B1": (7, 10),                 # shared with 0B0 until 9, then alone
+        "0B1": (10, 12),
+    }
+    assert timeline.makespan == 12  # = all the work: one core is never idle here
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+def test_shared_cores_bounds(name) -> None:
+    costs = StageCosts(forward=1.0, backward=2.5, backward_input=1.0)
+    schedule = make_schedule(name, 4, 8)
+    per_stage = [costs] * schedule.num_stages
+    free = simulate(schedule, per_stage)
+    work = sum(free.busy(d) for d in range(4))
+    assert simulate(schedule, per_stage, cores=4).events == free.events
+    spans = [simulate(schedule, per_stage, cores=c).makespan for c in (1, 2, 3)]
+    assert spans[0] == pytest.approx(work)  # one core: the work, serialised
+    assert spans[0] >= spans[1] >= spans[2] >= free.makespan
+    assert spans[1] >= work / 2 - 1e-9
+    slower = simulate(schedule, per_stage, cores=4, efficiency=0.5)
+    assert slower.makespan > free.makespan
+
+
+def test_shared_cores_rejects_bad_values() -> None:
+    schedule = make_schedule("1f1b", 2, 2)
+    with pytest.raises(ScheduleError, match="cores"):
+        simulate(schedule, [UNIFORM] * 2, cores=0)
+    with pytest.raises(ScheduleError, match="efficiency"):
+        simulate(schedule, [UNIFORM] * 2, cores=2, efficiency=1.5)

@@ -22,7 +22,9 @@ the calibrated costs.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
@@ -32,7 +34,8 @@ import torch
 from ..ir import CostTable
 from ..runtime.stage_worker import LossSpec, StageWorker
 
-__all__ = ["StageTimes", "Calibration", "measure_stages", "fit_calibration", "calibrate_blocks"]
+__all__ = ["StageTimes", "Calibration", "measure_stages", "thread_efficiency", "fit_calibration",
+           "calibrate_blocks"]
 
 
 @dataclass(frozen=True)
@@ -63,28 +66,94 @@ def measure_stages(
     """
     last = program.num_stages - 1
     chosen = range(program.num_stages) if stages is None else stages
+    result = {}
+    with _restoring(program):
+        for index in chosen:
+            with_loss = index == last and loss is not None and (
+                target is not None or loss.loss_fn is None)
+            worker, inputs = _worker(program, index, values, grad_values,
+                                     loss if with_loss else None)
+            device = program.stages[index].device
+            result[index] = _time_stage(worker, inputs, _to(target, device), repeats)
+    return result
+
+
+def thread_efficiency(
+    program,
+    values: Mapping[str, Any],
+    *,
+    grad_values: set[str],
+    device_stages: Sequence[int],
+    cores: int,
+    repeats: int = 5,
+) -> float:
+    """Speed of device threads computing at once, relative to an ideal share of the cores.
+
+    One process runs a thread per device; together they contend for the GIL (Python dispatch),
+    memory bandwidth and caches, so each runs slower than alone even with a core to itself.
+    Each stage of `device_stages` (one per device) runs forward + backward `repeats` times alone,
+    then all at once in threads; efficiency = (alone / together) / min(1, cores / threads).
+    """
+    runs = [_worker(program, index, values, grad_values, None) for index in device_stages]
+    with _restoring(program):
+        alone = []
+        for worker, inputs in runs:
+            times = [_clock(lambda: _forward_backward(worker, inputs)) for _ in range(repeats + 1)]
+            alone.append(statistics.median(times[1:]))
+        # All threads run until the slowest has done `repeats` iterations; only iterations that
+        # finished while every thread was still running count (no one finishes early and
+        # leaves the others more cores).
+        together: list[list[float]] = [[] for _ in runs]
+        start, stop = threading.Barrier(len(runs)), threading.Event()
+
+        def loop(worker, inputs, times):
+            start.wait()
+            while not stop.is_set() and len(times) < 100 * (repeats + 1):
+                elapsed = _clock(lambda: _forward_backward(worker, inputs))
+                if not stop.is_set():
+                    times.append(elapsed)
+                if all(len(t) > repeats for t in together):
+                    stop.set()
+
+        threads = [threading.Thread(target=loop, args=(*run, times), daemon=True)
+                   for run, times in zip(runs, together)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    ratio = statistics.mean(a / statistics.median(t[1:] or t) for a, t in zip(alone, together))
+    return min(1.0, max(0.1, ratio / min(1.0, cores / len(runs))))
+
+
+def _forward_backward(worker: StageWorker, inputs) -> None:
+    outputs = worker.forward(0, inputs)
+    grads = {n: torch.ones_like(v) for n, v in outputs.items()
+             if isinstance(v, torch.Tensor) and v.requires_grad}
+    worker.backward(0, grads)
+
+
+def _worker(program, index: int, values, grad_values, loss) -> tuple[StageWorker, dict]:
+    stage = program.stages[index]
+    worker = StageWorker(index, stage.module, stage.inputs, stage.outputs,
+                         frozenset(n for n in stage.inputs if n in grad_values), loss)
+    return worker, {n: _to(values[n], stage.device) for n in stage.inputs}
+
+
+@contextlib.contextmanager
+def _restoring(program):
+    """Leave parameter gradients, buffers and the RNG state as they were."""
     params = {id(p): p for s in program.stages for p in s.module.parameters()}
     grads = {k: p.grad for k, p in params.items()}
     buffers = {id(b): (b, b.detach().clone()) for s in program.stages for b in s.module.buffers()}
-    result = {}
     try:
         with torch.random.fork_rng(devices=[]):
-            for index in chosen:
-                stage = program.stages[index]
-                with_loss = index == last and loss is not None and (
-                    target is not None or loss.loss_fn is None)
-                worker = StageWorker(index, stage.module, stage.inputs, stage.outputs,
-                                     frozenset(n for n in stage.inputs if n in grad_values),
-                                     loss if with_loss else None)
-                inputs = {n: _to(values[n], stage.device) for n in stage.inputs}
-                result[index] = _time_stage(worker, inputs, _to(target, stage.device), repeats)
+            yield
     finally:
         with torch.no_grad():
             for b, saved in buffers.values():
                 b.copy_(saved)
         for k, p in params.items():
             p.grad = grads[k]
-    return result
 
 
 def _time_stage(worker: StageWorker, inputs, target, repeats: int) -> StageTimes:

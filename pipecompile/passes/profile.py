@@ -26,7 +26,7 @@ import torch.fx as fx
 from ..ir import CostTable, LinearGraph, NodeRole
 from ..runtime.microbatch import split_microbatches
 from .annotate import with_measured_times
-from .nodes import call_node, getattr_path as _getattr_path
+from .nodes import call_node, getattr_path as _getattr_path, preserve_buffers
 
 __all__ = ["profile_blocks", "record_values"]
 
@@ -45,24 +45,18 @@ def profile_blocks(
     gm = captured.module
     mb = split_microbatches(args, kwargs, None, microbatches)[0]
     flat = captured.flatten_inputs(mb.args, mb.kwargs)
-    buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
-    with torch.random.fork_rng(devices=[]):
-        try:
-            env = record_values(gm, flat)
-            nodes = {n.name: n for n in gm.graph.nodes}
-            measured = {
-                block.index: _time_block(block.nodes, nodes, linear.roles, gm, env, repeats)
-                for block in linear.blocks
-            }
-        finally:
-            with torch.no_grad():
-                for name, b in gm.named_buffers():
-                    b.copy_(buffers[name])
+    with torch.random.fork_rng(devices=[]), preserve_buffers(gm):
+        env = record_values(gm, flat)
+        nodes = {n.name: n for n in gm.graph.nodes}
+        measured = {
+            block.index: _time_block(block.nodes, nodes, linear.roles, gm, env, repeats)
+            for block in linear.blocks
+        }
     return with_measured_times(costs, measured)
 
 
 def record_values(gm: fx.GraphModule, flat: list) -> dict[str, Any]:
-    """Every node's value on one real run (no autograd)."""
+    """Every node's value on one real run (no autograd; buffers and RNG left as they were)."""
     env: dict[str, Any] = {}
 
     class Recorder(fx.Interpreter):
@@ -71,7 +65,7 @@ def record_values(gm: fx.GraphModule, flat: list) -> dict[str, Any]:
             env[n.name] = result
             return result
 
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), preserve_buffers(gm):
         Recorder(gm).run(*flat)
     return env
 

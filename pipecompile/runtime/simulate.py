@@ -23,8 +23,10 @@ the same times.
 
 Devices that share cores (``cores``): worker threads of one process on a CPU compete for its
 cores. With ``cores=c``, when k > c compute actions run at once each progresses at c/k of its
-speed (processor sharing, as the OS time-slices the threads); with k <= c, at full speed. The
-default (``cores=None``) gives every device its own hardware.
+speed (processor sharing, as the OS time-slices the threads); with k <= c, at full speed. With
+``efficiency=e`` < 1, k >= 2 actions running at once are each e times slower again (the GIL,
+shared caches: `passes.calibrate.thread_efficiency` measures it). The default (``cores=None``)
+gives every device its own hardware.
 
 p=2, m=2, F=1, B=2, 1F1B::
 
@@ -213,11 +215,12 @@ def simulate(
     *,
     step_time: float = 0.0,
     cores: int | None = None,
+    efficiency: float = 1.0,
 ) -> Timeline:
     """Predict when every action of a valid ``schedule`` runs; ``costs[s]`` is stage s's.
 
     ``cores``: how many compute actions the devices can run at full speed at once (None: no
-    limit); see the module docstring.
+    limit); ``efficiency``: their speed when several run at once; see the module docstring.
     """
     if len(costs) != schedule.num_stages:
         raise ScheduleError(
@@ -237,8 +240,10 @@ def simulate(
 
     if cores is not None and cores < 1:
         raise ScheduleError(f"simulate: cores must be >= 1 or None, got {cores}")
-    if cores is not None and cores < schedule.num_devices:
-        return _simulate_shared(schedule, costs, deps, latency, step_time, cores)
+    if not 0 < efficiency <= 1:
+        raise ScheduleError(f"simulate: efficiency must be in (0, 1], got {efficiency}")
+    if cores is not None and (cores < schedule.num_devices or efficiency < 1):
+        return _simulate_shared(schedule, costs, deps, latency, step_time, cores, efficiency)
     end: dict[Action, float] = {}
     free = [0.0] * schedule.num_devices
     pcs = [0] * schedule.num_devices
@@ -262,11 +267,13 @@ def simulate(
     return Timeline(tuple(e for row in events for e in row), schedule.num_devices)
 
 
-def _simulate_shared(schedule, costs, deps, latency, step_time: float, cores: int) -> Timeline:
+def _simulate_shared(schedule, costs, deps, latency, step_time: float, cores: int,
+                     efficiency: float) -> Timeline:
     """`simulate` when the devices share ``cores``: an event-driven fluid simulation.
 
     Between two events (an action finishing, a transfer arriving) the k running compute actions
-    each progress at rate min(1, cores / k); every device still runs its row in order.
+    each progress at rate min(1, cores / k), times ``efficiency`` when k >= 2; every device still
+    runs its row in order.
     """
     n = schedule.num_devices
     end: dict[Action, float] = {}
@@ -311,7 +318,8 @@ def _simulate_shared(schedule, costs, deps, latency, step_time: float, cores: in
 
     start_ready()
     while running or waiting:
-        rate = min(1.0, cores / len(running)) if running else 1.0
+        k = len(running)
+        rate = min(1.0, cores / k) * (efficiency if k >= 2 else 1.0) if k else 1.0
         t_next = min([now + r[2] / rate for r in running.values()] + list(waiting.values()))
         for r in running.values():
             r[2] -= (t_next - now) * rate
