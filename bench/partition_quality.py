@@ -2,8 +2,11 @@
 
 For each model and stage count p, four placements of the same chain of blocks:
 
-  pipecompile   `pc.compile`'s optimal DP on the analytic cost model (FLOPs, bytes, op count)
-  pc+profile    the same DP on measured block times (`profile=True`)
+  pipecompile   `pc.compile`'s optimal DP on the analytic cost model (FLOPs, bytes, op count),
+                with the compiler's choice of block granularity (finer than whole layers when
+                layers cannot balance the stages)
+  pc+profile    the same on measured, stage-calibrated block times (`profile=True`,
+                `example_target=`: the loss is timed too)
   equal layers  the repeated layers (the largest run named `<prefix>.<i>`) split evenly, the
                 blocks before them on the first stage and after them on the last (what
                 torch.distributed.pipelining's users and DeepSpeed's `uniform` do); a model
@@ -11,8 +14,9 @@ For each model and stage count p, four placements of the same chain of blocks:
   equal params  DeepSpeed's default `partition_method="parameters"`: `balanced_by(params per
                 block, p)`
 
-Predicted: the slowest stage under the analytic cost model (`evaluate(problem, bounds)`), and
-the lower bound max(total / p, largest block) (`lower_bound`) of that model; "pc gap" is how far
+Predicted: the slowest stage under the analytic cost model (`evaluate(problem, bounds)`, on the
+blocks each placement cuts: the baselines cut between whole layers), and the lower bound
+max(total / p, largest block) (`lower_bound`) of pipecompile's blocks; "pc gap" is how far
 pipecompile's bottleneck is above it (the DP is optimal, so any gap is the blocks' granularity).
 
 Measured: every placement is compiled (`split_points=`) and run in ONE thread (the executor's
@@ -120,11 +124,12 @@ def _problem(costs, p: int) -> PartitionProblem:
         devices=(DeviceSpec(),) * p, inflight=(1,) * p)
 
 
-def _compile(factory, x, bounds, p, linear=None, profile=False):
+def _compile(factory, x, bounds, p, linear=None, profile=False, y=None, granularity=None):
     model, loss_fn = factory()
     split = None if bounds is None else [linear.blocks[b].name for b in bounds[1:-1]]
     pipe = pc.compile(model, (x,), devices=p, microbatches=M, schedule="gpipe",
-                      loss_fn=loss_fn, split_points=split, profile=profile)
+                      loss_fn=loss_fn, split_points=split, profile=profile, example_target=y,
+                      granularity=granularity or (linear.granularity if linear else None))
     if bounds is not None and tuple(pipe.program.bounds) != tuple(bounds):
         raise RuntimeError(f"split_points {split} gave bounds {pipe.program.bounds}, not {bounds}")
     pipe.executor.threads = False  # one thread: stage times without contention for the cores
@@ -177,13 +182,14 @@ def main() -> None:
     for name, (factory, x, y) in models.items():
         for p in opts.stages:
             auto = _compile(factory, x, None, p)
-            linear = auto.program.linear
+            # the baselines cut between whole layers (the first granularity with p blocks)
+            linear = _compile(factory, x, None, p, granularity="layer").program.linear
             mb = x.shape[0] // M
             costs = annotate(linear, microbatch_size=mb)
             problem = _problem(costs, p)
             eq, eq_how = equal_layers(linear, p)
             params = balanced_by([b.param_count for b in costs.blocks], p)
-            profiled = _compile(factory, x, None, p, profile=True)
+            profiled = _compile(factory, x, None, p, profile=True, y=y)
             placements = {"pipecompile": auto.program.bounds,
                           "pc+profile": profiled.program.bounds,
                           f"equal {eq_how}": eq, "equal params": params}
@@ -197,18 +203,24 @@ def main() -> None:
             distinct = {id(pp): (k, pp) for k, pp in pipes.items()}
             got = measure({k: pp for k, pp in distinct.values()}, x, y, steps)
             meas = {k: got[distinct[id(pp)][0]] for k, pp in pipes.items()}
-            lb = lower_bound(problem)
-            limit = "block" if max(problem.block_times) >= sum(problem.block_times) / p else "total/p"
+            # pipecompile's placements may use finer blocks (refined): predict each placement
+            # on its own pipeline's blocks, with the same analytic model
+            own = {k: _problem(annotate(pp.program.linear, microbatch_size=mb), p)
+                   for k, pp in built.items()}
+            lb = lower_bound(own["pipecompile"])
+            limit = ("block" if max(own["pipecompile"].block_times)
+                     >= sum(own["pipecompile"].block_times) / p else "total/p")
             base = max(meas["equal params"])
             for key, bounds in placements.items():
-                pred = evaluate(problem, bounds).bottleneck
+                pred = evaluate(own.get(key, problem), bounds).bottleneck
                 m_max = max(meas[key])
-                rows.append((name, p, key, str(tuple(bounds)), f"{pred * 1e3:.2f}",
+                blocks = built[key].program.linear.granularity if key in built else "layer"
+                rows.append((name, p, key, f"{tuple(bounds)} {blocks}", f"{pred * 1e3:.2f}",
                              f"{m_max * 1e3:.2f}",
                              " / ".join(f"{t * 1e3:.1f}" for t in meas[key]),
                              f"{m_max / statistics.mean(meas[key]):.2f}",
                              f"{base / m_max:.2f}x"))
-            pc_pred = evaluate(problem, placements["pipecompile"]).bottleneck
+            pc_pred = evaluate(own["pipecompile"], placements["pipecompile"]).bottleneck
             summary.append((name, p, f"{lb * 1e3:.2f} ({limit})",
                             f"{(pc_pred / lb - 1) * 100:+.1f}%",
                             *[f"{max(meas[k]) / statistics.mean(meas[k]):.2f}"

@@ -12,8 +12,9 @@ Cases
   same-split   zoo.GPT, untied, both cut before layers.<L/2> (pipecompile: split_points)
   heavy-ends   zoo.GPT with a large vocabulary and untied embedding/LM head (heavy first and
                last stage): the peer's equal split of the layers vs pipecompile's automatic
-               partition (analytic costs; profile=True; profile=True with sub-layer blocks,
-               granularity="layer+1"), plus pipecompile on the equal split
+               partition (analytic costs; profile=True with example_target=, which also times
+               the loss; both let the compiler pick the block granularity), plus pipecompile on
+               the equal split
   gpt2         transformers GPT2LMHeadModel (small config, random weights, use_cache=False,
                untied), both cut before transformer.h.<L/2>; the peer traces it with pipeline()
 
@@ -61,7 +62,6 @@ def _cases(opts) -> list[Case]:
     same = (Runner("pipecompile", "pipecompile", gpt_cut), Runner("torch.pipelining", "peer", gpt_cut))
     heavy = (Runner("pipecompile auto", "pipecompile", "auto"),
              Runner("pipecompile auto+profile", "pipecompile", "auto+profile"),
-             Runner("pipecompile auto+profile layer+1", "pipecompile", "auto+profile", "layer+1"),
              Runner("pipecompile equal", "pipecompile", gpt_cut),
              Runner("torch.pipelining equal", "peer", gpt_cut))
     g2 = (Runner("pipecompile", "pipecompile", gpt2_cut), Runner("torch.pipelining", "peer", gpt2_cut))
@@ -82,7 +82,7 @@ def _build_model(case: Case, opts):
 def _pipecompile(runner: Runner, case: Case, schedule: str, x, y, opts):
     model, loss_fn = _build_model(case, opts)
     pipe = pc.compile(model, (x,), devices=2, microbatches=opts.microbatches, schedule=schedule,
-                      loss_fn=loss_fn, profile=runner.split == "auto+profile",
+                      loss_fn=loss_fn, profile=runner.split == "auto+profile", example_target=y,
                       granularity=runner.granularity,
                       split_points=None if runner.split.startswith("auto") else [runner.split])
     split = " | ".join(C.block_names(pipe))
