@@ -102,7 +102,7 @@ def test_refines_the_granularity_when_layers_cannot_balance():
     refine = next(line for line in pipe.explain().splitlines() if line.startswith("refine"))
     before, after = (float(v) for v in refine.split("bottleneck ")[1].split(" ms/mb")[0]
                      .split(" -> "))
-    assert after <= 0.97 * before
+    assert after <= 0.9 * before
     loss = pipe.step(x, target=y)
     ref_loss, ref_grads = reference_step(reference, (x,), {}, y, zoo.lm_loss, 2)
     assert torch.allclose(loss, ref_loss, rtol=1e-12)
