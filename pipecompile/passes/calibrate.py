@@ -33,6 +33,7 @@ import torch
 
 from ..ir import CostTable
 from ..runtime.stage_worker import LossSpec, StageWorker
+from .profile import sync_device
 
 __all__ = ["StageTimes", "Calibration", "measure_stages", "thread_efficiency", "fit_calibration",
            "calibrate_blocks"]
@@ -186,10 +187,10 @@ def _time_loss(worker: StageWorker, outputs: Mapping[str, Any], target) -> float
 
 
 def _clock(fn) -> float:
-    _sync()
+    sync_device()
     start = time.perf_counter()
     fn()
-    _sync()
+    sync_device()
     return time.perf_counter() - start
 
 
@@ -244,8 +245,3 @@ def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {k: _to(v, device) for k, v in value.items()}
     return value
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()

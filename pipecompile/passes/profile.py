@@ -28,7 +28,7 @@ from ..runtime.microbatch import split_microbatches
 from .annotate import with_measured_times
 from .nodes import call_node, getattr_path as _getattr_path, preserve_buffers
 
-__all__ = ["profile_blocks", "record_values"]
+__all__ = ["profile_blocks", "record_values", "sync_device"]
 
 
 def profile_blocks(
@@ -95,14 +95,14 @@ def _run_once(block_nodes, nodes, roles, gm, env) -> tuple[float, float, float]:
                     value = value.detach().requires_grad_(True)
                     inputs.append(value)
             local[arg.name] = value
-    _sync()
+    sync_device()
     t0 = time.perf_counter()
     for name in block_nodes:
         node = nodes[name]
         a = fx.node.map_arg(node.args, lambda n: local[n.name])
         k = fx.node.map_arg(node.kwargs, lambda n: local[n.name])
         local[name] = call_node(gm, node, a, k)
-    _sync()
+    sync_device()
     t1 = time.perf_counter()
     outputs = [local[n] for n in block_nodes
                if isinstance(local[n], torch.Tensor) and local[n].requires_grad
@@ -111,16 +111,17 @@ def _run_once(block_nodes, nodes, roles, gm, env) -> tuple[float, float, float]:
     t_i = t_all = 0.0
     if outputs and inputs:
         torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
-        _sync()
+        sync_device()
         t_i = time.perf_counter() - t1
     t2 = time.perf_counter()
     if outputs and (inputs or params):
         torch.autograd.grad(outputs, inputs + list(params.values()), grads, allow_unused=True)
-        _sync()
+        sync_device()
         t_all = time.perf_counter() - t2
     return t1 - t0, t_i, max(t_all - t_i, 0.0)
 
 
-def _sync() -> None:
+def sync_device() -> None:
+    """Wait for queued GPU work, so that a wall-clock interval measures it."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
