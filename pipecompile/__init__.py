@@ -16,8 +16,7 @@ from .errors import (
     StageExecutionError,
 )
 from .passes.partition import DeviceSpec, PartitionMemoryError
-from .persist import load
-from .pipeline import Pipeline
+from .pipeline import Pipeline, load
 
 __all__ = [
     "compile",

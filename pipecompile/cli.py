@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import PipecompileError
+from .report import format_bytes
+from .runtime.schedules import SCHEDULE_NAMES
 
 __all__ = ["main"]
 
@@ -78,10 +80,11 @@ def _inspect(args: argparse.Namespace) -> tuple[dict, str]:
     for c in boundary:
         lines.append(f"  cut {c.index} (stage {c.index} | {c.index + 1}, after {c.block_name}): "
                      f"{len(c.values)} value{'s' if len(c.values) != 1 else ''}, "
-                     f"{_bytes(c.nbytes)}")
+                     f"{format_bytes(c.nbytes)}")
         rows = [(v.name, "[" + ", ".join(map(str, v.shape)) + "]",
-                 "= (" + ", ".join(map(str, v.microbatch_shape)) + ")", v.dtype, _bytes(v.nbytes),
-                 f"stage {v.producer} -> {', '.join(map(str, v.consumers))}") for v in c.values]
+                 "= (" + ", ".join(map(str, v.microbatch_shape)) + ")", v.dtype,
+                 format_bytes(v.nbytes), f"stage {v.producer} -> {', '.join(map(str, v.consumers))}")
+                for v in c.values]
         lines += _table(rows, indent=4)
     if args.code:
         result["code"] = {str(s.index): s.module.code for s in program.stages}
@@ -221,12 +224,6 @@ def _predicted_json(pipe) -> dict[str, Any]:
             "peak_inflight": [t.peak_inflight(s) for s in range(len(pipe.stages))]}
 
 
-def _bytes(n: float) -> str:
-    from .cuts import format_bytes
-
-    return format_bytes(n)
-
-
 def _table(rows: list[tuple[str, ...]], *, indent: int) -> list[str]:
     if not rows:
         return []
@@ -278,8 +275,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="a function returning (model, inputs) or (model, inputs, kwargs)")
     common.add_argument("--devices", type=int, default=2, help="number of devices (default 2)")
     common.add_argument("--microbatches", type=int, default=4, help="default 4")
-    common.add_argument("--schedule", default="gpipe",
-                        help="gpipe, 1f1b, interleaved-1f1b, zb-h1 (default gpipe)")
+    common.add_argument("--schedule", default="gpipe", choices=SCHEDULE_NAMES,
+                        help="default gpipe")
     common.add_argument("--capture", default="export", choices=("export", "fx"))
     common.add_argument("--json", action="store_true", help="print one JSON object")
     inspect_ = commands.add_parser("inspect", parents=[common],

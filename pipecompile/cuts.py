@@ -12,15 +12,15 @@ reader, although the runtime sends it straight to the readers). Sizes are per mi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import sympy
 
 from .ir import evaluate
 from .passes.split import StagedProgram
+from .report import format_bytes
 
-__all__ = ["BoundaryValue", "Cut", "cuts", "microbatch_size", "format_bytes"]
+__all__ = ["BoundaryValue", "Cut", "cuts", "microbatch_size"]
 
 
 @dataclass(frozen=True)
@@ -61,19 +61,14 @@ class Cut:
 
 def microbatch_size(program: StagedProgram, microbatches: int) -> int:
     """Samples per micro-batch for the example batch the program was compiled with."""
-    captured = program.captured
-    if not captured.dynamic_batch:
-        return captured.captured_batch_size  # a static capture is made at the micro-batch size
-    return math.ceil(captured.captured_batch_size / microbatches)
+    return program.captured.microbatch_size(microbatches)
 
 
 def cuts(program: StagedProgram, *, microbatches: int) -> tuple[Cut, ...]:
     """Every cut of `program` with its boundary values, sized for one micro-batch."""
     captured = program.captured
-    sizes = dict(captured.example_sizes)
+    sizes = captured.sizes_at(captured.microbatch_size(microbatches))
     symbol = captured.batch_symbol
-    if symbol is not None:
-        sizes[symbol] = microbatch_size(program, microbatches)
     blocks = program.linear.blocks
     result = []
     for j in range(program.num_stages - 1):
@@ -87,13 +82,6 @@ def cuts(program: StagedProgram, *, microbatches: int) -> tuple[Cut, ...]:
         result.append(Cut(j, last, blocks[last].name if last < len(blocks) else str(last),
                           tuple(values)))
     return tuple(result)
-
-
-def format_bytes(n: float) -> str:
-    for factor, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(n) >= factor:
-            return f"{n / factor:.1f} {suffix}"
-    return f"{n:.0f} B"
 
 
 def _boundary_value(name, producer, readers, info, sizes, symbol) -> BoundaryValue:

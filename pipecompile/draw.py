@@ -2,7 +2,8 @@
 the values that cross it and their size per micro-batch.
 
     pipe.draw("partition.svg")          # or .png; graphviz if `dot` is installed, else matplotlib
-    partition_dot(pipe)                 # the graphviz source, as text
+    draw_partition(program, "partition.svg", microbatches=4)     # the same, from plan data
+    partition_dot(program, microbatches=4)                       # the graphviz source, as text
 
 matplotlib layout (one row per block, top to bottom):
 
@@ -18,14 +19,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .cuts import cuts, format_bytes, microbatch_size
+from .cuts import cuts
 from .errors import ConfigError
-from .report import format_count
-
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+from .passes.split import Stage, StagedProgram
+from .report import format_bytes, format_count
 
 __all__ = ["draw_partition", "partition_dot"]
 
@@ -34,8 +32,10 @@ _COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#D
 _FORMATS = (".svg", ".png")
 
 
-def draw_partition(pipe: "Pipeline", path: str, *, backend: str = "auto") -> str:
-    """Write the partition drawing to `path` (.svg or .png); returns `path`.
+def draw_partition(program: StagedProgram, path: str, *, microbatches: int,
+                   backend: str = "auto") -> str:
+    """Write the partition drawing of `program` to `path` (.svg or .png); returns `path`.
+    Cut sizes are for one micro-batch of the example batch split `microbatches` ways.
 
     `backend` is "graphviz" (needs the `dot` program), "matplotlib", or "auto" (graphviz when
     `dot` is on the PATH, else matplotlib)."""
@@ -50,17 +50,16 @@ def draw_partition(pipe: "Pipeline", path: str, *, backend: str = "auto") -> str
         if dot is None:
             raise ConfigError("backend='graphviz' needs graphviz's `dot` program on the PATH; "
                               "install graphviz or use backend='matplotlib'")
-        subprocess.run([dot, f"-T{suffix[1:]}", "-o", str(path)], input=partition_dot(pipe),
+        subprocess.run([dot, f"-T{suffix[1:]}", "-o", str(path)], input=partition_dot(program, microbatches=microbatches),
                        text=True, check=True, capture_output=True)
         return str(path)
     if backend == "matplotlib":
-        return _draw_matplotlib(pipe, str(path))
+        return _draw_matplotlib(program, str(path), microbatches)
     raise ConfigError(f"backend={backend!r} is unknown; use 'auto', 'graphviz' or 'matplotlib'")
 
 
-def partition_dot(pipe: "Pipeline") -> str:
+def partition_dot(program: StagedProgram, *, microbatches: int) -> str:
     """Graphviz source: one cluster per stage, one box per block, cut edges labelled."""
-    program = pipe.program
     blocks = program.linear.blocks
     lines = ["digraph partition {", '  rankdir=TB; node [shape=box, style="rounded,filled", '
              'fontname="Helvetica", fontcolor=white]; edge [fontname="Helvetica"];']
@@ -71,7 +70,7 @@ def partition_dot(pipe: "Pipeline") -> str:
         for b in stage.blocks:
             lines.append(f'    b{b} [label="{b}  {_escape(blocks[b].name)}", fillcolor="{color}"];')
         lines.append("  }")
-    cut_after = {c.after_block: c for c in cuts(program, microbatches=pipe.microbatches)}
+    cut_after = {c.after_block: c for c in cuts(program, microbatches=microbatches)}
     for b in range(len(blocks) - 1):
         cut = cut_after.get(b)
         if cut is None:
@@ -87,7 +86,7 @@ def partition_dot(pipe: "Pipeline") -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _stage_label(stage, sep: str) -> str:
+def _stage_label(stage: Stage, sep: str) -> str:
     parts = [f"stage {stage.index}", str(stage.device)]
     if stage.cost is not None:
         parts += [f"{format_count(stage.cost.params)} params",
@@ -108,14 +107,13 @@ def _escape(text: str) -> str:
     return text.replace('"', '\\"')
 
 
-def _draw_matplotlib(pipe: "Pipeline", path: str) -> str:
+def _draw_matplotlib(program: StagedProgram, path: str, microbatches: int) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    program = pipe.program
     blocks = program.linear.blocks
     n = len(blocks)
     fontsize = 9 if n <= 40 else max(4, 9 - n // 40)
@@ -132,7 +130,7 @@ def _draw_matplotlib(pipe: "Pipeline", path: str) -> str:
                                facecolor=color, alpha=0.25, edgecolor=color))
         ax.text(0.012, (first + last + 1) / 2, _stage_label(stage, "\n"), va="center",
                 ha="left", fontsize=fontsize)
-    for cut in cuts(program, microbatches=pipe.microbatches):
+    for cut in cuts(program, microbatches=microbatches):
         y = cut.after_block + 1
         ax.plot([0.0, 0.6], [y, y], color="red", linewidth=2)
         ax.text(0.61, y, _cut_label(cut, "\n", limit=3), va="center", ha="left",
@@ -140,7 +138,7 @@ def _draw_matplotlib(pipe: "Pipeline", path: str) -> str:
     ax.set_xlim(0, 1)
     ax.set_ylim(n, 0)
     ax.axis("off")
-    mb = microbatch_size(program, pipe.microbatches)
+    mb = program.captured.microbatch_size(microbatches)
     ax.set_title(f"{program.num_stages} stages, {n} blocks; cut sizes per micro-batch of {mb}",
                  fontsize=10)
     fig.tight_layout()

@@ -111,9 +111,7 @@ def _example_values(program: StagedProgram) -> dict[str, Any]:
     """A zero tensor of the right shape and dtype for every value a stage reads (values do not
     matter to export; zeros are valid indices for embeddings)."""
     captured = program.captured
-    sizes = dict(captured.example_sizes)
-    if captured.batch_symbol is not None:
-        sizes[captured.batch_symbol] = max(2, captured.captured_batch_size)
+    sizes = captured.sizes_at(max(2, captured.captured_batch_size))
     result = {}
     for stage in program.stages:
         for name in stage.inputs:

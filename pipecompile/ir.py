@@ -6,6 +6,7 @@
     Block           a contiguous run of compute nodes that the partitioner places as one unit.
     LinearGraph     the blocks in order plus, for every cut, its boundary: the values produced
                     before the cut and used after it.
+    StageCost       the cost model's prediction for one stage of the split program.
 
 Values are named by their fx node names; those names are global to a compiled program and are
 the names of stage inputs/outputs and of ONNX values.
@@ -22,7 +23,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import TreeSpec
 
-__all__ = ["CapturedModel", "ValueInfo", "Block", "LinearGraph", "NodeRole"]
+__all__ = ["CapturedModel", "ValueInfo", "Block", "LinearGraph", "NodeRole", "StageCost",
+           "microbatch_size"]
 
 
 class NodeRole:
@@ -105,6 +107,25 @@ class CapturedModel:
         from torch.utils._pytree import tree_unflatten
 
         return tree_unflatten(list(flat), self.out_spec)
+
+    def microbatch_size(self, microbatches: int) -> int:
+        """Samples per micro-batch of the example batch (a static capture is made at that size)."""
+        if not self.dynamic_batch:
+            return self.captured_batch_size
+        return microbatch_size(self.captured_batch_size, microbatches)
+
+    def sizes_at(self, batch: int) -> dict[sympy.Symbol, int]:
+        """Every size symbol's value when the batch has `batch` samples: what turns a symbolic
+        shape or cost into numbers (other symbols keep their example values)."""
+        sizes = dict(self.example_sizes)
+        if self.batch_symbol is not None:
+            sizes[self.batch_symbol] = batch
+        return sizes
+
+
+def microbatch_size(batch: int, microbatches: int) -> int:
+    """Samples in the largest of `microbatches` pieces of a batch (`torch.chunk` sizes)."""
+    return math.ceil(batch / microbatches)
 
 
 @dataclass(frozen=True)
@@ -203,6 +224,20 @@ class CostTable:
     cut_bytes: tuple[float, ...]
     device_flops: float  # FLOP/s the analytic times assume
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Predicted cost of one stage per micro-batch (from the cost model)."""
+
+    num_blocks: int
+    params: int
+    forward_flops: float
+    forward_time: float
+    backward_time: float
+    memory: float  # params + grads + optimizer state + activations of in-flight micro-batches
+    inflight: int
+    send_bytes: float  # boundary bytes after this stage
 
 
 def evaluate(expr: Any, sizes: Mapping[sympy.Symbol, int]) -> float:

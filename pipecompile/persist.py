@@ -1,9 +1,11 @@
 """A compiled pipeline on disk: `pipe.save(directory)` and `pipecompile.load(directory)`.
 
     directory/
-      plan.json            the plan: stage bounds, inputs/outputs, devices, wiring, tied and
-                           shared tensors, micro-batches, captured input/output names and
-                           pytree specs, blocks, stage costs, predicted timeline, pass log
+      plan.json            the plan: options (micro-batches, schedule, checkpoint, vertical
+                           sync, ...), stage bounds, inputs/outputs, devices, wiring, tied and
+                           shared tensors, captured input/output names and pytree specs, blocks,
+                           stage costs (table and simulator), cores and thread efficiency,
+                           predicted timeline, pass log
       schedule.json        the schedule: name, placement, one action list per device ("1F3")
       stage0.py, ...       each stage's graph as the Python code torch.fx generates for it
       stage0.safetensors   the parameters and buffers that stage reads, by original name
@@ -22,85 +24,61 @@ Output structures: the captured input/output pytree specs are stored with
 types that have no serialized name, `load` returns a plain `dict` (keyed types) or `tuple` in its
 place, with the same leaves in the same order.
 
-The loaded pipeline has no captured model graph (`program.captured.module` is a stand-in
-holding the state tensors) and no per-block costs, so it can run, train, print, explain, draw,
-save and export, but not be re-partitioned.
+`save_plan` writes a finished `Plan`; `load_plan` gives one back, which `pipecompile.load`
+turns into a `Pipeline`. The loaded plan has no captured model graph (`program.captured.module`
+is a stand-in holding the state tensors) and no per-block costs, so its pipeline can run, train,
+print, explain, simulate, draw, save and export, but not be re-partitioned.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from .errors import ConfigError
 from .graph_code import build_module, install, module_source
-from .ir import Block, CapturedModel, LinearGraph, NodeRole, ValueInfo
+from .ir import Block, CapturedModel, LinearGraph, NodeRole, StageCost, ValueInfo
+from .options import CompileOptions
+from .passes.partition import DeviceSpec
 from .passes.split import Stage, StagedProgram, _Placement, _tensor_copies
-from .report import StageCost
+from .plan import PassRecord, Plan
 from .runtime.actions import Action, Schedule
-from .runtime.simulate import Timeline
+from .runtime.simulate import StageCosts, Timeline
+from .treespec import dump_spec, load_spec
 
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
-
-__all__ = ["save", "load"]
+__all__ = ["save_plan", "load_plan"]
 
 FORMAT = "pipecompile-program"
 VERSION = 1
 
 
-def save(pipe: "Pipeline", directory: str | os.PathLike) -> str:
-    """Write `pipe` to `directory` (created if needed); returns the path of plan.json."""
-    from safetensors.torch import save_file
-
-    program = pipe.program
+def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
+    """Write the finished `plan` to `directory` (created if needed); returns plan.json's path."""
+    program, options = plan.program, plan.options
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    groups = _tensor_groups(program)
-    stages = []
-    for stage in program.stages:
-        name = f"Stage{stage.index}"
-        doc = (f"Stage {stage.index} of {program.num_stages} ({stage.device}): blocks "
-               f"{stage.blocks[0]}..{stage.blocks[-1]}.\n\ninputs:  {', '.join(stage.inputs)}\n"
-               f"outputs: {', '.join(stage.outputs)}\n")
-        (out / f"stage{stage.index}.py").write_text(module_source(stage.module, class_name=name,
-                                                                  doc=doc))
-        state = _state(stage.module)
-        save_file(_unique(state), str(out / f"stage{stage.index}.safetensors"))
-        stages.append({
-            "index": stage.index, "code": f"stage{stage.index}.py", "class": name,
-            "weights": f"stage{stage.index}.safetensors", "device": str(stage.device),
-            "inputs": list(stage.inputs), "outputs": list(stage.outputs),
-            "blocks": list(stage.blocks), "parameter_names": list(stage.parameter_names),
-            "attributes": list(state), "cost": _plain(asdict(stage.cost)) if stage.cost else None,
-        })
+    stages = [_write_stage(stage, program, out) for stage in program.stages]
     used = {id(t) for stage in program.stages for t in _state(stage.module).values()}
     unused = {n: t for n, t in _state(program.captured.module).items() if id(t) not in used}
     if unused:
-        save_file(_unique(unused), str(out / "unused.safetensors"))
-    worker = next(iter(_workers(pipe)), None)
-    plan = {
+        _save_tensors(unused, out / "unused.safetensors")
+    data = {
         "format": FORMAT, "version": VERSION,
-        "microbatches": pipe.microbatches,
-        "checkpoint": bool(getattr(worker, "checkpoint", False)),
-        "timeout": float(getattr(pipe, "timeout", 300.0)),
-        "schedule": "schedule.json",
-        "bounds": list(program.bounds),
-        "stages": stages,
+        "microbatches": options.microbatches, "checkpoint": options.checkpoint,
+        "timeout": float(options.timeout), "vertical_sync": options.vertical_sync,
+        "schedule": "schedule.json", "bounds": list(program.bounds), "stages": stages,
         "producer": dict(program.producer),
         "consumers": {k: list(v) for k, v in program.consumers.items()},
-        "tensors": groups,
+        "tensors": _tensor_groups(program),
         "unused_weights": "unused.safetensors" if unused else None,
         "ties": [{"names": list(t.names), "copies": [list(c) for c in t.copies]}
                  for t in program.ties],
@@ -108,83 +86,100 @@ def save(pipe: "Pipeline", directory: str | os.PathLike) -> str:
         "linear": {"granularity": program.linear.granularity,
                    "blocks": [[b.index, b.name, list(b.nodes)] for b in program.linear.blocks],
                    "boundaries": [list(b) for b in program.linear.boundaries]},
-        "predicted": pipe.predicted.to_dict() if pipe.predicted is not None else None,
-        "passes": [{"name": r.name, "seconds": r.seconds, "summary": r.summary}
-                   for r in pipe.passes],
+        "stage_costs": [_plain(asdict(c)) for c in plan.stage_costs],
+        "cores": plan.cores, "efficiency": plan.efficiency,
+        "predicted": plan.predicted.to_dict() if plan.predicted is not None else None,
+        "passes": [asdict(r) for r in plan.passes],
     }
-    (out / "schedule.json").write_text(json.dumps(_schedule_to_json(pipe.schedule), indent=1))
+    (out / "schedule.json").write_text(json.dumps(_schedule_to_json(plan.schedule), indent=1))
     path = out / "plan.json"
-    path.write_text(json.dumps(plan, indent=1))
+    path.write_text(json.dumps(data, indent=1))
     return str(path)
 
 
-def load(
+def load_plan(
     directory: str | os.PathLike,
     *,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
     devices: Sequence[str | torch.device] | None = None,
-) -> "Pipeline":
-    """Rebuild the Pipeline saved in `directory` (or from its plan.json path).
-
-    `devices` overrides the saved placement: one device per schedule device (a count of
-    `pipe.schedule.num_devices`), e.g. `["cpu"] * 4` to run a CUDA-saved pipeline on the CPU.
-    """
-    from safetensors.torch import load_file
-
-    from .pipeline import PassRecord, Pipeline
-
+) -> Plan:
+    """The plan saved in `directory` (or from its plan.json path), with everything compile
+    produced except the block costs; `devices` overrides the saved placement (one device per
+    schedule device). `loss_fn` and `optimizer` are code, so they are given again here."""
     start = time.perf_counter()
     root = Path(directory)
     if root.is_file():
         root = root.parent
-    plan = _read_json(root / "plan.json")
-    if plan.get("format") != FORMAT or plan.get("version") != VERSION:
+    data = _read_json(root / "plan.json")
+    if data.get("format") != FORMAT or data.get("version") != VERSION:
         raise ConfigError(f"{root / 'plan.json'} is not a pipecompile program of version "
-                          f"{VERSION} (format {plan.get('format')!r}, version "
-                          f"{plan.get('version')!r}); save it again with this pipecompile")
-    schedule = _schedule_from_json(_read_json(root / plan["schedule"]))
-    stage_devices = _stage_devices(plan, schedule, devices)
+                          f"{VERSION} (format {data.get('format')!r}, version "
+                          f"{data.get('version')!r}); save it again with this pipecompile")
+    schedule = _schedule_from_json(_read_json(root / data["schedule"]))
+    stage_devices = _stage_devices(data, schedule, devices)
+    program = _program_from_json(root, data, stage_devices)
+    options = CompileOptions(
+        devices=tuple(DeviceSpec(name=str(stage_devices[schedule.stage_to_device.index(d)]))
+                      for d in range(schedule.num_devices)),
+        microbatches=data["microbatches"], schedule=schedule.name, loss_fn=loss_fn,
+        optimizer=optimizer, checkpoint=data["checkpoint"], timeout=data["timeout"],
+        vertical_sync=data.get("vertical_sync", False),
+        virtual_stages=schedule.num_stages // schedule.num_devices,
+        capture=program.captured.method, granularity=program.linear.granularity)
+    passes = tuple(PassRecord(**p) for p in data["passes"])
+    plan = Plan(options, captured=program.captured, schedule=schedule, linear=program.linear,
+                program=program,
+                stage_costs=tuple(StageCosts(**_floats(c)) for c in data.get("stage_costs", [])),
+                cores=data.get("cores"), efficiency=data.get("efficiency", 1.0),
+                predicted=Timeline.from_dict(data["predicted"]) if data["predicted"] else None)
+    record = PassRecord("load", time.perf_counter() - start,
+                        f"{program.num_stages} stages from {root}")
+    return replace(plan, passes=(*passes, record))
 
-    files = [s["weights"] for s in plan["stages"]] + ([plan["unused_weights"]]
-                                                       if plan["unused_weights"] else [])
-    stored = [load_file(str(root / f)) for f in files]
-    state: dict[str, torch.Tensor] = {}  # original name -> the tensor (tied names: one object)
-    for group in plan["tensors"]:
-        tensor = next((s[n] for s in stored for n in group["names"] if n in s), None)
-        if tensor is None:
-            raise ConfigError(f"{root}: no weights file holds {group['names'][0]!r}; the "
-                              f"directory is incomplete")
-        if group["parameter"]:
-            tensor = torch.nn.Parameter(tensor, requires_grad=group["requires_grad"])
-        for name in group["names"]:
-            state[name] = tensor
 
-    captured = _captured_from_json(plan["captured"], state)
+# -- stages ------------------------------------------------------------------------------------
+
+
+def _write_stage(stage: Stage, program: StagedProgram, out: Path) -> dict[str, Any]:
+    """Write a stage's code and weights; its entry in plan.json."""
+    name = f"Stage{stage.index}"
+    doc = (f"Stage {stage.index} of {program.num_stages} ({stage.device}): blocks "
+           f"{stage.blocks[0]}..{stage.blocks[-1]}.\n\ninputs:  {', '.join(stage.inputs)}\n"
+           f"outputs: {', '.join(stage.outputs)}\n")
+    (out / f"stage{stage.index}.py").write_text(module_source(stage.module, class_name=name,
+                                                              doc=doc))
+    state = _state(stage.module)
+    _save_tensors(state, out / f"stage{stage.index}.safetensors")
+    return {
+        "index": stage.index, "code": f"stage{stage.index}.py", "class": name,
+        "weights": f"stage{stage.index}.safetensors", "device": str(stage.device),
+        "inputs": list(stage.inputs), "outputs": list(stage.outputs),
+        "blocks": list(stage.blocks), "parameter_names": list(stage.parameter_names),
+        "attributes": list(state), "cost": _plain(asdict(stage.cost)) if stage.cost else None,
+    }
+
+
+def _program_from_json(root: Path, data: dict[str, Any],
+                       stage_devices: list[torch.device]) -> StagedProgram:
+    """The staged program: weights read, each stage's module rebuilt from its code."""
+    state = _read_state(root, data)
+    captured = _captured_from_json(data["captured"], state)
     placed = _Placement(stage_devices)
     stages = []
-    for entry in plan["stages"]:
+    for entry in data["stages"]:
         j = entry["index"]
         tensors = {n: placed.get(j, n, state[n]) for n in entry["attributes"]}
-        source = (root / entry["code"]).read_text()
-        module = build_module(source, entry["class"], tensors, filename=str(root / entry["code"]))
-        cost = StageCost(**{k: float(v) if isinstance(v, str) else v
-                            for k, v in entry["cost"].items()}) if entry["cost"] else None
+        module = build_module((root / entry["code"]).read_text(), entry["class"], tensors,
+                              filename=str(root / entry["code"]))
+        cost = StageCost(**_floats(entry["cost"])) if entry["cost"] else None
         stages.append(Stage(j, module, stage_devices[j], tuple(entry["inputs"]),
                             tuple(entry["outputs"]), tuple(entry["blocks"]),
                             tuple(n for n, _ in module.named_parameters()), cost))
     tensors, ties = _tensor_copies(captured.module, stages)
-    linear = _linear_from_json(plan["linear"], captured)
-    program = StagedProgram(captured, linear, tuple(plan["bounds"]), tuple(stages),
-                            dict(plan["producer"]),
-                            {k: tuple(v) for k, v in plan["consumers"].items()}, ties, tensors)
-    passes = [PassRecord(p["name"], p["seconds"], p["summary"]) for p in plan["passes"]]
-    passes.append(PassRecord("load", time.perf_counter() - start,
-                             f"{program.num_stages} stages from {root}"))
-    predicted = Timeline.from_dict(plan["predicted"]) if plan["predicted"] else None
-    return Pipeline(program, schedule, microbatches=plan["microbatches"], loss_fn=loss_fn,
-                    optimizer=optimizer, checkpoint=plan["checkpoint"], predicted=predicted,
-                    passes=passes, timeout=plan["timeout"])
+    return StagedProgram(captured, _linear_from_json(data["linear"], captured),
+                         tuple(data["bounds"]), tuple(stages), dict(data["producer"]),
+                         {k: tuple(v) for k, v in data["consumers"].items()}, ties, tensors)
 
 
 # -- tensors -----------------------------------------------------------------------------------
@@ -206,6 +201,32 @@ def _unique(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return result
 
 
+def _save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(_unique(state), str(path))
+
+
+def _read_state(root: Path, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Original name -> tensor, from the weights files (tied names: one object)."""
+    from safetensors.torch import load_file
+
+    files = [s["weights"] for s in data["stages"]] + ([data["unused_weights"]]
+                                                       if data["unused_weights"] else [])
+    stored = [load_file(str(root / f)) for f in files]
+    state: dict[str, torch.Tensor] = {}
+    for group in data["tensors"]:
+        tensor = next((s[n] for s in stored for n in group["names"] if n in s), None)
+        if tensor is None:
+            raise ConfigError(f"{root}: no weights file holds {group['names'][0]!r}; the "
+                              f"directory is incomplete")
+        if group["parameter"]:
+            tensor = torch.nn.Parameter(tensor, requires_grad=group["requires_grad"])
+        for name in group["names"]:
+            state[name] = tensor
+    return state
+
+
 def _tensor_groups(program: StagedProgram) -> list[dict[str, Any]]:
     """Every state tensor of the model: all its names, whether a parameter, requires_grad."""
     by_id: dict[int, list[str]] = {}
@@ -215,11 +236,6 @@ def _tensor_groups(program: StagedProgram) -> list[dict[str, Any]]:
         tensors[id(t)] = t
     return [{"names": names, "parameter": isinstance(tensors[k], torch.nn.Parameter),
              "requires_grad": bool(tensors[k].requires_grad)} for k, names in by_id.items()]
-
-
-def _workers(pipe: "Pipeline") -> list:
-    workers = pipe.workers
-    return list(workers.values()) if isinstance(workers, dict) else list(workers)
 
 
 def _stage_devices(plan: dict, schedule: Schedule, devices) -> list[torch.device]:
@@ -251,7 +267,7 @@ def _captured_to_json(program: StagedProgram) -> dict[str, Any]:
     names = set(c.input_names) | set(c.output_names) | set(program.producer)
     return {
         "input_names": list(c.input_names), "output_names": list(c.output_names),
-        "in_spec": _dump_spec(c.in_spec), "out_spec": _dump_spec(c.out_spec),
+        "in_spec": dump_spec(c.in_spec), "out_spec": dump_spec(c.out_spec),
         "method": c.method, "dynamic_batch": c.dynamic_batch,
         "batch_symbol": str(c.batch_symbol) if c.batch_symbol is not None else None,
         "example_sizes": {str(k): int(v) for k, v in c.example_sizes.items()},
@@ -279,7 +295,7 @@ def _captured_from_json(data: dict[str, Any], state: dict[str, torch.Tensor]) ->
               for n, v in data["values"].items()}
     return CapturedModel(
         module=_state_holder(data["input_names"], state),
-        in_spec=_load_spec(data["in_spec"]), out_spec=_load_spec(data["out_spec"]),
+        in_spec=load_spec(data["in_spec"]), out_spec=load_spec(data["out_spec"]),
         input_names=tuple(data["input_names"]), output_names=tuple(data["output_names"]),
         values=values, method=data["method"], dynamic_batch=data["dynamic_batch"],
         batch_symbol=symbols[data["batch_symbol"]] if data["batch_symbol"] else None,
@@ -325,71 +341,6 @@ def _schedule_from_json(data: dict[str, Any]) -> Schedule:
                     tuple(tuple(Action.parse(a) for a in row) for row in data["actions"]))
 
 
-# -- pytree specs ------------------------------------------------------------------------------
-
-
-def _dump_spec(spec: pytree.TreeSpec) -> str:
-    """`treespec_dumps`, or the same JSON layout written by hand for unregistered types."""
-    try:
-        return pytree.treespec_dumps(spec)
-    except Exception:  # noqa: BLE001 - a type without a serialized name: describe it
-        return json.dumps([1, _spec_json(spec)])
-
-
-def _spec_json(spec: pytree.TreeSpec) -> dict[str, Any]:
-    if spec.is_leaf():
-        return {"type": None, "context": None, "children_spec": []}
-    try:
-        context = json.dumps(list(spec.context) if isinstance(spec.context, (list, tuple))
-                             else spec.context)
-    except TypeError:
-        context = "null"
-    return {"type": f"{spec.type.__module__}.{spec.type.__qualname__}", "context": context,
-            "children_spec": [_spec_json(c) for c in spec.children_specs]}
-
-
-def _load_spec(text: str) -> pytree.TreeSpec:
-    """The spec back; types that cannot be rebuilt here become dict (keyed) or tuple."""
-    try:
-        return pytree.treespec_loads(text)
-    except Exception:  # noqa: BLE001 - perhaps the type's module is not imported yet
-        pass
-    protocol, root = json.loads(text)
-    for type_name in _type_names(root):
-        module = type_name.rpartition(".")[0]
-        try:
-            importlib.import_module(module)
-        except Exception:  # noqa: BLE001 - not available here: use the fallback
-            continue
-    try:
-        return pytree.treespec_loads(text)
-    except Exception:  # noqa: BLE001
-        return pytree.tree_flatten(_plain_tree(root))[1]
-
-
-def _type_names(node: dict[str, Any]) -> set[str]:
-    names = {node["type"]} if node["type"] else set()
-    for child in node["children_spec"]:
-        names |= _type_names(child)
-    return names
-
-
-def _plain_tree(node: dict[str, Any]) -> Any:
-    """A structure of tuples, lists and dicts with leaves 0, shaped like the spec `node`."""
-    if node["type"] is None:
-        return 0
-    children = [_plain_tree(c) for c in node["children_spec"]]
-    kind = node["type"]
-    if kind == "builtins.list":
-        return children
-    context = json.loads(node["context"]) if node["context"] else None
-    if isinstance(context, list) and len(context) == len(children) and all(
-        isinstance(k, (str, int)) for k in context
-    ):
-        return dict(zip(context, children))
-    return tuple(children)
-
-
 # -- JSON helpers ------------------------------------------------------------------------------
 
 
@@ -402,6 +353,11 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def _floats(record: dict[str, Any]) -> dict[str, Any]:
+    """A record written by `_plain`: "inf" and "nan" strings back to floats."""
+    return {k: float(v) if isinstance(v, str) else v for k, v in record.items()}
 
 
 def _read_json(path: Path) -> Any:

@@ -1,75 +1,76 @@
-"""Human-readable reports: the stage table printed by `print(pipe)` and the pass log."""
+"""Human-readable reports: the stage table printed by `print(pipe)`, the pass log of
+`pipe.explain()`, and the number formats every report uses.
+
+They read plan data (the staged program, the schedule, the predicted timeline, pass records),
+never a `Pipeline`, so a saved or loaded plan prints the same way.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
-    from .pipeline import PassRecord, Pipeline
+    from .passes.split import StagedProgram
+    from .plan import PassRecord
+    from .runtime.actions import Schedule
+    from .runtime.simulate import Timeline
 
-__all__ = ["StageCost", "stage_table", "explain_passes", "format_count"]
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """Predicted cost of one stage per micro-batch (from the cost model)."""
-
-    num_blocks: int
-    params: int
-    forward_flops: float
-    forward_time: float
-    backward_time: float
-    memory: float  # params + grads + optimizer state + activations of in-flight micro-batches
-    inflight: int
-    send_bytes: float  # boundary bytes after this stage
+__all__ = ["stage_table", "explain_passes", "format_count", "format_bytes"]
 
 
 def format_count(x: float, unit: str = "") -> str:
+    """1234567 -> '1.23M' (decimal prefixes, for parameters and FLOPs)."""
     for factor, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= factor:
             return f"{x / factor:.2f}{suffix}{unit}"
     return f"{x:.0f}{unit}"
 
 
-def _bytes(x: float) -> str:
+def format_bytes(n: float) -> str:
+    """4096 -> '4.0 KiB' (binary prefixes, for memory and message sizes)."""
     for factor, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(x) >= factor:
-            return f"{x / factor:.1f} {suffix}"
-    return f"{x:.0f} B"
+        if abs(n) >= factor:
+            return f"{n / factor:.1f} {suffix}"
+    return f"{n:.0f} B"
 
 
-def stage_table(pipe: "Pipeline") -> str:
+def stage_table(program: "StagedProgram", schedule: "Schedule", *, microbatches: int,
+                predicted: "Timeline | None") -> str:
     """One row per stage: blocks, parameters, FLOPs, predicted time and memory, boundary."""
-    program = pipe.program
     blocks = program.linear.blocks
-    head = (f"Pipeline: {program.num_stages} stages, schedule {pipe.schedule.name}, "
-            f"{pipe.microbatches} micro-batches, capture {program.captured.method}"
-            f"{' (dynamic batch)' if program.captured.dynamic_batch else ' (static shapes)'}")
+    captured = program.captured
+    head = (f"Pipeline: {program.num_stages} stages, schedule {schedule.name}, "
+            f"{microbatches} micro-batches, capture {captured.method}"
+            f"{' (dynamic batch)' if captured.dynamic_batch else ' (static shapes)'}")
     rows = [("stage", "device", "blocks", "params", "fwd FLOP/mb", "F+B ms/mb",
              "memory", "sends/mb")]
     for stage in program.stages:
-        c: StageCost = stage.cost
         first, last = blocks[stage.blocks[0]].name, blocks[stage.blocks[-1]].name
         span = first if first == last else f"{first} .. {last}"
+        c = stage.cost
+        if c is None:
+            rows.append((str(stage.index), str(stage.device), f"{len(stage.blocks)}: {span}",
+                         "-", "-", "-", "-", "-"))
+            continue
         rows.append((str(stage.index), str(stage.device), f"{c.num_blocks}: {span}",
                      format_count(c.params), format_count(c.forward_flops),
                      f"{(c.forward_time + c.backward_time) * 1e3:.3f}",
-                     f"{_bytes(c.memory)} ({c.inflight} mb)",
-                     _bytes(c.send_bytes) if stage.index < program.num_stages - 1 else "-"))
+                     f"{format_bytes(c.memory)} ({c.inflight} mb)",
+                     format_bytes(c.send_bytes) if stage.index < program.num_stages - 1 else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [head]
     for k, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
-    if pipe.predicted is not None:
-        t = pipe.predicted
-        lines.append(f"predicted step {t.makespan * 1e3:.2f} ms, bubble {t.bubble_fraction:.1%}")
+    if predicted is not None:
+        lines.append(f"predicted step {predicted.makespan * 1e3:.2f} ms, "
+                     f"bubble {predicted.bubble_fraction:.1%}")
     return "\n".join(lines)
 
 
 def explain_passes(records: Sequence["PassRecord"]) -> str:
+    """The pass log: one line per pass with its wall time and what it produced."""
     lines = ["pass          time     result"]
     for r in records:
         lines.append(f"{r.name:<12} {r.seconds * 1e3:7.1f} ms  {r.summary}")

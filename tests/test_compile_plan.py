@@ -36,10 +36,10 @@ def test_heavy_lm_head_gets_fewer_layers_and_balanced_stages():
 
 def _costs(pipe):
     """The block costs compile planned with (its matmul rate is measured once per process)."""
-    from pipecompile.compiler import _matmul_rate
+    from pipecompile.planning import matmul_rate
     from pipecompile.passes.annotate import DeviceModel, annotate
 
-    device = DeviceModel(flops=_matmul_rate("cpu"))
+    device = DeviceModel(flops=matmul_rate("cpu"))
     return annotate(pipe.program.linear, microbatch_size=2, device=device).blocks
 
 

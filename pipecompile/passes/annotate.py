@@ -69,9 +69,7 @@ def annotate(
         sympy.Add(*[values[v].nbytes for v in cut]) if cut else sympy.Integer(0)
         for cut in linear.boundaries
     )
-    sizes = dict(linear.captured.example_sizes)
-    if linear.captured.batch_symbol is not None:
-        sizes[linear.captured.batch_symbol] = microbatch_size
+    sizes = linear.captured.sizes_at(microbatch_size)
     blocks = tuple(
         _numeric(cost, sizes, device) for cost in symbolic
     )

@@ -33,6 +33,7 @@ import torch
 
 from ..ir import CostTable
 from ..runtime.stage_worker import LossSpec, StageWorker
+from ..tensors import to_device as _to
 from .profile import sync_device
 
 __all__ = ["StageTimes", "Calibration", "measure_stages", "thread_efficiency", "fit_calibration",
@@ -235,13 +236,3 @@ def calibrate_blocks(costs: CostTable, calibration: Calibration) -> CostTable:
         ))
     return replace(costs, blocks=tuple(blocks),
                    notes=(*costs.notes, f"calibrated by the measured stages: {calibration}"))
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import ConfigError
-from ..ir import CapturedModel, LinearGraph, NodeRole
+from ..ir import CapturedModel, LinearGraph, NodeRole, StageCost
 from .linearize import compute_inputs
 from .nodes import getattr_path as _getattr_path
 
@@ -43,7 +43,7 @@ class Stage:
     outputs: tuple[str, ...]  # value names, in the order of the returned tuple
     blocks: tuple[int, ...]
     parameter_names: tuple[str, ...]  # original names of the parameters this stage holds
-    cost: Any = None  # StageCost, attached by the compiler
+    cost: StageCost | None = None  # attached by the compiler
 
     def __repr__(self) -> str:
         return (f"Stage({self.index}, {self.device}, blocks {self.blocks[0]}..{self.blocks[-1]}, "

@@ -53,6 +53,8 @@ __all__ = [
     "interleaved_1f1b",
     "zb_h1",
     "SCHEDULES",
+    "ASYNC_SCHEDULE_NAMES",
+    "SCHEDULE_NAMES",
     "make_schedule",
 ]
 
@@ -204,6 +206,12 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "interleaved-1f1b": interleaved_1f1b,
     "zb-h1": zb_h1,
 }
+
+# The one list of schedule names (compile validates against it, the CLI offers it, load reads
+# it back): the synchronous ones above, then those that update weights during a step
+# (runtime/async_schedules.py, imported lazily because it builds on this module).
+ASYNC_SCHEDULE_NAMES: tuple[str, ...] = ("pipedream", "2bw")
+SCHEDULE_NAMES: tuple[str, ...] = (*SCHEDULES, *ASYNC_SCHEDULE_NAMES)
 
 
 def make_schedule(

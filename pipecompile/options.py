@@ -1,0 +1,201 @@
+"""compile's inputs, validated once: the model with its example batch, and the options.
+
+    Example         the model and one example batch (inputs, keyword inputs, target)
+    CompileOptions  every keyword option of `pipecompile.compile`, checked and resolved: devices
+                    as `DeviceSpec`s, the virtual stage count, the ranks of a distributed run
+
+`resolve_options` raises a `ConfigError` naming the bad value and what to pass instead; every
+pass after it trusts the options.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+
+from .capture import batch_size_of
+from .errors import ConfigError
+from .ir import microbatch_size
+from .passes.partition import DeviceSpec
+from .ranks import Ranks
+from .runtime.distributed import local_device, topology_from_environment
+from .runtime.schedules import ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES
+
+if TYPE_CHECKING:
+    from .passes.split import StagedProgram
+
+__all__ = ["Example", "CompileOptions", "resolve_options", "example_microbatch_size",
+           "check_async_ties"]
+
+_RANK_BANDWIDTH = 3e9  # bytes/s between ranks when not told: gloo on loopback
+
+
+@dataclass(frozen=True)
+class Example:
+    """The model being compiled and the example batch compile plans and measures with."""
+
+    model: torch.nn.Module
+    args: tuple
+    kwargs: Mapping[str, Any]
+    target: Any = None
+
+    @property
+    def batch(self) -> int:
+        return batch_size_of(self.args, dict(self.kwargs))
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters are (stages of other ranks stay there, uncopied)."""
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """compile's keyword options after validation (see `pipecompile.compile`)."""
+
+    devices: tuple[DeviceSpec, ...]  # one per pipeline device
+    microbatches: int
+    schedule: str
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    optimizer: Callable[[list], torch.optim.Optimizer] | None = None
+    split_points: tuple[str, ...] | None = None
+    capture: str = "export"
+    granularity: str | None = None
+    virtual_stages: int = 1  # resolved: 2 for interleaved-1f1b unless given
+    profile: bool = False
+    checkpoint: bool = False
+    vertical_sync: bool = False
+    data_parallel: int = 1
+    timeout: float = 300.0
+    ranks: Ranks = Ranks()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.devices) * self.virtual_stages
+
+    @property
+    def asynchronous(self) -> bool:
+        """PipeDream and 2BW update the weights during a step."""
+        return self.schedule in ASYNC_SCHEDULE_NAMES
+
+
+def resolve_options(
+    example: Example, *, devices: int | Sequence[str | torch.device | DeviceSpec],
+    microbatches: int, schedule: str, virtual_stages: int | None,
+    memory_limit: float | Sequence[float] | None, bandwidth: float | None,
+    data_parallel: int, timeout: float, split_points: Sequence[str] | None, **rest: Any,
+) -> CompileOptions:
+    """Check compile's options against each other and the example batch; resolve devices and
+    ranks. `rest` are the options taken as given (loss_fn, optimizer, capture, ...)."""
+    count = devices if isinstance(devices, int) else len(devices)
+    if not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ConfigError(f"data_parallel must be a positive int, got {data_parallel!r}")
+    topology = topology_from_environment(count, data_parallel, timeout)
+    if topology is None and data_parallel > 1:
+        raise ConfigError(
+            f"data_parallel={data_parallel} needs torch.distributed: launch "
+            f"{count * data_parallel} ranks with torchrun (or init a process group)")
+    if topology is not None:
+        devices = [str(local_device())] * count
+        bandwidth = bandwidth or _RANK_BANDWIDTH
+    if schedule not in SCHEDULE_NAMES:
+        raise ConfigError(
+            f"schedule={schedule!r} is not supported; use one of {', '.join(SCHEDULE_NAMES)}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ConfigError(f"microbatches must be a positive int, got {microbatches!r}")
+    options = CompileOptions(
+        devices=tuple(_device_specs(devices, memory_limit, bandwidth)),
+        microbatches=microbatches, schedule=schedule,
+        split_points=None if split_points is None else tuple(split_points),
+        virtual_stages=virtual_stages or (2 if schedule == "interleaved-1f1b" else 1),
+        data_parallel=data_parallel, timeout=timeout, ranks=Ranks(topology), **rest)
+    _check_async(options)
+    if example.batch < microbatches:
+        raise ConfigError(
+            f"the example batch has {example.batch} samples, fewer than microbatches="
+            f"{microbatches}; use a batch of at least {microbatches} or fewer micro-batches")
+    return options
+
+
+def example_microbatch_size(example: Example, options: CompileOptions) -> int:
+    """Samples per micro-batch of the example batch (the size a static capture is made at)."""
+    return microbatch_size(example.batch, options.microbatches)
+
+
+def _check_async(options: CompileOptions) -> None:
+    if options.vertical_sync and options.schedule != "pipedream":
+        raise ConfigError("vertical_sync=True only applies to schedule='pipedream'")
+    if not options.asynchronous:
+        return
+    if options.optimizer is None:
+        raise ConfigError(
+            f"schedule={options.schedule!r} updates the weights during the step; pass "
+            f"optimizer=..., e.g. optimizer=lambda p: torch.optim.SGD(p, lr=0.01)")
+    if options.data_parallel != 1:
+        raise ConfigError(f"schedule={options.schedule!r} with data_parallel > 1 is not "
+                          f"supported; use a synchronous schedule for data parallelism")
+
+
+def _device_names(devices: int | Sequence[Any]) -> list[Any]:
+    if not isinstance(devices, int):
+        return list(devices)
+    if devices < 1:
+        raise ConfigError(f"devices must be >= 1, got {devices}")
+    if not torch.cuda.is_available():
+        return ["cpu"] * devices
+    if torch.cuda.device_count() < devices:
+        raise ConfigError(
+            f"devices={devices} but only {torch.cuda.device_count()} CUDA devices are "
+            f"visible; pass devices=['cpu'] * {devices} to run on the CPU")
+    return [f"cuda:{i}" for i in range(devices)]
+
+
+def _device_specs(devices, memory_limit, bandwidth) -> list[DeviceSpec]:
+    names = _device_names(devices)
+    if not names:
+        raise ConfigError("devices is empty; pass a count or a list of device names")
+    limits = (memory_limit if isinstance(memory_limit, (list, tuple))
+              else [memory_limit] * len(names))
+    if len(limits) != len(names):
+        raise ConfigError(f"memory_limit has {len(limits)} entries for {len(names)} devices")
+    specs = []
+    for d, limit in zip(names, limits):
+        if isinstance(d, DeviceSpec):
+            spec = d
+        else:
+            name = str(torch.device(d))
+            spec = DeviceSpec(name=name, memory=_device_memory(name),
+                              bandwidth=bandwidth or (math.inf if name == "cpu" else 10e9))
+        if limit is not None:
+            spec = DeviceSpec(spec.name, spec.speed, float(limit), spec.bandwidth)
+        specs.append(spec)
+    return specs
+
+
+def _device_memory(name: str) -> float:
+    device = torch.device(name)
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return math.inf
+
+
+def check_async_ties(program: "StagedProgram", schedule: str) -> None:
+    """Asynchronous stages update on their own clocks: a parameter must live in one stage."""
+    for tie in program.ties:  # one parameter under several names (wte = lm_head)
+        stages = sorted({s for s, _ in tie.copies})
+        if len(stages) > 1:
+            _shared_error(" = ".join(tie.names), stages, schedule)
+    for name in program.captured.parameter_names:  # one name read by several stages
+        stages = sorted({s for s, _ in program.tensors[name] if s >= 0})
+        if len(stages) > 1:
+            _shared_error(name, stages, schedule)
+
+
+def _shared_error(name: str, stages: list[int], schedule: str) -> None:
+    raise ConfigError(
+        f"schedule={schedule!r} updates each stage on its own clock, so the parameter {name} "
+        f"cannot be used by stages {stages}; untie it (e.g. tie_word_embeddings=False), keep "
+        f"its users in one stage with split_points, or use a synchronous schedule")

@@ -1,0 +1,254 @@
+"""Assembling the runtime of a compiled program: what a `Pipeline` runs its schedules on.
+
+    assemble(program, schedule, options) -> LocalRuntime        one process, a thread per device
+                                         -> DistributedRuntime  this rank's stages over
+                                                                torch.distributed
+
+Both build one `StageWorker` per stage this process runs (with its weight versions under the
+asynchronous schedules), the `Executor`, one optimizer per stage (synchronous schedules) and a
+transport per step. They differ in how values move (in-process `Mailbox` or `P2PTransport`),
+how a step ends (tied copies' gradients summed locally, or reduced across ranks and replicas)
+and how a forward-only call runs. `Pipeline` holds the result and never asks which it is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from ..passes.split import StagedProgram
+from ..tensors import to_device
+from .actions import Schedule
+from .distributed import (GradientSync, Topology, _default_store, broadcast_outputs,
+                          forward_only, reduce_mean_loss, value_specs)
+from .executor import Executor, Wiring
+from .mailbox import Mailbox
+from .microbatch import MicroBatch, split_microbatches
+from .p2p import P2PTransport, Waiter
+from .schedules import ASYNC_SCHEDULE_NAMES
+from .stage_worker import LossSpec, StageWorker
+from .versions import VersionRule, WeightVersions
+
+if TYPE_CHECKING:
+    from ..options import CompileOptions
+
+__all__ = ["Runtime", "LocalRuntime", "DistributedRuntime", "assemble", "values_needing_grad"]
+
+
+def assemble(program: StagedProgram, schedule: Schedule, options: "CompileOptions") -> "Runtime":
+    """The runtime of `program` for this process: local, or this rank's part of it."""
+    topology = options.ranks.topology
+    if topology is None:
+        return LocalRuntime(program, schedule, options)
+    return DistributedRuntime(program, schedule, options, topology)
+
+
+def values_needing_grad(program: StagedProgram) -> set[str]:
+    """Boundary values that are floating point (gradients flow back through them)."""
+    values = program.captured.values
+    return {name for name in program.producer
+            if values[name].dtype is not None and values[name].dtype.is_floating_point}
+
+
+class Runtime:
+    """Workers, executor and optimizers of the stages this process runs."""
+
+    def __init__(self, program: StagedProgram, schedule: Schedule, options: "CompileOptions",
+                 own_stages: Sequence[int], executor_rows: Sequence[int] | None = None,
+                 label: Callable[[int], str] = lambda stage: f"stage {stage}"):
+        self.program = program
+        self.schedule = schedule
+        self.microbatches = options.microbatches
+        self.timeout = options.timeout
+        self.asynchronous = schedule.name in ASYNC_SCHEDULE_NAMES
+        self.own_stages = tuple(own_stages)
+        self.grad_values = frozenset(values_needing_grad(program))
+        self.workers = _workers(program, schedule, options, self.own_stages, self.grad_values)
+        self.wiring = Wiring(program.producer, program.consumers,
+                             program.captured.input_names, tuple(s.device for s in program.stages))
+        self.executor = Executor(self.workers, self.wiring, rows=executor_rows, label=label)
+        self.optimizers = ([] if self.asynchronous
+                           else _optimizers(program, options.optimizer, self.own_stages))
+        self.parameters = self._parameters()  # every copy this process holds (tied: all)
+        self.last_schedule = schedule  # the schedule the last step ran
+        self.communication: Any = None  # the last step's message statistics (P2P transport)
+
+    def own_copy(self, name: str) -> torch.Tensor | None:
+        """This process's copy of a parameter or buffer (under torch.distributed: only those
+        of this rank's stages; a tensor no stage reads stays with the first position)."""
+        for stage, tensor in self.program.tensors[name]:
+            if stage in self.own_stages or (stage == -1 and 0 in self.own_stages):
+                return tensor
+        return None
+
+    def run(self, schedule: Schedule, mbs: Sequence[MicroBatch], *,
+            batches: int) -> list[torch.Tensor]:
+        """Run `schedule` over micro-batches `mbs`; the mean loss of each batch."""
+        captured = self.program.captured
+        flat = [captured.flatten_inputs(mb.args, mb.kwargs) for mb in mbs]
+        if not self.asynchronous:
+            for p in self.parameters:
+                p.grad = None
+        for worker in self.workers.values():
+            worker.peak_inflight = 0
+            if worker.versions is not None:
+                worker.versions.begin_call()
+        transport = self.transport(mbs)
+        steps = self.executor.run(schedule, transport, mbs, flat)
+        self.last_schedule = schedule
+        self.communication = getattr(transport, "stats", None)  # P2P: messages, bytes, waits
+        last = self.workers.get(self.program.num_stages - 1)
+        losses = [last.losses.pop(mb.index) for mb in mbs] if last is not None else []
+        m = self.microbatches
+        result = self.finish([losses[b * m:(b + 1) * m] for b in range(batches)])
+        if steps:
+            for opt in self.optimizers:
+                opt.step()
+        return result
+
+    # -- what the local and distributed runtimes do differently ----------------------------
+
+    def transport(self, mbs: Sequence[MicroBatch]) -> Any:
+        """A fresh transport for one step over `mbs`."""
+        raise NotImplementedError
+
+    def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """After the backward passes: complete the gradients; each batch's mean loss."""
+        raise NotImplementedError
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        """Forward only, on the whole batch; the model's outputs."""
+        raise NotImplementedError
+
+    def _parameters(self) -> list[torch.Tensor]:
+        seen = {}
+        for copies in self.program.tensors.values():
+            for stage, t in copies:
+                if isinstance(t, torch.nn.Parameter) and (stage in self.own_stages or stage == -1):
+                    seen[id(t)] = t
+        return list(seen.values())
+
+
+class LocalRuntime(Runtime):
+    """Every stage in this process, a worker thread per device, values through a `Mailbox`."""
+
+    def __init__(self, program: StagedProgram, schedule: Schedule, options: "CompileOptions"):
+        super().__init__(program, schedule, options, range(program.num_stages))
+
+    def transport(self, mbs: Sequence[MicroBatch]) -> Mailbox:
+        return Mailbox(self.wiring.consumers, self.wiring.devices, self.wiring.producer,
+                       self.timeout)
+
+    def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        self._sum_tied_gradients()
+        return [torch.stack([l.to(chunk[0].device) for l in chunk]).mean() for chunk in losses]
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        captured = self.program.captured
+        env = dict(zip(captured.input_names, captured.flatten_inputs(args, kwargs)))
+        outputs: tuple = ()
+        for stage in self.program.stages:
+            outputs = tuple(stage.module(*[to_device(env[n], stage.device) for n in stage.inputs]))
+            env.update(zip(stage.outputs, outputs))
+        return captured.unflatten_outputs(list(outputs))
+
+    def _sum_tied_gradients(self) -> None:
+        """Copies of a tied parameter on different devices each get the sum of their grads."""
+        for tie in self.program.ties:
+            copies = list({id(t): t for _, t in self.program.tensors[tie.names[0]]}.values())
+            grads = [t.grad for t in copies if t.grad is not None]
+            if len(copies) < 2 or not grads:
+                continue  # one object shared by the stages: autograd already summed
+            total = grads[0].clone()
+            for g in grads[1:]:
+                total += g.to(total.device)
+            for t in copies:
+                t.grad = total.to(t.device)
+
+
+class DistributedRuntime(Runtime):
+    """This rank's stages; values as point-to-point messages; gradients reduced across ranks."""
+
+    def __init__(self, program: StagedProgram, schedule: Schedule, options: "CompileOptions",
+                 topology: Topology):
+        own = options.ranks.own_stages(schedule)
+        super().__init__(program, schedule, options, own, executor_rows=[topology.position],
+                         label=lambda st: f"rank {topology.rank} (stage {st})")
+        self.topology = topology
+        self.sync = GradientSync(topology, program, schedule, self.own_stages)
+        self.waiter = Waiter()
+
+    def transport(self, mbs: Sequence[MicroBatch]) -> P2PTransport:
+        topology, position = self.topology, self.schedule.stage_to_device
+        return P2PTransport(
+            rank=topology.rank,
+            rank_of_stage=lambda stage: topology.rank_of(position[stage]),
+            producer=self.wiring.producer, consumers=self.wiring.consumers,
+            specs=value_specs(self.program), grad_values=self.grad_values,
+            devices=self.wiring.devices, microbatch_sizes=[mb.size for mb in mbs],
+            timeout=self.timeout, waiter=self.waiter, store=_default_store(),
+            label=lambda stage: f"rank {topology.rank} (stage {stage})")
+
+    def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        if not self.asynchronous:
+            self.sync.reduce(self.parameters)
+        device = self.wiring.devices[self.own_stages[0]]
+        return [reduce_mean_loss(chunk, device) for chunk in losses]
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        """Forward only across the ranks of this replica; every rank gets the outputs."""
+        captured = self.program.captured
+        (mb,) = split_microbatches(args, kwargs, None, 1)
+        flat = captured.flatten_inputs(mb.args, mb.kwargs)
+        with torch.no_grad():
+            self.executor.run(forward_only(self.schedule), self.transport([mb]), [mb], [flat],
+                              forward_only=True)
+        return captured.unflatten_outputs(
+            broadcast_outputs(self.executor.outputs.get(0), self.program, mb.size, self.topology,
+                              self.sync.replica_group, self.schedule, self.wiring.devices))
+
+
+def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOptions",
+             own: Sequence[int], grad_values: frozenset[str]) -> dict[int, StageWorker]:
+    """One worker per stage in `own`; the last computes the loss. Asynchronous schedules give
+    each worker its weight versions and their optimizer."""
+    m, last = options.microbatches, program.num_stages - 1
+    asynchronous = schedule.name in ASYNC_SCHEDULE_NAMES
+    scale = (VersionRule(schedule.name, program.num_stages, 0, m).loss_scale
+             if asynchronous else 1.0 / m)
+    loss = LossSpec(program.captured.unflatten_outputs, options.loss_fn, scale)
+    workers = {}
+    for s in program.stages:
+        if s.index not in own:
+            continue
+        versions = None
+        if asynchronous:
+            rule = VersionRule(schedule.name, program.num_stages, s.index, m,
+                               options.vertical_sync)
+            versions = WeightVersions(s.module, rule, options.optimizer)
+        workers[s.index] = StageWorker(
+            s.index, s.module, s.inputs, s.outputs,
+            frozenset(n for n in s.inputs if n in grad_values),
+            loss if s.index == last else None, options.checkpoint, versions=versions)
+    return workers
+
+
+def _optimizers(program: StagedProgram, optimizer: Callable | None,
+                own_stages: Sequence[int]) -> list[torch.optim.Optimizer]:
+    """One optimizer per stage over the parameters it owns (a shared object: its first stage)."""
+    if optimizer is None:
+        return []
+    owned: set[int] = set()
+    result = []
+    for stage in program.stages:
+        if stage.index not in own_stages:
+            continue
+        params = []
+        for p in stage.module.parameters():
+            if p.requires_grad and id(p) not in owned:
+                owned.add(id(p))
+                params.append(p)
+        if params:
+            result.append(optimizer(params))
+    return result

@@ -1,0 +1,122 @@
+"""Costs of the split stages: the stage table's `StageCost` and the simulator's `StageCosts`.
+
+Without profiling a stage costs the sum of its blocks; with `profile=True` every stage is timed
+as the runtime runs it (`passes.calibrate.measure_stages`, each rank its own stages, shared
+through `Ranks`), and CPU device threads that share the cores are measured for how much they
+slow each other down (`thread_efficiency`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .ir import CostTable, LinearGraph, StageCost
+from .options import Example
+from .passes.calibrate import StageTimes, measure_stages, thread_efficiency
+from .passes.partition import DeviceSpec, Partition
+from .passes.profile import record_values
+from .passes.split import Stage, StagedProgram
+from .ranks import Ranks
+from .runtime.actions import Schedule
+from .runtime.assemble import values_needing_grad
+from .runtime.microbatch import split_microbatches
+from .runtime.simulate import StageCosts
+from .runtime.stage_worker import LossSpec
+
+__all__ = ["with_stage_costs", "simulator_costs", "shared_cores", "measure", "efficiency"]
+
+
+def with_stage_costs(program: StagedProgram, costs: CostTable, placement: Partition,
+                     inflight: Sequence[int]) -> StagedProgram:
+    """`program` whose stages carry their predicted `StageCost` (summed from their blocks)."""
+    stages = []
+    for s in program.stages:
+        blocks = [costs.blocks[b] for b in s.blocks]
+        stage_cost = StageCost(
+            num_blocks=len(blocks),
+            params=sum(p.numel() for p in {id(p): p for p in s.module.parameters()}.values()),
+            forward_flops=sum(b.forward_flops for b in blocks),
+            forward_time=sum(b.forward_time for b in blocks),
+            backward_time=sum(b.backward_time for b in blocks),
+            memory=placement.stage_memory[s.index],
+            inflight=inflight[s.index],
+            send_bytes=costs.cut_bytes[s.blocks[-1] + 1],
+        )
+        stages.append(replace(s, cost=stage_cost))
+    return replace(program, stages=tuple(stages))
+
+
+def simulator_costs(stage: Stage, costs: CostTable, spec: DeviceSpec,
+                    measured: StageTimes | None = None) -> StageCosts:
+    """Simulator costs of a stage: measured (`profile=True`) or the sum of its blocks'. A stage
+    that receives no gradient-carrying input (the first) has nothing to do in I: its whole
+    backward is weight gradients."""
+    assert stage.cost is not None, "with_stage_costs runs first"
+    first = stage.blocks[0]
+    transfers = dict(send_forward=_transfer(stage.cost.send_bytes, spec),
+                     send_backward=_transfer(costs.cut_bytes[first], spec))
+    if measured is not None:
+        return StageCosts(forward=measured.forward, backward=measured.backward,
+                          backward_input=measured.backward_input,
+                          backward_weight=measured.backward_weight, **transfers)
+    blocks = [costs.blocks[b] for b in stage.blocks]
+    if costs.cut_bytes[first] == 0:
+        i_time, w_time = 0.0, stage.cost.backward_time
+    else:
+        i_time = sum(b.backward_input_time for b in blocks)
+        w_time = sum(b.backward_weight_time for b in blocks)
+    return StageCosts(forward=stage.cost.forward_time, backward=stage.cost.backward_time,
+                      backward_input=i_time, backward_weight=w_time, **transfers)
+
+
+def shared_cores(specs: Sequence[DeviceSpec], ranks: Ranks) -> int | None:
+    """How many CPU device threads of this process can compute at full speed at once.
+
+    In one process every CPU "device" is a worker thread on the same cores, each op using
+    torch's intra-op threads; more devices than that oversubscribes the cores, and the simulator
+    must share them. None (no sharing) for accelerators and for one rank per process."""
+    if ranks.distributed or any(torch.device(s.name).type != "cpu" for s in specs):
+        return None
+    available = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count())
+    return max(1, (available or 1) // max(1, torch.get_num_threads()))
+
+
+def measure(program: StagedProgram, schedule: Schedule, example: Example, *, microbatches: int,
+            loss_fn: Any, ranks: Ranks) -> dict[int, StageTimes]:
+    """Every stage's measured F/B/I/W on the first micro-batch (`passes.calibrate`). Under
+    torch.distributed each rank times its own stages and all ranks share the results."""
+    values, target = _first_microbatch(program.linear, example, microbatches)
+    own = ranks.own_stages(schedule) if ranks.distributed else None
+    measured = measure_stages(program, values, grad_values=values_needing_grad(program),
+                              loss=LossSpec(program.captured.unflatten_outputs, loss_fn,
+                                            1.0 / microbatches),
+                              target=target, stages=own)
+    return ranks.stage_times(measured)
+
+
+def efficiency(program: StagedProgram, schedule: Schedule, example: Example, *,
+               microbatches: int, cores: int) -> float:
+    """The speed of device threads running at once on `cores` cores, relative to their share."""
+    values, _ = _first_microbatch(program.linear, replace(example, target=None), microbatches)
+    firsts = [min(s for s in range(schedule.num_stages) if schedule.stage_to_device[s] == d)
+              for d in range(schedule.num_devices)]
+    return thread_efficiency(program, values, grad_values=values_needing_grad(program),
+                             device_stages=firsts, cores=cores)
+
+
+def _first_microbatch(linear: LinearGraph, example: Example,
+                      microbatches: int) -> tuple[Mapping[str, Any], Any]:
+    """Every graph value on the first micro-batch, and that micro-batch's target."""
+    mb = split_microbatches(example.args, dict(example.kwargs), example.target, microbatches)[0]
+    captured = linear.captured
+    return record_values(captured.module, captured.flatten_inputs(mb.args, mb.kwargs)), mb.target
+
+
+def _transfer(nbytes: float, spec: DeviceSpec) -> float:
+    return 0.0 if math.isinf(spec.bandwidth) else nbytes / spec.bandwidth
