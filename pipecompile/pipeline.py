@@ -31,6 +31,8 @@ from .plan import PassRecord, Plan
 from .report import explain_passes, stage_table
 from .runtime.actions import Schedule
 from .runtime.assemble import Runtime, assemble
+from .runtime.distributed import Topology
+from .runtime.executor import Executor
 from .runtime.microbatch import split_microbatches
 from .runtime.schedules import make_schedule
 from .runtime.simulate import StageCosts, Timeline, simulate
@@ -93,7 +95,12 @@ class Pipeline(torch.nn.Module):
     # -- what runs it -----------------------------------------------------------------------
 
     @property
-    def executor(self):
+    def topology(self) -> Topology | None:
+        """This rank's place under torch.distributed; None in a single process."""
+        return self.plan.options.ranks.topology
+
+    @property
+    def executor(self) -> Executor:
         return self.runtime.executor
 
     @property
