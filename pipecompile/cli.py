@@ -275,8 +275,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="a function returning (model, inputs) or (model, inputs, kwargs)")
     common.add_argument("--devices", type=int, default=2, help="number of devices (default 2)")
     common.add_argument("--microbatches", type=int, default=4, help="default 4")
-    common.add_argument("--schedule", default="gpipe", choices=SCHEDULE_NAMES,
-                        help="default gpipe")
+    common.add_argument("--schedule", default="gpipe",
+                        help=f"{', '.join(SCHEDULE_NAMES)} (default gpipe)")
     common.add_argument("--capture", default="export", choices=("export", "fx"))
     common.add_argument("--json", action="store_true", help="print one JSON object")
     inspect_ = commands.add_parser("inspect", parents=[common],

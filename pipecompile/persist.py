@@ -52,6 +52,7 @@ from .passes.partition import DeviceSpec
 from .passes.split import Stage, StagedProgram, _Placement, _tensor_copies
 from .plan import PassRecord, Plan
 from .runtime.actions import Action, Schedule
+from .runtime.schedules import SCHEDULE_NAMES
 from .runtime.simulate import StageCosts, Timeline
 from .treespec import dump_spec, load_spec
 
@@ -336,6 +337,9 @@ def _schedule_to_json(schedule: Schedule) -> dict[str, Any]:
 
 
 def _schedule_from_json(data: dict[str, Any]) -> Schedule:
+    if data["name"] not in SCHEDULE_NAMES:
+        raise ConfigError(f"the saved schedule {data['name']!r} is none of this pipecompile's "
+                          f"({', '.join(SCHEDULE_NAMES)}); save it again with this version")
     return Schedule(data["name"], data["num_stages"], data["num_microbatches"],
                     tuple(data["stage_to_device"]),
                     tuple(tuple(Action.parse(a) for a in row) for row in data["actions"]))

@@ -11,14 +11,12 @@ __all__ = ["to_device"]
 
 def to_device(value: Any, device: torch.device) -> Any:
     """`value` on `device`. A tensor already there (any CPU counts as the CPU) is returned
-    itself, so a stage on the CPU shares the user's tensors; a `Parameter` elsewhere becomes a
-    new `Parameter` (a leaf of its own) on `device`; lists, tuples and dicts are mapped; any
-    other value is returned unchanged. Copies to an accelerator do not block the host."""
+    itself; one elsewhere is copied with `.to`, which autograd sees (gradients flow back to the
+    source); lists, tuples and dicts are mapped; any other value is returned unchanged. Copies
+    to an accelerator do not block the host; copies to the CPU do (the values are read next)."""
     if isinstance(value, torch.Tensor):
         if value.device == device or value.device.type == device.type == "cpu":
             return value
-        if isinstance(value, torch.nn.Parameter):
-            return torch.nn.Parameter(value.detach().to(device), requires_grad=value.requires_grad)
         return value.to(device, non_blocking=device.type != "cpu")
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(to_device(v, device) for v in value)

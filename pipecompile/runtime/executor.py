@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import PipecompileError, StageExecutionError
+from ..tensors import to_device as _to
 from .actions import Action, Kind, Schedule
 from .mailbox import Aborted
 from .microbatch import MicroBatch
@@ -273,9 +274,3 @@ def _publish(device: torch.device) -> None:
     """Values leave this thread's stream: wait for the kernels that produce them (CUDA only)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor) and value.device != device:
-        return value.to(device, non_blocking=True)
-    return value

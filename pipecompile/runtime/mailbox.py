@@ -14,6 +14,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..tensors import to_device as _to
+
 __all__ = ["Mailbox", "Aborted"]
 
 
@@ -105,9 +107,3 @@ class Mailbox:
                 if left <= 0:
                     raise TimeoutError(f"stage {stage} waited {self._timeout:.0f}s for {what}")
                 self._cond.wait(min(left, 1.0))
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor) and value.device != device:
-        return value.to(device, non_blocking=True)
-    return value
