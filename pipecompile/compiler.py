@@ -148,6 +148,7 @@ def _calibrate(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     o = plan.options
     if not o.profile:
         return None
+    assert plan.placement is not None and plan.costs is not None
     before = plan.placement.bounds
     program = split(plan.linear, before, _stage_devices(plan, example))
     measured = measure(program, plan.schedule, example, microbatches=o.microbatches,
@@ -180,6 +181,7 @@ def _refine(plan: Plan, example: Example) -> tuple[Plan, str] | None:
 
 def _split(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
+    assert plan.placement is not None and plan.costs is not None
     program = plan.program or split(plan.linear, plan.placement.bounds,
                                     _stage_devices(plan, example))
     measured = (measure(program, plan.schedule, example, microbatches=o.microbatches,
@@ -208,6 +210,7 @@ def _threads(plan: Plan, example: Example) -> tuple[Plan, str] | None:
 
 
 def _simulate(plan: Plan, example: Example) -> tuple[Plan, str]:
+    assert plan.schedule is not None
     cores = shared_cores(plan.stage_specs, plan.options.ranks)
     predicted = simulate(plan.schedule, plan.stage_costs, cores=cores,
                          efficiency=plan.efficiency)

@@ -65,6 +65,7 @@ VERSION = 1
 def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
     """Write the finished `plan` to `directory` (created if needed); returns plan.json's path."""
     program, options = plan.program, plan.options
+    assert program is not None and plan.schedule is not None, "only a finished plan is saved"
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     stages = [_write_stage(stage, program, out) for stage in program.stages]

@@ -33,7 +33,7 @@ from .runtime.actions import Schedule
 from .runtime.assemble import Runtime, assemble
 from .runtime.distributed import Topology
 from .runtime.executor import Executor
-from .runtime.microbatch import split_microbatches
+from .runtime.microbatch import MicroBatch, split_microbatches
 from .runtime.schedules import make_schedule
 from .runtime.simulate import StageCosts, Timeline, simulate
 
@@ -58,15 +58,19 @@ class Pipeline(torch.nn.Module):
 
     @property
     def program(self) -> StagedProgram:
-        return self.plan.program
+        program = self.plan.program
+        assert program is not None  # checked in __init__
+        return program
 
     @property
     def schedule(self) -> Schedule:
-        return self.plan.schedule
+        schedule = self.plan.schedule
+        assert schedule is not None  # checked in __init__
+        return schedule
 
     @property
     def stages(self) -> tuple[Stage, ...]:
-        return self.plan.program.stages
+        return self.program.stages
 
     @property
     def microbatches(self) -> int:
@@ -170,7 +174,7 @@ class Pipeline(torch.nn.Module):
         batches = [_batch_parts(b) for b in batches]
         if not self.runtime.asynchronous:
             return [self.step(*a, target=t, **k) for a, k, t in batches]
-        mbs = []
+        mbs: list[MicroBatch] = []
         for a, k, t in batches:
             for mb in split_microbatches(a, k, t, self.microbatches):
                 mbs.append(replace(mb, index=len(mbs)))
@@ -284,7 +288,7 @@ def _batch_parts(batch: tuple) -> tuple[tuple, dict, Any]:
     """(args, kwargs, target) of one `fit` batch given as (args, target) or (args, kwargs, target)."""
     if len(batch) == 2:
         args, target = batch
-        kwargs = {}
+        kwargs: Mapping[str, Any] = {}
     elif len(batch) == 3:
         args, kwargs, target = batch
     else:

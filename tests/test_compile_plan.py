@@ -71,3 +71,44 @@ def test_profile_measures_block_times():
     assert "measured" in pipe.explain()
     assert all(s.cost.forward_time > 0 for s in pipe.stages)
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+
+
+def test_passes_advance_a_frozen_plan_and_record_only_what_ran():
+    from dataclasses import FrozenInstanceError, replace
+
+    import pytest
+
+    from pipecompile.options import CompileOptions
+    from pipecompile.passes.partition import DeviceSpec
+    from pipecompile.plan import Plan, run_passes
+
+    start = Plan(CompileOptions(devices=(DeviceSpec(),), microbatches=2, schedule="gpipe"))
+    passes = (("first", lambda plan, example: (replace(plan, cores=3), "three cores")),
+              ("skipped", lambda plan, example: None),
+              ("second", lambda plan, example: (replace(plan, efficiency=0.5), "half speed")))
+    plan = run_passes(start, passes, example=None)
+    assert (plan.cores, plan.efficiency) == (3, 0.5)
+    assert [(r.name, r.summary) for r in plan.passes] == [("first", "three cores"),
+                                                          ("second", "half speed")]
+    assert all(r.seconds >= 0 for r in plan.passes)
+    assert start.passes == () and start.cores is None  # the input plan is unchanged
+    with pytest.raises(FrozenInstanceError):
+        plan.cores = 1
+
+
+def test_compile_records_its_passes_in_order():
+    model = zoo.GPT(vocab=32, dim=16, layers=2, heads=2, seq=8)
+    pipe = pc.compile(model, (torch.randint(0, 32, (8, 8)),), devices=2, microbatches=2,
+                      loss_fn=zoo.lm_loss, granularity="layer")
+    assert [r.name for r in pipe.passes] == ["capture", "schedule", "linearize", "annotate",
+                                             "partition", "split", "simulate"]
+    assert pipe.plan.placement.bounds == pipe.program.bounds
+    assert pipe.plan.predicted is pipe.predicted
+
+
+def test_schedule_names_are_the_generators():
+    from pipecompile.runtime.async_schedules import ASYNC_SCHEDULES
+    from pipecompile.runtime.schedules import ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES, SCHEDULES
+
+    assert set(ASYNC_SCHEDULE_NAMES) == set(ASYNC_SCHEDULES)
+    assert set(SCHEDULE_NAMES) == set(SCHEDULES) | set(ASYNC_SCHEDULES)
