@@ -111,42 +111,42 @@ def test_step_before_backward() -> None:
 
 def test_stage_order_on_a_shared_device() -> None:
     forward_first = text("1F0 0F0 1B0 0B0", placement="0 0")
-    fails(forward_first, r"\(1F0\): comes before 0F0 .* previous stage's forward")
+    fails(forward_first, r"\(1F0\): comes before 0F0 .* forward of each stage it reads from")
     backward_first = text("0F0 1F0 0B0 1B0", placement="0 0")
-    fails(backward_first, r"\(0B0\): comes before 1B0 .* next stage's backward")
+    fails(backward_first, r"\(0B0\): comes before 1B0 .* backward of each stage that reads its outputs")
 
 
 # -- communication -----------------------------------------------------------------------------
 
 
 def test_unmatched_recv() -> None:
-    schedule = edit(make_schedule("1f1b", 2, 2), 0, "0SEND_F1", "")
-    fails(schedule, r"device 1, action 4 \(1RECV_F1\): no matching 0SEND_F1 on device 0")
+    schedule = edit(make_schedule("1f1b", 2, 2), 0, "0SEND_F1>1", "")
+    fails(schedule, r"device 1, action 4 \(1RECV_F1<0\): no matching 0SEND_F1>1 on device 0")
 
 
 def test_unmatched_send() -> None:
-    schedule = edit(make_schedule("1f1b", 2, 2), 0, "0RECV_B0", "")
-    fails(schedule, r"device 1, action 3 \(1SEND_B0\): no matching 0RECV_B0 on device 0")
+    schedule = edit(make_schedule("1f1b", 2, 2), 0, "0RECV_B0<1", "")
+    fails(schedule, r"device 1, action 3 \(1SEND_B0>0\): no matching 0RECV_B0<1 on device 0")
 
 
 def test_missing_transfer_in_an_explicit_schedule() -> None:
-    schedule = edit(edit(make_schedule("gpipe", 2, 2), 0, "0SEND_F1", ""), 1, "1RECV_F1", "")
-    fails(schedule, r"device 1, action 2 \(1F1\): needs 1RECV_F1, which is not in the schedule")
+    schedule = edit(edit(make_schedule("gpipe", 2, 2), 0, "0SEND_F1>1", ""), 1, "1RECV_F1<0", "")
+    fails(schedule, r"device 1, action 2 \(1F1\): needs 1RECV_F1<0, which is not in the schedule")
 
 
 def test_recv_after_its_consumer() -> None:
-    schedule = edit(make_schedule("gpipe", 2, 1), 1, "1RECV_F0 1F0", "1F0 1RECV_F0")
-    fails(schedule, r"\(1F0\): comes before 1RECV_F0 .* input received first")
+    schedule = edit(make_schedule("gpipe", 2, 1), 1, "1RECV_F0<0 1F0", "1F0 1RECV_F0<0")
+    fails(schedule, r"\(1F0\): comes before 1RECV_F0<0 .* input received first")
 
 
 def test_send_between_stages_on_one_device() -> None:
     schedule = text("0F0 0SEND_F0 1RECV_F0 1F0 1B0 0B0", placement="0 0")
-    fails(schedule, r"\(0SEND_F0\): stages 0 and 1 both run on device 0; .* remove the SEND_F")
+    fails(schedule, r"\(0SEND_F0>1\): stages 0 and 1 both run on device 0; .* remove the SEND_F")
 
 
 def test_send_past_the_last_stage() -> None:
     schedule = text("0F0 0B0", "1F0 1SEND_F0 1B0")
-    fails(schedule, r"device 1, action 1 \(1SEND_F0\): stage 1 has no stage 2 to talk to")
+    fails(schedule, r"device 1, action 1 \(1SEND_F0>2\): stage 1 has no stage 2 to talk to")
 
 
 # -- deadlock ----------------------------------------------------------------------------------
@@ -168,12 +168,13 @@ def test_deadlock_with_communication() -> None:
     # Device 0 waits for the first gradient before sending micro-batch 1 forward, but device 1
     # runs both forwards before its first backward.
     schedule = edit(
-        make_schedule("gpipe", 2, 2), 0, "0F1 0SEND_F1 0RECV_B0 0B0", "0RECV_B0 0B0 0F1 0SEND_F1"
+        make_schedule("gpipe", 2, 2), 0, "0F1 0SEND_F1>1 0RECV_B0<1 0B0",
+        "0RECV_B0<1 0B0 0F1 0SEND_F1>1"
     )
     fails(
         schedule,
-        r"device 0, action 2 \(0RECV_B0\): blocked, waits for 1SEND_B0",
-        r"device 1, action 2 \(1RECV_F1\): blocked, waits for 0SEND_F1 \(device 0, action 5\)",
+        r"device 0, action 2 \(0RECV_B0<1\): blocked, waits for 1SEND_B0>0",
+        r"device 1, action 2 \(1RECV_F1<0\): blocked, waits for 0SEND_F1>1 \(device 0, action 5\)",
     )
 
 
