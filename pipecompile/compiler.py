@@ -25,6 +25,8 @@ from .passes.split import split
 from .pipeline import PassRecord, Pipeline, values_needing_grad
 from .report import StageCost, format_count
 from .runtime.distributed import check_same_plan, local_device, plan_digest, topology_from_environment
+from .runtime.lowering import relower
+from .runtime.messages import Dataflow, message_bytes, transfer_seconds
 from .runtime.schedules import make_schedule
 from .runtime.microbatch import split_microbatches
 from .runtime.simulate import StageCosts, simulate
@@ -203,6 +205,10 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
                               f"{program.num_stages} stage graphs, {len(program.ties)} tied "
                               f"parameter groups"))
 
+    dataflow = Dataflow.of(program)  # the schedule that runs moves the program's messages
+    plan = relower(plan, dataflow)
+    transfers = transfer_seconds(message_bytes(program, mb_size),
+                                 lambda stage: stage_specs[stage].bandwidth)
     stage_costs = [_stage_costs(s, costs, stage_specs[s.index],
                                 measured[s.index] if measured else None)
                    for s in program.stages]
@@ -213,7 +219,8 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
         efficiency = _thread_efficiency(program, linear, args, kwargs, microbatches, plan, cores)
         records.append(PassRecord("threads", time.perf_counter() - t, f"{len(specs)} device threads on {cores} "
                                   f"cores run at {efficiency:.2f} of their share"))
-    predicted = simulate(plan, stage_costs, cores=cores, efficiency=efficiency)
+    predicted = simulate(plan, stage_costs, cores=cores, efficiency=efficiency,
+                         dataflow=dataflow, transfers=transfers)
     records.append(PassRecord("schedule", 0.0, f"{schedule}: {sum(len(a) for a in plan.actions)} "
                               f"actions, predicted bubble {predicted.bubble_fraction:.1%}"))
     if topology is not None:

@@ -99,7 +99,8 @@ class Pipeline:
             for s in program.stages if s.index in self.own_stages
         }
         self.wiring = Wiring(program.producer, program.consumers, captured.input_names,
-                             tuple(s.device for s in program.stages))
+                             tuple(s.device for s in program.stages),
+                             frozenset(self.grad_values))
         self.timeout = timeout
         if topology is None:
             self.executor = Executor(self.workers, self.wiring)
@@ -191,7 +192,8 @@ class Pipeline:
             for mb in split_microbatches(a, k, t, self.microbatches):
                 mbs.append(replace(mb, index=len(mbs)))
         schedule = make_schedule(self.schedule.name, self.schedule.num_devices,
-                                 self.microbatches, batches=len(batches))
+                                 self.microbatches, batches=len(batches),
+                                 dataflow=self.wiring.dataflow())
         return self._run(mbs, schedule, batches=len(batches))
 
     def _run(self, mbs: list, schedule: Schedule, *, batches: int) -> list[torch.Tensor]:
@@ -236,14 +238,12 @@ class Pipeline:
     def _transport(self, mbs):
         """The step's transport: in-process queues, or point-to-point messages between ranks."""
         if self.topology is None:
-            return Mailbox(self.wiring.consumers, self.wiring.devices, self.wiring.producer,
-                           self.timeout)
+            return Mailbox(self.wiring.devices, self.timeout)
         topology, position = self.topology, self.schedule.stage_to_device
         return P2PTransport(
             rank=topology.rank,
             rank_of_stage=lambda stage: topology.rank_of(position[stage]),
-            producer=self.wiring.producer, consumers=self.wiring.consumers,
-            specs=value_specs(self.program), grad_values=frozenset(self.grad_values),
+            specs=value_specs(self.program),
             devices=self.wiring.devices, microbatch_sizes=[mb.size for mb in mbs],
             timeout=self.timeout, waiter=self._waiter, store=_default_store(),
             label=lambda stage: f"rank {topology.rank} (stage {stage})")

@@ -91,8 +91,8 @@ def test_1f1b_p2_m2_by_hand() -> None:
         "1F0": (1, 2), "1B0": (2, 4), "1F1": (4, 5), "1B1": (5, 7),
     }  # fmt: skip
     assert {k: got[k] for k in expected} == expected
-    assert got["1RECV_F1"] == (4, 4)  # the value arrived at 2, the device got there at 4
-    assert got["0RECV_B1"] == (6, 7)  # waiting for 1B1 shows as a receive from 6 to 7
+    assert got["1RECV_F1<0"] == (4, 4)  # the value arrived at 2, the device got there at 4
+    assert got["0RECV_B1<1"] == (6, 7)  # waiting for 1B1 shows as a receive from 6 to 7
     assert timeline.makespan == 9
     assert timeline.busy(0) == timeline.busy(1) == 6
     assert timeline.bubble_fraction == pytest.approx(1 / 3)
