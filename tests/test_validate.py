@@ -193,3 +193,42 @@ def test_dependencies_name_transfers() -> None:
     assert by_name["1F0"] == ["0F0"]
     assert by_name["0W0"] == ["0I0"]
     assert by_name["0STEP"] == ["0W0"]
+
+
+# -- messages of a program's dataflow ----------------------------------------------------------
+
+
+def _skip_flow():
+    from pipecompile.runtime.messages import Dataflow
+
+    links = {"a": (0, 1), "b": (1, 2), "s": (0, 2)}
+    return Dataflow.from_wiring({k: v[0] for k, v in links.items()},
+                                {k: (v[1],) for k, v in links.items()}, set(links), 3)
+
+
+def test_dataflow_catches_a_missing_receive() -> None:
+    from pipecompile.runtime.lowering import add_communication
+
+    lowered = add_communication(SCHEDULES["1f1b"](3, 2), _skip_flow())
+    validate(lowered, _skip_flow())
+    schedule = edit(lowered, 2, "2RECV_F1<0", "")
+    with pytest.raises(ScheduleError, match=r"\(0SEND_F1>2\): no matching 2RECV_F1<0 on device 2"):
+        validate(schedule, _skip_flow())
+    # A chain-lowered schedule lacks the skip's messages: the forward says what it needs.
+    with pytest.raises(ScheduleError, match=r"\(0B0\): needs 0RECV_B0<2, which is not in"):
+        validate(make_schedule("1f1b", 3, 2), _skip_flow())
+
+
+def test_dataflow_catches_a_wrong_peer() -> None:
+    from pipecompile.runtime.messages import Dataflow
+
+    chain = make_schedule("gpipe", 3, 1)
+    schedule = edit(edit(chain, 0, "0SEND_F0>1", "0SEND_F0>1 0SEND_F0>2"),
+                    2, "2RECV_F0<1", "2RECV_F0<0 2RECV_F0<1")
+    validate(schedule)  # on its own, a schedule's messages say which stages talk
+    with pytest.raises(ScheduleError, match=r"\(0SEND_F0>2\): action 0SEND_F0>2: stage 2 reads no "
+                                            r"value from stage 0 in the program's wiring"):
+        validate(schedule, Dataflow.chain(3))
+    backward = edit(chain, 1, "1SEND_B0>0", "1SEND_B0>0 1SEND_B0>2")
+    with pytest.raises(ScheduleError, match=r"\(1SEND_B0>2\): .* stage 1 reads no value from stage 2"):
+        validate(backward, Dataflow.chain(3))

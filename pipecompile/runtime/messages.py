@@ -139,10 +139,10 @@ def message_of(action: Action, dataflow: Dataflow) -> Message:
     link = dataflow.link(src, dst)
     backward = action.kind in (Kind.SEND_B, Kind.RECV_B)
     if link is None or (backward and not link.grads):
-        what = "gradient flows back" if link is not None else "value flows"
+        problem = (f"stage {dst} reads no value from stage {src}" if link is None else
+                   f"no gradient flows back from stage {dst} to stage {src}")
         raise ScheduleError(
-            f"action {action}: no {what} from stage {dst if backward else src} to stage "
-            f"{src if backward else dst} in the program's wiring; lower the schedule with "
+            f"action {action}: {problem} in the program's wiring; lower the schedule with "
             f"add_communication(schedule, dataflow) to get the real messages")
     if backward:
         return Message(dst, src, action.microbatch, True, link.grads)  # type: ignore[arg-type]
