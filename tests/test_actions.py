@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pipecompile.errors import ScheduleError
 from pipecompile.runtime.actions import Action, Kind, Schedule
 from pipecompile.runtime.lowering import add_communication
+from pipecompile.runtime.messages import Dataflow
 from pipecompile.runtime.schedules import SCHEDULES, make_schedule
 
 actions = st.builds(
@@ -134,6 +135,9 @@ def _examples() -> list[Schedule]:
         plain = SCHEDULES[name](2, 4, virtual_stages=v)
         out += [plain, add_communication(plain)]
     out.append(make_schedule("1f1b", 3, 5))
+    skip = Dataflow.from_wiring({"h": 0, "skip": 0, "g": 1}, {"h": (1,), "skip": (2,), "g": (2,)},
+                                {"h", "skip", "g"}, 3)
+    out.append(make_schedule("zb-h1", 3, 4, dataflow=skip))  # 0SEND_F0>2 ... 0RECV_B0<2
     return out
 
 
@@ -141,6 +145,13 @@ def _examples() -> list[Schedule]:
 def test_text_and_csv_round_trip(schedule: Schedule) -> None:
     assert Schedule.from_text(schedule.to_text()) == schedule
     assert Schedule.from_csv(schedule.to_csv()) == schedule
+
+
+def test_messages_to_a_non_neighbour_are_written_with_their_peer() -> None:
+    skip = _examples()[-1]
+    text = skip.to_text()
+    assert "0SEND_F0>2" in text and "2RECV_F0<0" in text and "2SEND_B0>0" in text
+    assert ",0RECV_B3<2," in skip.to_csv()
 
 
 def test_text_format_is_documented_shape() -> None:

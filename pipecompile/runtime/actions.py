@@ -19,12 +19,10 @@ Terms
                  (asynchronous schedules: PipeDream, 2BW)
 
   ``str(action)`` gives that text and ``Action.parse(text)`` gives the action back.
-- **message**: a send or receive names its **peer** stage, after ``>`` (to) or ``<`` (from).
-  One forward message per (producer stage, consumer stage, micro-batch) whose stages sit on
-  different devices, and one backward message the other way when gradients flow back
-  (`pipecompile.runtime.lowering` derives them from the program's wiring). Written without a
-  peer (``1SEND_F3``), an action talks to its neighbour: ``SEND_F``/``RECV_B`` to stage s+1,
-  ``RECV_F``/``SEND_B`` to stage s-1, so ``Action.parse("1SEND_F3") == Action.parse("1SEND_F3>2")``.
+- **message**: a send or receive names its **peer** stage after ``>`` (to) or ``<`` (from):
+  one per (producer stage, consumer stage, micro-batch, direction) across devices, derived
+  from the program's wiring by `pipecompile.runtime.lowering`. Without a peer (``1SEND_F3``)
+  it is the neighbour: ``SEND_F``/``RECV_B`` talk to stage s+1, ``RECV_F``/``SEND_B`` to s-1.
 - **schedule**: one list of actions per device, in execution order, plus the placement of stages
   on devices. A schedule is pure data: it can be printed, written to text or CSV, validated
   (`pipecompile.runtime.validate`) and simulated (`pipecompile.runtime.simulate`).
