@@ -232,3 +232,15 @@ def test_dataflow_catches_a_wrong_peer() -> None:
     backward = edit(chain, 1, "1SEND_B0>0", "1SEND_B0>0 1SEND_B0>2")
     with pytest.raises(ScheduleError, match=r"\(1SEND_B0>2\): .* stage 1 reads no value from stage 2"):
         validate(backward, Dataflow.chain(3))
+
+
+def test_dataflow_catches_a_gradient_message_for_an_integer_value() -> None:
+    from pipecompile.runtime.messages import Dataflow
+
+    ints = Dataflow.from_wiring({"ids": 0}, {"ids": (1,)}, set(), 2)  # no gradient flows back
+    lowered = make_schedule("1f1b", 2, 1, dataflow=ints)
+    assert [str(a) for row in lowered.actions for a in row if a.is_comm] == ["0SEND_F0>1",
+                                                                           "1RECV_F0<0"]
+    with pytest.raises(ScheduleError, match=r"\(0RECV_B0<1\): action 0RECV_B0<1: no gradient "
+                                            r"flows back from stage 1 to stage 0"):
+        validate(make_schedule("1f1b", 2, 1), ints)
