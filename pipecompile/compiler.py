@@ -36,6 +36,8 @@ from .pipeline import Pipeline
 from .plan import Pass, Plan, run_passes
 from .planning import Choice, CostModel, Target, cost, device_model, inflight, place, refine
 from .report import format_count
+from .runtime.lowering import relower
+from .runtime.messages import Dataflow, message_bytes, transfer_seconds
 from .runtime.schedules import make_schedule
 from .runtime.simulate import simulate
 from .stage_costs import efficiency, measure, shared_cores, simulator_costs, with_stage_costs
@@ -193,7 +195,12 @@ def _split(plan: Plan, example: Example) -> tuple[Plan, str]:
     stage_costs = tuple(simulator_costs(s, plan.costs, specs[s.index],
                                         measured[s.index] if measured else None)
                         for s in program.stages)
-    return replace(plan, program=program, measured=measured, stage_costs=stage_costs), (
+    # the schedule that runs moves the program's messages: relower it with the real wiring
+    schedule = relower(plan.schedule, Dataflow.of(program))
+    transfers = transfer_seconds(message_bytes(program, example_microbatch_size(example, o)),
+                                 lambda stage: specs[stage].bandwidth)
+    return replace(plan, program=program, measured=measured, stage_costs=stage_costs,
+                   schedule=schedule, transfers=transfers), (
         f"{program.num_stages} stage graphs, {len(program.ties)} tied parameter groups")
 
 
@@ -213,7 +220,7 @@ def _simulate(plan: Plan, example: Example) -> tuple[Plan, str]:
     assert plan.schedule is not None
     cores = shared_cores(plan.stage_specs, plan.options.ranks)
     predicted = simulate(plan.schedule, plan.stage_costs, cores=cores,
-                         efficiency=plan.efficiency)
+                         efficiency=plan.efficiency, transfers=plan.transfers)
     return replace(plan, cores=cores, predicted=predicted), (
         f"{plan.schedule.name}: predicted step {predicted.makespan * 1e3:.3f} ms, bubble "
         f"{predicted.bubble_fraction:.1%}")

@@ -90,6 +90,7 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
                    "boundaries": [list(b) for b in program.linear.boundaries]},
         "stage_costs": [_plain(asdict(c)) for c in plan.stage_costs],
         "cores": plan.cores, "efficiency": plan.efficiency,
+        "transfers": [[*key, seconds] for key, seconds in (plan.transfers or {}).items()],
         "predicted": plan.predicted.to_dict() if plan.predicted is not None else None,
         "passes": [asdict(r) for r in plan.passes],
     }
@@ -134,6 +135,8 @@ def load_plan(
                 program=program,
                 stage_costs=tuple(StageCosts(**_floats(c)) for c in data.get("stage_costs", [])),
                 cores=data.get("cores"), efficiency=data.get("efficiency", 1.0),
+                transfers={(int(a), int(b), str(d)): float(t)
+                           for a, b, d, t in data.get("transfers", [])},
                 predicted=Timeline.from_dict(data["predicted"]) if data["predicted"] else None)
     record = PassRecord("load", time.perf_counter() - start,
                         f"{program.num_stages} stages from {root}")

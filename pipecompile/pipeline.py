@@ -179,7 +179,8 @@ class Pipeline(torch.nn.Module):
             for mb in split_microbatches(a, k, t, self.microbatches):
                 mbs.append(replace(mb, index=len(mbs)))
         schedule = make_schedule(self.schedule.name, self.schedule.num_devices,
-                                 self.microbatches, batches=len(batches))
+                                 self.microbatches, batches=len(batches),
+                                 dataflow=self.runtime.wiring.dataflow())
         return self.runtime.run(schedule, mbs, batches=len(batches))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
@@ -221,7 +222,8 @@ class Pipeline(torch.nn.Module):
     def simulate(self, schedule: Schedule | None = None) -> Timeline:
         """Predicted timeline of `schedule` (default: the last one run, else the step's)."""
         return simulate(schedule or self.runtime.last_schedule, self.stage_costs,
-                        cores=self.cores, efficiency=self.efficiency)
+                        cores=self.cores, efficiency=self.efficiency,
+                        transfers=self.plan.transfers)
 
     def peak_inflight(self) -> tuple[int, ...]:
         """Per stage, the most micro-batches whose activations were held at once in the last

@@ -66,6 +66,7 @@ class Plan:
     cores: int | None = None  # compute actions the devices run at once (None: one per device)
     efficiency: float = 1.0  # their speed when several run at once (see runtime/simulate)
     predicted: "Timeline | None" = None
+    transfers: "Mapping[tuple[int, int, str], float] | None" = None  # seconds per message link
     passes: tuple[PassRecord, ...] = ()
 
     @property

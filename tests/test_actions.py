@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -9,12 +11,16 @@ from hypothesis import strategies as st
 from pipecompile.errors import ScheduleError
 from pipecompile.runtime.actions import Action, Kind, Schedule
 from pipecompile.runtime.lowering import add_communication
+from pipecompile.runtime.messages import Dataflow
 from pipecompile.runtime.schedules import SCHEDULES, make_schedule
 
 actions = st.builds(
-    lambda stage, kind, mb: Action(stage, kind, None if kind is Kind.STEP else mb),
+    lambda stage, kind, mb, peer: Action(
+        stage, kind, None if kind is Kind.STEP else mb,
+        stage + 1 + peer if kind.value.startswith(("SEND", "RECV")) else None),
     st.integers(0, 10**6),
     st.sampled_from(list(Kind)),
+    st.integers(0, 10**6),
     st.integers(0, 10**6),
 )
 
@@ -26,10 +32,14 @@ actions = st.builds(
         ("0B2", Action(0, Kind.B, 2)),
         ("2I0", Action(2, Kind.I, 0)),
         ("2W0", Action(2, Kind.W, 0)),
-        ("1SEND_F3", Action(1, Kind.SEND_F, 3)),
-        ("2RECV_F3", Action(2, Kind.RECV_F, 3)),
-        ("2SEND_B3", Action(2, Kind.SEND_B, 3)),
-        ("1RECV_B3", Action(1, Kind.RECV_B, 3)),
+        ("1SEND_F3>2", Action(1, Kind.SEND_F, 3, 2)),
+        ("2RECV_F3<1", Action(2, Kind.RECV_F, 3, 1)),
+        ("2SEND_B3>1", Action(2, Kind.SEND_B, 3, 1)),
+        ("1RECV_B3<2", Action(1, Kind.RECV_B, 3, 2)),
+        ("0SEND_F3>3", Action(0, Kind.SEND_F, 3, 3)),
+        ("3RECV_F3<0", Action(3, Kind.RECV_F, 3, 0)),
+        ("3SEND_B3>0", Action(3, Kind.SEND_B, 3, 0)),
+        ("0RECV_B3<3", Action(0, Kind.RECV_B, 3, 3)),
         ("2STEP", Action(2, Kind.STEP)),
         ("12F345", Action(12, Kind.F, 345)),
     ],
@@ -39,8 +49,32 @@ def test_every_kind_round_trips(text: str, action: Action) -> None:
     assert str(action) == text
 
 
+def test_a_send_or_receive_without_a_peer_talks_to_its_neighbour() -> None:
+    assert Action.parse("1SEND_F3") == Action.parse("1SEND_F3>2")
+    assert Action.parse("1RECV_F3") == Action.parse("1RECV_F3<0")
+    assert Action.parse("1SEND_B3") == Action.parse("1SEND_B3>0")
+    assert Action.parse("1RECV_B3") == Action.parse("1RECV_B3<2")
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("0RECV_F0", "no previous stage to talk to; name the peer, e.g. 0RECV_F0<1"),
+        ("0SEND_F1<2", "SEND_F takes '>'"),
+        ("2RECV_B1>3", "RECV_B takes '<'"),
+        ("1F3>2", "F takes no peer"),
+        ("1SEND_F3>1", "cannot send to or receive from itself"),
+    ],
+)
+def test_bad_peers_are_named(text: str, error: str) -> None:
+    with pytest.raises(ScheduleError, match=re.escape(error)):
+        Action.parse(text)
+    with pytest.raises(ScheduleError, match="only sends and receives have a peer"):
+        Action(1, Kind.F, 3, peer=2)
+
+
 def test_examples_cover_every_kind() -> None:
-    texts = "0F0 0B0 0I0 0W0 0SEND_F0 0RECV_F0 0SEND_B0 0RECV_B0 0STEP".split()
+    texts = "0F0 0B0 0I0 0W0 0SEND_F0>1 1RECV_F0<0 1SEND_B0>0 0RECV_B0<1 0STEP".split()
     assert {Action.parse(t).kind for t in texts} == set(Kind)
 
 
@@ -81,8 +115,8 @@ def test_constructor_checks_fields() -> None:
 
 
 def test_repr_is_readable_and_evaluates() -> None:
-    action = Action.parse("1SEND_F3")
-    assert repr(action) == "Action.parse('1SEND_F3')"
+    action = Action.parse("1SEND_F3>4")
+    assert repr(action) == "Action.parse('1SEND_F3>4')"
     assert eval(repr(action)) == action
     assert sorted([Action.parse("1F0"), Action.parse("0B1"), Action.parse("0F1")]) == [
         Action.parse("0B1"),
@@ -101,6 +135,9 @@ def _examples() -> list[Schedule]:
         plain = SCHEDULES[name](2, 4, virtual_stages=v)
         out += [plain, add_communication(plain)]
     out.append(make_schedule("1f1b", 3, 5))
+    skip = Dataflow.from_wiring({"h": 0, "skip": 0, "g": 1}, {"h": (1,), "skip": (2,), "g": (2,)},
+                                {"h", "skip", "g"}, 3)
+    out.append(make_schedule("zb-h1", 3, 4, dataflow=skip))  # 0SEND_F0>2 ... 0RECV_B0<2
     return out
 
 
@@ -108,6 +145,13 @@ def _examples() -> list[Schedule]:
 def test_text_and_csv_round_trip(schedule: Schedule) -> None:
     assert Schedule.from_text(schedule.to_text()) == schedule
     assert Schedule.from_csv(schedule.to_csv()) == schedule
+
+
+def test_messages_to_a_non_neighbour_are_written_with_their_peer() -> None:
+    skip = _examples()[-1]
+    text = skip.to_text()
+    assert "0SEND_F0>2" in text and "2RECV_F0<0" in text and "2SEND_B0>0" in text
+    assert ",0RECV_B3<2," in skip.to_csv()
 
 
 def test_text_format_is_documented_shape() -> None:

@@ -89,8 +89,8 @@ def test_zb_h1_p3_m4() -> None:
 
 def test_make_schedule_lowers_1f1b_p2_m2() -> None:
     assert rows(make_schedule("1f1b", 2, 2)) == [
-        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0STEP",
-        "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1STEP",
+        "0F0 0SEND_F0>1 0F1 0SEND_F1>1 0RECV_B0<1 0B0 0RECV_B1<1 0B1 0STEP",
+        "1RECV_F0<0 1F0 1B0 1SEND_B0>0 1RECV_F1<0 1F1 1B1 1SEND_B1>0 1STEP",
     ]
 
 

@@ -91,8 +91,8 @@ def test_1f1b_p2_m2_by_hand() -> None:
         "1F0": (1, 2), "1B0": (2, 4), "1F1": (4, 5), "1B1": (5, 7),
     }  # fmt: skip
     assert {k: got[k] for k in expected} == expected
-    assert got["1RECV_F1"] == (4, 4)  # the value arrived at 2, the device got there at 4
-    assert got["0RECV_B1"] == (6, 7)  # waiting for 1B1 shows as a receive from 6 to 7
+    assert got["1RECV_F1<0"] == (4, 4)  # the value arrived at 2, the device got there at 4
+    assert got["0RECV_B1<1"] == (6, 7)  # waiting for 1B1 shows as a receive from 6 to 7
     assert timeline.makespan == 9
     assert timeline.busy(0) == timeline.busy(1) == 6
     assert timeline.bubble_fraction == pytest.approx(1 / 3)
@@ -241,3 +241,31 @@ def test_shared_cores_rejects_bad_values() -> None:
         simulate(schedule, [UNIFORM] * 2, cores=0)
     with pytest.raises(ScheduleError, match="efficiency"):
         simulate(schedule, [UNIFORM] * 2, cores=2, efficiency=1.5)
+
+
+def test_a_long_skip_message_is_charged_on_its_own_link() -> None:
+    from pipecompile.runtime.lowering import add_communication
+    from pipecompile.runtime.messages import Dataflow
+    from pipecompile.runtime.simulate import Transfer
+
+    links = {"a": (0, 1), "b": (1, 2), "c": (2, 3), "skip": (0, 3)}
+    flow = Dataflow.from_wiring({k: v[0] for k, v in links.items()},
+                                {k: (v[1],) for k, v in links.items()}, set(links), 4)
+    schedule = add_communication(Schedule.from_text("0F0 0B0\n1F0 1B0\n2F0 2B0\n3F0 3B0"), flow)
+    costs = [UNIFORM] * 4
+    seconds = {(0, 3, "F"): 5.0, (3, 0, "B"): 0.5}
+    for transfers in (seconds, lambda src, dst, d: seconds.get((src, dst, d), 0.0)):
+        timeline = simulate(schedule, costs, dataflow=flow, transfers=transfers)
+        got = spans(timeline)
+        assert got["3RECV_F0<0"] == (0, 6)  # sent at 1, five seconds on the link
+        assert got["3RECV_F0<2"] == (6, 6)  # the neighbours' chain was there at 3
+        assert got["3F0"] == (6, 7) and got["3B0"] == (7, 9)
+        assert got["0RECV_B0<3"] == (13, 13) and got["0B0"] == (13, 15)
+        assert Transfer(0, 3, 0, "F", 1, 6) in timeline.transfers
+        assert Transfer(3, 0, 0, "B", 9, 9.5) in timeline.transfers
+        assert Transfer(1, 2, 0, "F", 2, 2) in timeline.transfers
+    # Without per-message costs, every message costs its sender's send_forward/send_backward.
+    flat = simulate(schedule, [StageCosts(1, 2, send_forward=1.0)] * 4, dataflow=flow)
+    assert spans(flat)["3F0"] == (6, 7)
+    again = Timeline.from_dict(timeline.to_dict())
+    assert again == timeline

@@ -111,42 +111,42 @@ def test_step_before_backward() -> None:
 
 def test_stage_order_on_a_shared_device() -> None:
     forward_first = text("1F0 0F0 1B0 0B0", placement="0 0")
-    fails(forward_first, r"\(1F0\): comes before 0F0 .* previous stage's forward")
+    fails(forward_first, r"\(1F0\): comes before 0F0 .* forward of each stage it reads from")
     backward_first = text("0F0 1F0 0B0 1B0", placement="0 0")
-    fails(backward_first, r"\(0B0\): comes before 1B0 .* next stage's backward")
+    fails(backward_first, r"\(0B0\): comes before 1B0 .* backward of each stage that reads its outputs")
 
 
 # -- communication -----------------------------------------------------------------------------
 
 
 def test_unmatched_recv() -> None:
-    schedule = edit(make_schedule("1f1b", 2, 2), 0, "0SEND_F1", "")
-    fails(schedule, r"device 1, action 4 \(1RECV_F1\): no matching 0SEND_F1 on device 0")
+    schedule = edit(make_schedule("1f1b", 2, 2), 0, "0SEND_F1>1", "")
+    fails(schedule, r"device 1, action 4 \(1RECV_F1<0\): no matching 0SEND_F1>1 on device 0")
 
 
 def test_unmatched_send() -> None:
-    schedule = edit(make_schedule("1f1b", 2, 2), 0, "0RECV_B0", "")
-    fails(schedule, r"device 1, action 3 \(1SEND_B0\): no matching 0RECV_B0 on device 0")
+    schedule = edit(make_schedule("1f1b", 2, 2), 0, "0RECV_B0<1", "")
+    fails(schedule, r"device 1, action 3 \(1SEND_B0>0\): no matching 0RECV_B0<1 on device 0")
 
 
 def test_missing_transfer_in_an_explicit_schedule() -> None:
-    schedule = edit(edit(make_schedule("gpipe", 2, 2), 0, "0SEND_F1", ""), 1, "1RECV_F1", "")
-    fails(schedule, r"device 1, action 2 \(1F1\): needs 1RECV_F1, which is not in the schedule")
+    schedule = edit(edit(make_schedule("gpipe", 2, 2), 0, "0SEND_F1>1", ""), 1, "1RECV_F1<0", "")
+    fails(schedule, r"device 1, action 2 \(1F1\): needs 1RECV_F1<0, which is not in the schedule")
 
 
 def test_recv_after_its_consumer() -> None:
-    schedule = edit(make_schedule("gpipe", 2, 1), 1, "1RECV_F0 1F0", "1F0 1RECV_F0")
-    fails(schedule, r"\(1F0\): comes before 1RECV_F0 .* input received first")
+    schedule = edit(make_schedule("gpipe", 2, 1), 1, "1RECV_F0<0 1F0", "1F0 1RECV_F0<0")
+    fails(schedule, r"\(1F0\): comes before 1RECV_F0<0 .* input received first")
 
 
 def test_send_between_stages_on_one_device() -> None:
     schedule = text("0F0 0SEND_F0 1RECV_F0 1F0 1B0 0B0", placement="0 0")
-    fails(schedule, r"\(0SEND_F0\): stages 0 and 1 both run on device 0; .* remove the SEND_F")
+    fails(schedule, r"\(0SEND_F0>1\): stages 0 and 1 both run on device 0; .* remove the SEND_F")
 
 
 def test_send_past_the_last_stage() -> None:
     schedule = text("0F0 0B0", "1F0 1SEND_F0 1B0")
-    fails(schedule, r"device 1, action 1 \(1SEND_F0\): stage 1 has no stage 2 to talk to")
+    fails(schedule, r"device 1, action 1 \(1SEND_F0>2\): stage 1 has no stage 2 to talk to")
 
 
 # -- deadlock ----------------------------------------------------------------------------------
@@ -168,12 +168,13 @@ def test_deadlock_with_communication() -> None:
     # Device 0 waits for the first gradient before sending micro-batch 1 forward, but device 1
     # runs both forwards before its first backward.
     schedule = edit(
-        make_schedule("gpipe", 2, 2), 0, "0F1 0SEND_F1 0RECV_B0 0B0", "0RECV_B0 0B0 0F1 0SEND_F1"
+        make_schedule("gpipe", 2, 2), 0, "0F1 0SEND_F1>1 0RECV_B0<1 0B0",
+        "0RECV_B0<1 0B0 0F1 0SEND_F1>1"
     )
     fails(
         schedule,
-        r"device 0, action 2 \(0RECV_B0\): blocked, waits for 1SEND_B0",
-        r"device 1, action 2 \(1RECV_F1\): blocked, waits for 0SEND_F1 \(device 0, action 5\)",
+        r"device 0, action 2 \(0RECV_B0<1\): blocked, waits for 1SEND_B0>0",
+        r"device 1, action 2 \(1RECV_F1<0\): blocked, waits for 0SEND_F1>1 \(device 0, action 5\)",
     )
 
 
@@ -192,3 +193,54 @@ def test_dependencies_name_transfers() -> None:
     assert by_name["1F0"] == ["0F0"]
     assert by_name["0W0"] == ["0I0"]
     assert by_name["0STEP"] == ["0W0"]
+
+
+# -- messages of a program's dataflow ----------------------------------------------------------
+
+
+def _skip_flow():
+    from pipecompile.runtime.messages import Dataflow
+
+    links = {"a": (0, 1), "b": (1, 2), "s": (0, 2)}
+    return Dataflow.from_wiring({k: v[0] for k, v in links.items()},
+                                {k: (v[1],) for k, v in links.items()}, set(links), 3)
+
+
+def test_dataflow_catches_a_missing_receive() -> None:
+    from pipecompile.runtime.lowering import add_communication
+
+    lowered = add_communication(SCHEDULES["1f1b"](3, 2), _skip_flow())
+    validate(lowered, _skip_flow())
+    schedule = edit(lowered, 2, "2RECV_F1<0", "")
+    with pytest.raises(ScheduleError, match=r"\(0SEND_F1>2\): no matching 2RECV_F1<0 on device 2"):
+        validate(schedule, _skip_flow())
+    # A chain-lowered schedule lacks the skip's messages: the forward says what it needs.
+    with pytest.raises(ScheduleError, match=r"\(0B0\): needs 0RECV_B0<2, which is not in"):
+        validate(make_schedule("1f1b", 3, 2), _skip_flow())
+
+
+def test_dataflow_catches_a_wrong_peer() -> None:
+    from pipecompile.runtime.messages import Dataflow
+
+    chain = make_schedule("gpipe", 3, 1)
+    schedule = edit(edit(chain, 0, "0SEND_F0>1", "0SEND_F0>1 0SEND_F0>2"),
+                    2, "2RECV_F0<1", "2RECV_F0<0 2RECV_F0<1")
+    validate(schedule)  # on its own, a schedule's messages say which stages talk
+    with pytest.raises(ScheduleError, match=r"\(0SEND_F0>2\): action 0SEND_F0>2: stage 2 reads no "
+                                            r"value from stage 0 in the program's wiring"):
+        validate(schedule, Dataflow.chain(3))
+    backward = edit(chain, 1, "1SEND_B0>0", "1SEND_B0>0 1SEND_B0>2")
+    with pytest.raises(ScheduleError, match=r"\(1SEND_B0>2\): .* stage 1 reads no value from stage 2"):
+        validate(backward, Dataflow.chain(3))
+
+
+def test_dataflow_catches_a_gradient_message_for_an_integer_value() -> None:
+    from pipecompile.runtime.messages import Dataflow
+
+    ints = Dataflow.from_wiring({"ids": 0}, {"ids": (1,)}, set(), 2)  # no gradient flows back
+    lowered = make_schedule("1f1b", 2, 1, dataflow=ints)
+    assert [str(a) for row in lowered.actions for a in row if a.is_comm] == ["0SEND_F0>1",
+                                                                           "1RECV_F0<0"]
+    with pytest.raises(ScheduleError, match=r"\(0RECV_B0<1\): action 0RECV_B0<1: no gradient "
+                                            r"flows back from stage 1 to stage 0"):
+        validate(make_schedule("1f1b", 2, 1), ints)

@@ -10,15 +10,19 @@ Terms
       1F3        stage 1, forward of micro-batch 3
       0B2        stage 0, full backward of micro-batch 2
       2I0 / 2W0  stage 2, backward for inputs / for weights of micro-batch 0 (zero bubble)
-      1SEND_F3   stage 1 sends the forward output of micro-batch 3 to stage 2
-      2RECV_F3   stage 2 receives it
-      2SEND_B3   stage 2 sends the input gradient of micro-batch 3 to stage 1
-      1RECV_B3   stage 1 receives it
+      0SEND_F3>2 stage 0 sends stage 2 the values stage 2 reads from it (micro-batch 3)
+      2RECV_F3<0 stage 2 receives that message from stage 0
+      2SEND_B3>0 stage 2 sends stage 0 the gradients of those values that carry one
+      0RECV_B3<2 stage 0 receives that message from stage 2
       2STEP      optimizer step of stage 2 after the flush (synchronous schedules)
       2STEP5     update of stage 2 applied right after micro-batch 5's backward
                  (asynchronous schedules: PipeDream, 2BW)
 
   ``str(action)`` gives that text and ``Action.parse(text)`` gives the action back.
+- **message**: a send or receive names its **peer** stage after ``>`` (to) or ``<`` (from):
+  one per (producer stage, consumer stage, micro-batch, direction) across devices, derived
+  from the program's wiring by `pipecompile.runtime.lowering`. Without a peer (``1SEND_F3``)
+  it is the neighbour: ``SEND_F``/``RECV_B`` talk to stage s+1, ``RECV_F``/``SEND_B`` to s-1.
 - **schedule**: one list of actions per device, in execution order, plus the placement of stages
   on devices. A schedule is pure data: it can be printed, written to text or CSV, validated
   (`pipecompile.runtime.validate`) and simulated (`pipecompile.runtime.simulate`).
@@ -67,10 +71,10 @@ class Kind(str, Enum):
     B = "B"  # full backward (input and weight gradients)
     I = "I"  # noqa: E741  backward for inputs only (zero bubble, Qi et al. 2024)
     W = "W"  # backward for weights only
-    SEND_F = "SEND_F"  # send forward output to the next stage
-    RECV_F = "RECV_F"  # receive forward input from the previous stage
-    SEND_B = "SEND_B"  # send input gradient to the previous stage
-    RECV_B = "RECV_B"  # receive output gradient from the next stage
+    SEND_F = "SEND_F"  # send forward values to a consumer stage (the peer)
+    RECV_F = "RECV_F"  # receive forward values from a producer stage
+    SEND_B = "SEND_B"  # send input gradients back to the producer stage
+    RECV_B = "RECV_B"  # receive output gradients from a consumer stage
     STEP = "STEP"  # optimizer step of the stage
 
     def __repr__(self) -> str:
@@ -84,21 +88,31 @@ COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 
 # Longest kinds first: a regex alternation takes the first branch that matches.
 _KIND_PATTERN = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
-_ACTION_RE = re.compile(rf"([0-9]+)({_KIND_PATTERN})([0-9]*)")
+_ACTION_RE = re.compile(rf"([0-9]+)({_KIND_PATTERN})([0-9]*)(?:([<>])([0-9]+))?")
+# The neighbour a send or receive talks to when no peer is written, and its arrow in text.
+_NEIGHBOUR = {"SEND_F": +1, "RECV_B": +1, "RECV_F": -1, "SEND_B": -1}
+_ARROW = {"SEND_F": ">", "SEND_B": ">", "RECV_F": "<", "RECV_B": "<"}
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One step of one stage: ``Action(1, Kind.F, 3)`` is ``1F3``."""
+    """One step of one stage: ``Action(1, Kind.F, 3)`` is ``1F3``; a send or receive also
+    names its peer stage: ``Action(0, Kind.SEND_F, 3, peer=2)`` is ``0SEND_F3>2``."""
 
     stage: int
     kind: Kind
     microbatch: int | None = None
+    peer: int | None = None
 
     def __post_init__(self) -> None:
         # Fast path: schedules build many actions, almost all well formed.
         mb = self.microbatch
         if type(self.kind) is Kind and type(self.stage) is int and self.stage >= 0:
+            if self.kind in COMM_KINDS:
+                self._check_peer()
+            elif self.peer is not None:
+                raise ScheduleError(f"action {self.stage}{self.kind.value}: only sends and "
+                                    f"receives have a peer, got peer={self.peer!r}")
             if (type(mb) is int and mb >= 0) or (self.kind is Kind.STEP and mb is None):
                 return
         if not isinstance(self.kind, Kind):
@@ -111,6 +125,11 @@ class Action:
                 ) from None
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage < 0:
             raise ScheduleError(f"action stage must be an int >= 0, got {self.stage!r}")
+        if self.kind in COMM_KINDS:
+            self._check_peer()
+        elif self.peer is not None:
+            raise ScheduleError(f"action {self.stage}{self.kind.value}: only sends and "
+                                f"receives have a peer, got peer={self.peer!r}")
         if self.kind is Kind.STEP and self.microbatch is None:
             return
         if (
@@ -123,28 +142,50 @@ class Action:
                 f"got {self.microbatch!r}"
             )
 
+    def _check_peer(self) -> None:
+        """A send or receive without a peer talks to its neighbour (see the module docstring)."""
+        if self.peer is None:
+            peer = self.stage + _NEIGHBOUR[self.kind.value]
+            if peer < 0:
+                raise ScheduleError(
+                    f"action {self.stage}{self.kind.value}{self.microbatch} has no previous "
+                    f"stage to talk to; name the peer, e.g. "
+                    f"{self.stage}{self.kind.value}{self.microbatch}{_ARROW[self.kind.value]}1")
+            object.__setattr__(self, "peer", peer)
+        elif isinstance(self.peer, bool) or not isinstance(self.peer, int) or self.peer < 0:
+            raise ScheduleError(f"action {self.stage}{self.kind.value}: peer must be a stage "
+                                f"int >= 0, got {self.peer!r}")
+        elif self.peer == self.stage:
+            raise ScheduleError(f"action {self.stage}{self.kind.value}{self.microbatch}: a "
+                                f"stage cannot send to or receive from itself")
+
     def __str__(self) -> str:
         mb = "" if self.microbatch is None else str(self.microbatch)
-        return f"{self.stage}{self.kind.value}{mb}"
+        peer = "" if self.peer is None else f"{_ARROW[self.kind.value]}{self.peer}"
+        return f"{self.stage}{self.kind.value}{mb}{peer}"
 
     def __repr__(self) -> str:
         return f"Action.parse({str(self)!r})"
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """Inverse of ``str``: ``Action.parse("1SEND_F3") == Action(1, Kind.SEND_F, 3)``."""
+        """Inverse of ``str``: ``Action.parse("0SEND_F3>2") == Action(0, Kind.SEND_F, 3, 2)``."""
         match = _ACTION_RE.fullmatch(text.strip())
         if match is None:
             raise ScheduleError(
                 f"cannot parse action {text!r}: expected <stage><kind><micro-batch> such as "
-                f"'1F3', '0SEND_B2' or '2STEP' (kinds: {', '.join(k.value for k in Kind)})"
+                f"'1F3', '0SEND_F2>3' or '2STEP' (kinds: {', '.join(k.value for k in Kind)})"
             )
-        stage, kind, mb = match.groups()
+        stage, kind, mb, arrow, peer = match.groups()
+        if arrow is not None and _ARROW.get(kind) != arrow:
+            expected = f"'{_ARROW[kind]}'" if kind in _ARROW else "no peer"
+            raise ScheduleError(f"cannot parse action {text!r}: {kind} takes {expected} "
+                                f"('>' sends to a stage, '<' receives from one)")
         if kind == Kind.STEP.value and not mb:
             return cls(int(stage), Kind.STEP)
         if not mb:
             raise ScheduleError(f"cannot parse action {text!r}: {kind} needs a micro-batch")
-        return cls(int(stage), Kind(kind), int(mb))
+        return cls(int(stage), Kind(kind), int(mb), None if peer is None else int(peer))
 
     @property
     def is_compute(self) -> bool:

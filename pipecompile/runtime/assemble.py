@@ -23,6 +23,7 @@ from .actions import Schedule
 from .distributed import (GradientSync, Topology, _default_store, broadcast_outputs,
                           forward_only, reduce_mean_loss, value_specs)
 from .executor import Executor, Wiring
+from .messages import gradient_values
 from .mailbox import Mailbox
 from .microbatch import MicroBatch, split_microbatches
 from .p2p import P2PTransport, Waiter
@@ -44,11 +45,9 @@ def assemble(program: StagedProgram, schedule: Schedule, options: "CompileOption
     return DistributedRuntime(program, schedule, options, topology)
 
 
-def values_needing_grad(program: StagedProgram) -> set[str]:
+def values_needing_grad(program: StagedProgram) -> frozenset[str]:
     """Boundary values that are floating point (gradients flow back through them)."""
-    values = program.captured.values
-    return {name for name in program.producer
-            if values[name].dtype is not None and values[name].dtype.is_floating_point}
+    return gradient_values(program)
 
 
 class Runtime:
@@ -66,7 +65,8 @@ class Runtime:
         self.grad_values = frozenset(values_needing_grad(program))
         self.workers = _workers(program, schedule, options, self.own_stages, self.grad_values)
         self.wiring = Wiring(program.producer, program.consumers,
-                             program.captured.input_names, tuple(s.device for s in program.stages))
+                             program.captured.input_names, tuple(s.device for s in program.stages),
+                             self.grad_values)
         self.executor = Executor(self.workers, self.wiring, rows=executor_rows, label=label)
         self.optimizers = ([] if self.asynchronous
                            else _optimizers(program, options.optimizer, self.own_stages))
@@ -137,8 +137,7 @@ class LocalRuntime(Runtime):
         super().__init__(program, schedule, options, range(program.num_stages))
 
     def transport(self, mbs: Sequence[MicroBatch]) -> Mailbox:
-        return Mailbox(self.wiring.consumers, self.wiring.devices, self.wiring.producer,
-                       self.timeout)
+        return Mailbox(self.wiring.devices, self.timeout)
 
     def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         self._sum_tied_gradients()
@@ -184,8 +183,7 @@ class DistributedRuntime(Runtime):
         return P2PTransport(
             rank=topology.rank,
             rank_of_stage=lambda stage: topology.rank_of(position[stage]),
-            producer=self.wiring.producer, consumers=self.wiring.consumers,
-            specs=value_specs(self.program), grad_values=self.grad_values,
+            specs=value_specs(self.program),
             devices=self.wiring.devices, microbatch_sizes=[mb.size for mb in mbs],
             timeout=self.timeout, waiter=self.waiter, store=_default_store(),
             label=lambda stage: f"rank {topology.rank} (stage {stage})")

@@ -182,30 +182,23 @@ def reduce_mean_loss(losses: Sequence[torch.Tensor], device: torch.device) -> to
 
 def value_specs(program) -> dict:
     """Receive-buffer specs of every boundary value: its symbolic shape at a micro-batch size."""
-    from ..ir import evaluate
+    from .messages import value_shape
     from .p2p import ValueSpec
 
-    captured = program.captured
-    specs = {}
-    for name in program.producer:
-        info = captured.values[name]
-
-        def shape(size: int, dims=info.shape) -> tuple[int, ...]:
-            sizes = dict(captured.example_sizes)
-            if captured.batch_symbol is not None:
-                sizes[captured.batch_symbol] = size
-            return tuple(int(evaluate(d, sizes)) for d in dims)
-
-        specs[name] = ValueSpec(shape, info.dtype)
-    return specs
+    values = program.captured.values
+    return {name: ValueSpec(lambda size, name=name: value_shape(program, name, size),
+                            values[name].dtype)
+            for name in program.producer}
 
 
 def forward_only(schedule):
-    """A one-micro-batch schedule of forwards only, in stage order on every device."""
-    from .actions import Action, Kind, Schedule
+    """A one-micro-batch schedule of forwards only: micro-batch 0's F actions and forward
+    messages of the (lowered) ``schedule``, in its order on every device."""
+    from .actions import Kind, Schedule
 
-    rows = [tuple(Action(s, Kind.F, 0) for s in range(schedule.num_stages)
-                  if schedule.stage_to_device[s] == d) for d in range(schedule.num_devices)]
+    keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
+    rows = [tuple(a for a in row if a.kind in keep and a.microbatch == 0)
+            for row in schedule.actions]
     return Schedule(f"{schedule.name}-forward", schedule.num_stages, 1,
                     schedule.stage_to_device, tuple(rows))
 

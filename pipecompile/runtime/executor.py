@@ -1,18 +1,21 @@
-"""Executor: interpret a schedule's action lists over stage workers and a transport.
+"""Executor: interpret a lowered schedule's action lists over stage workers and a transport.
 
 Each device row of the schedule is walked in order by its own thread (in one process: one
 thread per device; under torch.distributed: this rank's row only). A dispatch table maps the
-action kind to a small function. Values move through a *transport*:
+action kind to a small function. Values move exactly as the schedule says:
 
-    Mailbox       in-process queues between device threads            (runtime/mailbox.py)
-    P2PTransport  torch.distributed point-to-point between ranks      (runtime/p2p.py)
+    F(s, i)          reads the values handed to stage s for micro-batch i; hands each output to
+                     the stages reading it: directly when they share s's device, else into the
+                     outbox of the message to that stage
+    SEND(s, i, >p)   gives that message (all its values) to the transport      (transport.py)
+    RECV(s, i, <p)   takes the message from the transport; its values feed s's next F or B
+    B/I(s, i)        the same backward: output gradients summed over every reader of a value,
+                     input gradients handed back directly or through SEND_B messages
 
-Both deliver a forward output straight from its producing stage to every consuming stage (skip
-connections skip the stages in between) and sum the input gradients of a value read by several
-stages. SEND/RECV actions are satisfied by the transport: a value is sent when it is produced and
-received when an action needs it. A synchronous STEP is returned to the caller, which applies it
-once the step's gradients are complete (tied parameters and data-parallel replicas summed); an
-asynchronous STEP (with a micro-batch: PipeDream, 2BW) updates its stage in place, in order.
+The transport is a `Mailbox` (threads of one process) or a `P2PTransport` (ranks). A
+synchronous STEP is returned to the caller, which applies it once the step's gradients are
+complete (tied parameters and data-parallel replicas summed); an asynchronous STEP (with a
+micro-batch: PipeDream, 2BW) updates its stage in place, in order.
 
 Every wait has a timeout; an exception in one thread stops the others and is raised as a
 `StageExecutionError` naming the stage and the action.
@@ -29,24 +32,32 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import PipecompileError, StageExecutionError
-from ..tensors import to_device as _to
 from .actions import Action, Kind, Schedule
+from ..tensors import to_device
 from .mailbox import Aborted
+from .messages import Dataflow, Message, message_of
 from .microbatch import MicroBatch
 from .simulate import Event
 from .stage_worker import StageWorker
+from .transport import Transport
 
 __all__ = ["Executor", "Wiring"]
 
 
 @dataclass(frozen=True)
 class Wiring:
-    """Which stage produces each boundary value and which stages read it."""
+    """Which stage produces each boundary value, which stages read it, which carry gradients."""
 
     producer: Mapping[str, int]
     consumers: Mapping[str, tuple[int, ...]]
     input_names: tuple[str, ...]  # flat model inputs, fed to every stage that reads them
     devices: tuple[torch.device, ...]  # device of each stage
+    grad_values: frozenset[str]  # floating point boundary values (gradients flow back)
+
+    def dataflow(self) -> Dataflow:
+        """The links that lowering turns into messages."""
+        return Dataflow.from_wiring(self.producer, self.consumers, self.grad_values,
+                                    len(self.devices))
 
 
 class Executor:
@@ -63,8 +74,16 @@ class Executor:
         self.records: list[Event] = []
         self.outputs: dict[int, dict[str, Any]] = {}  # forward-only runs: last stage's outputs
         self.forward_only = False
+        self.dataflow = wiring.dataflow()
+        # Per step: values handed to (stage, mb), output gradients summed for (stage, mb), and
+        # each message's values from its producing action until its SEND. Each key is written
+        # and read by one device's thread only.
+        self._inputs: dict[tuple[int, int], dict[str, Any]] = {}
+        self._grads: dict[tuple[int, int], dict[str, Any]] = {}
+        self._outbox: dict[tuple[int, int, int, bool], dict[str, Any]] = {}
+        self._home: tuple[int, ...] = ()
 
-    def run(self, schedule: Schedule, transport, microbatches: Sequence[MicroBatch],
+    def run(self, schedule: Schedule, transport: Transport, microbatches: Sequence[MicroBatch],
             flat_inputs: Sequence[Sequence[Any]], *, forward_only: bool = False) -> list[Action]:
         """Execute every non-STEP action of the rows; returns their STEP actions.
 
@@ -81,9 +100,11 @@ class Executor:
         steps = [a for d in rows for a in schedule.actions[d]
                  if a.kind is Kind.STEP and a.microbatch is None]
         context = (transport, feeds, microbatches)
-        post = getattr(transport, "post_receives", None)
-        if post is not None:  # point-to-point: let messages arrive while this rank computes
-            post([a for d in rows for a in schedule.actions[d]], self.workers)
+        self._inputs, self._grads, self._outbox = {}, {}, {}
+        self._home = schedule.stage_to_device
+        # Every receive of these rows, posted now: messages move while the devices compute.
+        transport.post([self._message(a) for d in rows for a in schedule.actions[d]
+                        if a.kind in (Kind.RECV_F, Kind.RECV_B)])
 
         if self.threads and len(rows) > 1:
             pool = [threading.Thread(target=self._row, args=(d, schedule, context, errors),
@@ -158,13 +179,10 @@ class Executor:
                     f"schedule {schedule.name!r} cannot progress: blocked on {blocked}"))
                 return
 
-    def _ready(self, action: Action, transport) -> bool:
-        worker = self.workers[action.stage]
-        if action.kind is Kind.F:
-            names = [n for n in worker.input_names if n in self.wiring.producer]
-            return transport.has_activations(action.stage, names, action.microbatch)
-        if action.kind in (Kind.B, Kind.I) and worker.loss is None:
-            return transport.has_gradients(worker.output_names, action.microbatch)
+    def _ready(self, action: Action, transport: Transport) -> bool:
+        """Only a receive waits for another row; everything else is ready in row order."""
+        if action.kind in (Kind.RECV_F, Kind.RECV_B):
+            return transport.poll(self._message(action))
         return True
 
     def _record(self, device: int, action: Action, began: float) -> None:
@@ -191,37 +209,34 @@ class Executor:
         stage, mb = action.stage, action.microbatch
         worker = self.workers[stage]
         device = self.wiring.devices[stage]
+        handed = self._inputs.pop((stage, mb), {})
         inputs = {}
         for name in worker.input_names:
-            if name in self.wiring.producer:
-                inputs[name] = transport.recv_activation(stage, name, mb)
+            if name not in self.wiring.producer:
+                inputs[name] = to_device(feeds[mb][name], device)
+            elif name in handed:
+                inputs[name] = handed[name]
             else:
-                inputs[name] = _to(feeds[mb][name], device)
+                raise StageExecutionError(
+                    f"{self.label(stage)} has no value {name!r} for micro-batch {mb} in action "
+                    f"{action}: no receive from stage {self.wiring.producer[name]} ran before "
+                    f"it; lower the schedule with the program's wiring (relower)")
         began = time.perf_counter()
         if self.forward_only:
             outputs = worker.infer(inputs)
             if worker.loss is not None:
                 self.outputs[mb] = outputs
         else:
-            target = _to(microbatches[mb].target, device) if worker.loss is not None else None
+            target = to_device(microbatches[mb].target, device) if worker.loss is not None else None
             outputs = worker.forward(mb, inputs, target)
         _publish(device)
-        for name in worker.output_names:
-            if name in self.wiring.consumers:
-                transport.send_activation(stage, name, mb, outputs[name])
+        for link in self.dataflow.readers(stage):
+            values = {name: outputs[name] for name in link.values}
+            if self._home[link.dst] == self._home[stage]:
+                self._hand(self._inputs, (link.dst, mb), values, add=False)
+            else:
+                self._outbox[(stage, link.dst, mb, False)] = values
         return began
-
-    def _output_grads(self, action, transport) -> dict[str, Any]:
-        worker = self.workers[action.stage]
-        if worker.loss is not None:
-            return {}
-        return {name: transport.recv_gradient(action.stage, name, action.microbatch)
-                for name in worker.output_names}
-
-    def _send_input_grads(self, action, transport, grads: Mapping[str, Any]) -> None:
-        for name in self.workers[action.stage].input_names:
-            if name in self.wiring.producer:
-                transport.send_gradient(action.stage, name, action.microbatch, grads.get(name))
 
     def _backward(self, action, transport, feeds, microbatches) -> float:
         return self._backward_with(StageWorker.backward, action, transport)
@@ -230,13 +245,37 @@ class Executor:
         return self._backward_with(StageWorker.backward_input, action, transport)
 
     def _backward_with(self, method: Callable, action, transport) -> float:
-        """B or I: wait for the output gradients, run `method`, send the input gradients."""
-        output_grads = self._output_grads(action, transport)
+        """B or I: the summed output gradients in, the input gradients handed back."""
+        stage, mb = action.stage, action.microbatch
+        grads_in = self._grads.pop((stage, mb), {})
         began = time.perf_counter()
-        grads = method(self.workers[action.stage], action.microbatch, output_grads)
-        _publish(self.wiring.devices[action.stage])
-        self._send_input_grads(action, transport, grads)
+        grads = method(self.workers[stage], mb, grads_in)
+        _publish(self.wiring.devices[stage])
+        for link in self.dataflow.sources(stage):
+            if not link.grads:
+                continue
+            values = {name: grads.get(name) for name in link.grads}
+            if self._home[link.src] == self._home[stage]:
+                self._hand(self._grads, (link.src, mb), values, add=True)
+            else:
+                self._outbox[(stage, link.src, mb, True)] = values
         return began
+
+    def _hand(self, store: dict, key: tuple[int, int], values: Mapping[str, Any], *,
+              add: bool) -> None:
+        """Values for stage key[0]: put (activations) or summed (gradients of a value read by
+        several stages); a None gradient (the value did not reach the loss) adds nothing."""
+        device = self.wiring.devices[key[0]]
+        held = store.setdefault(key, {})
+        for name, value in values.items():
+            value = to_device(value, device)
+            if not add:
+                held[name] = value
+            elif value is not None:
+                held[name] = value if held.get(name) is None else held[name] + value
+
+    def _message(self, action: Action) -> Message:
+        return message_of(action, self.dataflow)
 
     def _backward_weight(self, action, transport, feeds, microbatches) -> None:
         self.workers[action.stage].backward_weight(action.microbatch)
@@ -245,8 +284,23 @@ class Executor:
         """Asynchronous STEP: this stage's update, in the device's own order."""
         self.workers[action.stage].apply_update()
 
-    def _communication(self, action, transport, feeds, microbatches) -> None:
-        """The transport sends values as they are produced and receives them when needed."""
+    def _send(self, action, transport, feeds, microbatches) -> None:
+        """Give the transport the message this action names, with all its values."""
+        message = self._message(action)
+        key = (message.src, message.dst, message.microbatch, message.backward)
+        values = self._outbox.pop(key, None)
+        if values is None:
+            raise StageExecutionError(
+                f"{self.label(action.stage)}: {action} has nothing to send ({message}); the "
+                f"action that computes it has not run on this device")
+        transport.send(message, values)
+
+    def _receive(self, action, transport, feeds, microbatches) -> None:
+        """Take the message from the transport: inputs of the next F, or gradients to sum."""
+        message = self._message(action)
+        values = transport.recv(message)
+        store = self._grads if message.backward else self._inputs
+        self._hand(store, (message.dst, message.microbatch), values, add=message.backward)
 
 
 _ACTIONS: dict[Kind, Callable] = {
@@ -255,10 +309,10 @@ _ACTIONS: dict[Kind, Callable] = {
     Kind.I: Executor._backward_input,
     Kind.W: Executor._backward_weight,
     Kind.STEP: Executor._update,
-    Kind.SEND_F: Executor._communication,
-    Kind.RECV_F: Executor._communication,
-    Kind.SEND_B: Executor._communication,
-    Kind.RECV_B: Executor._communication,
+    Kind.SEND_F: Executor._send,
+    Kind.RECV_F: Executor._receive,
+    Kind.SEND_B: Executor._send,
+    Kind.RECV_B: Executor._receive,
 }
 
 
@@ -274,3 +328,4 @@ def _publish(device: torch.device) -> None:
     """Values leave this thread's stream: wait for the kernels that produce them (CUDA only)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+

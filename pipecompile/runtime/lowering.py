@@ -1,17 +1,22 @@
 """Lowering passes: functions from a schedule to a new schedule (the input is never changed).
 
-- `add_communication`: a compute-only schedule → the same schedule with explicit transfers.
-  After ``F(s, i)`` whose next stage lives on another device comes ``SEND_F(s, i)``, and right
-  before ``F(s+1, i)`` comes ``RECV_F(s+1, i)``; after ``B(s, i)`` (or ``I(s, i)`` in a split
-  backward) whose previous stage lives on another device comes ``SEND_B(s, i)``, and right before
-  ``B/I(s-1, i)`` comes ``RECV_B(s-1, i)``. Stages on the same device hand values over directly::
+- `add_communication(schedule, dataflow)`: a compute-only schedule → the same schedule with the
+  messages that move, derived from the program's wiring (`messages.Dataflow`: for each link, a
+  producer stage, a consumer stage and the values, some carrying gradients). For every link
+  whose two stages sit on different devices, and every micro-batch i:
+  ``SEND_F(src, i, >dst)`` right after ``F(src, i)`` and ``RECV_F(dst, i, <src)`` right before
+  ``F(dst, i)``; if gradients flow back, ``SEND_B(dst, i, >src)`` right after ``B/I(dst, i)``
+  and ``RECV_B(src, i, <dst)`` right before ``B/I(src, i)``. Stages on the same device hand
+  values over directly (no message). A U-Net's long skip from stage 0 to stage 3 gives::
 
-      dev0: 0F0 0F1 0B0 0B1              dev0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 ...
-      dev1: 1F0 1B0 1F1 1B1      →       dev1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 ...
+      dev0: 0F0 0SEND_F0>1 0SEND_F0>3 ...      dev3: 3RECV_F0<2 3RECV_F0<0 3F0 ...
 
-  Each send sits right after its producer and each receive right before its consumer, so with
-  buffered (non-blocking) sends and blocking receives every device waits for exactly what the
-  compute-only schedule waited for: a schedule that validates keeps validating.
+  Without a dataflow, each stage reads from the one before it (`Dataflow.chain`), which is
+  what a schedule printed before the split shows; the schedule that runs is lowered with the
+  real wiring (`relower`). Each send sits right after its producer and each receive right
+  before its consumer, so with buffered (non-blocking) sends and blocking receives every
+  device waits for exactly what the compute-only schedule waited for: a schedule that
+  validates keeps validating.
 - `strip_communication`: the inverse, drops every SEND/RECV.
 - `split_backward` / `merge_iw`: ``B(s, i)`` ⇄ ``I(s, i) W(s, i)``. `merge_iw` merges an I with
   the W of the same stage and micro-batch when only sends lie between them (sends wait for
@@ -24,26 +29,33 @@ import dataclasses
 
 from pipecompile.errors import ScheduleError
 from pipecompile.runtime.actions import Action, Kind, Schedule
+from pipecompile.runtime.messages import Dataflow
 
-__all__ = ["add_communication", "strip_communication", "split_backward", "merge_iw"]
+__all__ = ["add_communication", "strip_communication", "relower", "split_backward", "merge_iw"]
 
 
 def _with_rows(schedule: Schedule, rows: list[list[Action]]) -> Schedule:
     return dataclasses.replace(schedule, actions=tuple(map(tuple, rows)))
 
 
-def add_communication(schedule: Schedule) -> Schedule:
-    """Insert SEND_F/RECV_F/SEND_B/RECV_B between stages on different devices."""
+def add_communication(schedule: Schedule, dataflow: Dataflow | None = None) -> Schedule:
+    """Insert the SEND/RECV actions of every message between stages on different devices."""
     if schedule.has_communication:
         raise ScheduleError(
             f"schedule {schedule.name!r} already has communication actions; "
-            f"call strip_communication() first to lower it again"
+            f"call strip_communication() first to lower it again (or use relower())"
         )
-    p, home = schedule.num_stages, schedule.stage_to_device
-
-    def crosses(a: int, b: int) -> bool:
-        return 0 <= min(a, b) and max(a, b) < p and home[a] != home[b]
-
+    flow = dataflow or Dataflow.chain(schedule.num_stages)
+    if flow.num_stages != schedule.num_stages:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} has {schedule.num_stages} stages but the dataflow has "
+            f"{flow.num_stages}; lower it with the wiring of the program it runs")
+    home = schedule.stage_to_device
+    remote = [k for k in flow.links if home[k.src] != home[k.dst]]
+    recv_f = {s: [k.src for k in remote if k.dst == s] for s in range(schedule.num_stages)}
+    send_f = {s: [k.dst for k in remote if k.src == s] for s in range(schedule.num_stages)}
+    recv_b = {s: [k.dst for k in remote if k.src == s and k.grads] for s in recv_f}
+    send_b = {s: [k.src for k in remote if k.dst == s and k.grads] for s in recv_f}
     rows = []
     for row in schedule.actions:
         out: list[Action] = []
@@ -51,17 +63,22 @@ def add_communication(schedule: Schedule) -> Schedule:
             s, i = action.stage, action.microbatch
             forward = action.kind is Kind.F
             backward = action.kind in (Kind.B, Kind.I)
-            if forward and crosses(s - 1, s):
-                out.append(Action(s, Kind.RECV_F, i))
-            if backward and crosses(s, s + 1):
-                out.append(Action(s, Kind.RECV_B, i))
+            if forward:
+                out += [Action(s, Kind.RECV_F, i, p) for p in recv_f[s]]
+            if backward:
+                out += [Action(s, Kind.RECV_B, i, p) for p in recv_b[s]]
             out.append(action)
-            if forward and crosses(s, s + 1):
-                out.append(Action(s, Kind.SEND_F, i))
-            if backward and crosses(s - 1, s):
-                out.append(Action(s, Kind.SEND_B, i))
+            if forward:
+                out += [Action(s, Kind.SEND_F, i, p) for p in send_f[s]]
+            if backward:
+                out += [Action(s, Kind.SEND_B, i, p) for p in send_b[s]]
         rows.append(out)
     return _with_rows(schedule, rows)
+
+
+def relower(schedule: Schedule, dataflow: Dataflow) -> Schedule:
+    """The same compute order with the messages of ``dataflow`` (e.g. after the split)."""
+    return add_communication(strip_communication(schedule), dataflow)
 
 
 def strip_communication(schedule: Schedule) -> Schedule:

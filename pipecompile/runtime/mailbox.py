@@ -1,20 +1,22 @@
-"""Mailbox: the in-process transport between stages (LocalExecutor's worker threads).
+"""Mailbox: the in-process `Transport` between device threads (one process, several devices).
 
-An activation is put, already on the consumer's device, under (consumer stage, value, mb). An
-input gradient is added under (value, mb) by each consumer stage and is complete once every
-consumer has delivered its part (a skip connection read by two later stages gets the sum).
-Waits are bounded by `timeout`; `abort()` wakes every waiter when another thread has failed.
+A SEND puts the message's values, already moved to the receiving stage's device, under the
+message; the RECV of the same message takes them out, waiting at most ``timeout`` seconds.
+`abort()` wakes every waiter when another thread has failed; `finish()` checks that every
+message sent was received (a lowered schedule pairs each SEND with a RECV).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..tensors import to_device as _to
+from ..errors import StageExecutionError
+from ..tensors import to_device
+from .messages import Message
 
 __all__ = ["Mailbox", "Aborted"]
 
@@ -23,87 +25,54 @@ class Aborted(Exception):
     """Raised in a waiting thread when another thread has failed."""
 
 
-_MISSING = object()
-
-
 class Mailbox:
-    """Values in flight between stages of one process."""
+    """Messages in flight between the device threads of one process."""
 
-    def __init__(self, consumers: Mapping[str, tuple[int, ...]],
-                 devices: tuple[torch.device, ...], producer: Mapping[str, int], timeout: float):
-        self._consumers = consumers
-        self._devices = devices
-        self._producer = producer
+    def __init__(self, devices: Sequence[torch.device], timeout: float, *,
+                 label: Callable[[int], str] = lambda stage: f"stage {stage}"):
+        self._devices = tuple(devices)  # device of each stage
         self._timeout = timeout
+        self._label = label
         self._cond = threading.Condition()
-        self._acts: dict[tuple[int, str, int], Any] = {}
-        self._grads: dict[tuple[str, int], list] = {}  # (value, mb) -> [sum, deliveries]
+        self._box: dict[Message, dict[str, Any]] = {}
         self.aborted = False
 
-    # -- transport interface ---------------------------------------------------------------
+    def post(self, messages: Sequence[Message]) -> None:
+        """Nothing to prepare: a put is visible to the receiver at once."""
 
-    def send_activation(self, stage: int, name: str, mb: int, value: Any) -> None:
-        """Stage `stage` produced `name` for micro-batch `mb`: deliver it to every consumer."""
+    def send(self, message: Message, values: Mapping[str, Any]) -> None:
+        device = self._devices[message.dst]
+        payload = {name: to_device(values.get(name), device) for name in message.values}
         with self._cond:
-            for consumer in self._consumers[name]:
-                self._acts[(consumer, name, mb)] = _to(value, self._devices[consumer])
+            self._box[message] = payload
             self._cond.notify_all()
 
-    def recv_activation(self, stage: int, name: str, mb: int) -> Any:
-        what = f"activation {name!r} of micro-batch {mb} from stage {self._producer[name]}"
-        return self._wait(lambda: self._acts.pop((stage, name, mb), _MISSING), stage, what)
-
-    def send_gradient(self, stage: int, name: str, mb: int, grad: Any) -> None:
-        """Consumer `stage` contributes the gradient of `name` for micro-batch `mb`."""
-        grad = _to(grad, self._devices[self._producer[name]])
+    def recv(self, message: Message) -> dict[str, Any]:
+        deadline = time.monotonic() + self._timeout
         with self._cond:
-            entry = self._grads.setdefault((name, mb), [None, 0])
-            if grad is not None:
-                entry[0] = grad if entry[0] is None else entry[0] + grad
-            entry[1] += 1
-            self._cond.notify_all()
+            while message not in self._box:
+                if self.aborted:
+                    raise Aborted()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"{self._label(message.dst)} waited {self._timeout:.0f}s for {message}; "
+                        f"did stage {message.src} fail or skip its send?")
+                self._cond.wait(min(left, 1.0))
+            return self._box.pop(message)
 
-    def recv_gradient(self, stage: int, name: str, mb: int) -> Any:
-        expected = len(self._consumers[name])
-
-        def take():
-            entry = self._grads.get((name, mb))
-            if entry is None or entry[1] < expected:
-                return _MISSING
-            del self._grads[(name, mb)]
-            return entry[0]
-
-        return self._wait(take, stage, f"gradient of {name!r} for micro-batch {mb}")
+    def poll(self, message: Message) -> bool:
+        with self._cond:
+            return message in self._box
 
     def finish(self) -> None:
-        """Nothing is left in flight in-process once every thread has returned."""
+        if self._box:
+            lost = "; ".join(map(str, list(self._box)[:3]))
+            raise StageExecutionError(
+                f"{len(self._box)} message(s) were sent but never received ({lost}); the "
+                f"schedule's sends and receives do not match (run validate() on it)")
 
     def abort(self, error: BaseException | None = None) -> None:
         with self._cond:
             self.aborted = True
             self._cond.notify_all()
-
-    # -- single-thread scheduling ----------------------------------------------------------
-
-    def has_activations(self, stage: int, names, mb: int) -> bool:
-        with self._cond:
-            return all((stage, n, mb) in self._acts for n in names)
-
-    def has_gradients(self, names, mb: int) -> bool:
-        with self._cond:
-            return all((n, mb) in self._grads
-                       and self._grads[(n, mb)][1] >= len(self._consumers[n]) for n in names)
-
-    def _wait(self, take: Callable[[], Any], stage: int, what: str) -> Any:
-        deadline = time.monotonic() + self._timeout
-        with self._cond:
-            while True:
-                if self.aborted:
-                    raise Aborted()
-                value = take()
-                if value is not _MISSING:
-                    return value
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"stage {stage} waited {self._timeout:.0f}s for {what}")
-                self._cond.wait(min(left, 1.0))

@@ -1,17 +1,19 @@
-"""P2PTransport: stage-to-stage values over torch.distributed point-to-point operations.
+"""P2PTransport: the `Transport` between ranks, over torch.distributed point-to-point operations.
 
-One message per (value, consuming stage, micro-batch, direction). Shapes and dtypes come from
-the compiled plan (a value's symbolic shape evaluated at the micro-batch size), so no shape
-handshake precedes a message, and a batch of another size than the example still works. Every
-message has its own tag, so messages between two ranks cannot be confused whatever the order
-in which the ranks post them (gloo honours tags).
+A message of the lowered schedule (`messages.Message`: a link's values for one micro-batch,
+forward or backward) goes as one tagged ``isend``/``irecv`` per value. Shapes and dtypes come
+from the compiled plan (a value's symbolic shape evaluated at the micro-batch size), so no
+shape handshake precedes a message, and a batch of another size than the example still works.
+Every (message, value) has its own tag, so messages between two ranks cannot be confused
+whatever the order in which the ranks post them (gloo honours tags).
 
-Sends are asynchronous (`isend`) and completed by `finish()` at the end of the step. Every
-receive of the step is posted before it starts (`post_receives`: gloo moves a message only once
-its receive is posted), and an action blocks until its values have arrived. gloo requests only complete inside `Work.wait()`, so a waiter
-thread calls it while the stage's thread waits on an event, checking every 50 ms the process
-group's store for an error posted by another rank (`abort`): a failure anywhere ends every rank
-promptly, and after `timeout` seconds a wait gives up with an error naming the peer.
+Sends are asynchronous (`isend`) and completed by `finish()` at the end of the step. The
+executor `post`s every receive of its row before the step starts (gloo moves a message only
+once its receive is posted), and a RECV action blocks until its message has arrived. gloo
+requests only complete inside `Work.wait()`, so a waiter thread calls it while the stage's
+thread waits on an event, checking every 50 ms the process group's store for an error posted
+by another rank (`abort`): a failure anywhere ends every rank promptly, and after `timeout`
+seconds a wait gives up with an error naming the stage and the peer.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import StageExecutionError
-from .mailbox import _to
+from .messages import Message
 
 __all__ = ["P2PTransport", "ValueSpec", "PeerFailure", "Waiter", "ERROR_KEY"]
 
@@ -72,125 +74,72 @@ class P2PTransport:
     """The transport of one rank: its stages talk to stages on other ranks by tagged messages."""
 
     def __init__(self, *, rank: int, rank_of_stage: Callable[[int], int],
-                 producer: Mapping[str, int], consumers: Mapping[str, tuple[int, ...]],
-                 specs: Mapping[str, ValueSpec], grad_values: frozenset[str],
-                 devices: tuple[torch.device, ...], microbatch_sizes: list[int],
-                 timeout: float, waiter: Waiter, store: Any = None,
-                 label: Callable[[int], str] = str):
+                 specs: Mapping[str, ValueSpec], devices: tuple[torch.device, ...],
+                 microbatch_sizes: list[int], timeout: float, waiter: Waiter,
+                 store: Any = None, label: Callable[[int], str] = str):
         self.rank = rank
         self.rank_of = rank_of_stage
-        self.producer = producer
-        self.consumers = consumers
         self.specs = specs
-        self.grad_values = grad_values
-        self.devices = devices
+        self.devices = devices  # device of each stage
         self.sizes = microbatch_sizes
         self.timeout = timeout
         self.store = store
         self.waiter = waiter
         self.label = label
-        self._index = {name: i for i, name in enumerate(sorted(producer))}
+        self._index = {name: i for i, name in enumerate(sorted(specs))}
         self._num_stages = len(devices)
-        self._local_acts: dict[tuple[int, str, int], Any] = {}
-        self._local_grads: dict[tuple[str, int], Any] = {}
         self._sends: list[tuple[Any, str]] = []
-        self._posted: dict[tuple, tuple[Any, torch.Tensor]] = {}  # receives posted up front
+        self._posted: dict[Message, list[tuple[Any, torch.Tensor]]] = {}
         self.stats = {"messages": 0, "bytes": 0, "wait_seconds": 0.0}  # this rank, this step
 
     # -- transport interface ---------------------------------------------------------------
 
-    def send_activation(self, stage: int, name: str, mb: int, value: Any) -> None:
-        for consumer in self.consumers[name]:
-            dst = self.rank_of(consumer)
-            if dst == self.rank:
-                self._local_acts[(consumer, name, mb)] = _to(value, self.devices[consumer])
-            else:
-                tensor = _as_tensor(value, self.devices[stage])
-                self._count(tensor)
-                work = dist.isend(tensor, dst=dst, tag=self._tag(name, consumer, mb, 0))
-                self._sends.append((work, f"activation {name!r} of micro-batch {mb} to rank {dst}"))
+    def post(self, messages) -> None:
+        """Post the receives of ``messages`` now, so their data moves while this rank computes."""
+        for message in messages:
+            if message not in self._posted:
+                self._posted[message] = self._irecv(message)
 
-    def recv_activation(self, stage: int, name: str, mb: int) -> Any:
-        local = self._local_acts.pop((stage, name, mb), _MISSING)
-        if local is not _MISSING:
-            return local
-        src = self.rank_of(self.producer[name])
-        key = ("act", name, stage, mb)
-        work, buf = self._posted.pop(key, None) or self._post(key)
-        self._wait(work, stage, f"activation {name!r} of micro-batch {mb}", src)
-        return buf if self.specs[name].dtype is not None else int(buf.item())
+    def send(self, message: Message, values: Mapping[str, Any]) -> None:
+        dst = self.rank_of(message.dst)
+        self.stats["messages"] += 1
+        for name in message.values:
+            tensor = self._payload(message, name, values.get(name))
+            self.stats["bytes"] += tensor.numel() * tensor.element_size()
+            work = dist.isend(tensor, dst=dst, tag=self._tag(message, name))
+            self._sends.append((work, f"{message} (to rank {dst})"))
 
-    def send_gradient(self, stage: int, name: str, mb: int, grad: Any) -> None:
-        if name not in self.grad_values:
-            return
-        producer = self.producer[name]
-        dst = self.rank_of(producer)
-        if dst == self.rank:
-            grad = _to(grad, self.devices[producer])
-            key = (name, mb)
-            if grad is not None:
-                held = self._local_grads.get(key)
-                self._local_grads[key] = grad if held is None else held + grad
-            return
-        if grad is None:  # the value did not reach the loss: its gradient is zero
+    def recv(self, message: Message) -> dict[str, Any]:
+        requests = self._posted.pop(message, None) or self._irecv(message)
+        src = self.rank_of(message.src)
+        for work, _ in requests:
+            self._wait(work, message.dst, str(message), src)
+        return {name: buf if self.specs[name].dtype is not None else int(buf.item())
+                for name, (_, buf) in zip(message.values, requests)}
+
+    def poll(self, message: Message) -> bool:
+        """A receive blocks until its data is there: one row per rank never needs to poll."""
+        return True
+
+    def _payload(self, message: Message, name: str, value: Any) -> torch.Tensor:
+        device = self.devices[message.src]
+        if value is None:  # a gradient of a value that did not reach the loss: zero
             spec = self.specs[name]
-            grad = torch.zeros(spec.shape(self.sizes[mb]), dtype=spec.dtype,
-                               device=self.devices[stage])
-        grad = grad.contiguous()
-        self._count(grad)
-        work = dist.isend(grad, dst=dst, tag=self._tag(name, stage, mb, 1))
-        self._sends.append((work, f"gradient of {name!r} for micro-batch {mb} to rank {dst}"))
+            return torch.zeros(spec.shape(self.sizes[message.microbatch]), dtype=spec.dtype,
+                               device=device)
+        if isinstance(value, torch.Tensor):
+            return value.detach().contiguous()
+        return torch.tensor(int(value), dtype=torch.int64, device=device)
 
-    def recv_gradient(self, stage: int, name: str, mb: int) -> Any:
-        if name not in self.grad_values:
-            return None
-        total = self._local_grads.pop((name, mb), None)
-        for consumer in self.consumers[name]:
-            src = self.rank_of(consumer)
-            if src == self.rank:
-                continue  # delivered locally above
-            key = ("grad", name, consumer, mb)
-            work, buf = self._posted.pop(key, None) or self._post(key)
-            self._wait(work, stage, f"gradient of {name!r} for micro-batch {mb}", src)
-            total = buf if total is None else total + buf
-        return total
-
-    def post_receives(self, actions, workers) -> None:
-        """Post, before the step starts, every receive these actions will need.
-
-        gloo moves a message only once its receive is posted; posting them all up front lets
-        a value travel while its receiver is still computing something else.
-        """
-        for action in actions:
-            worker = workers.get(action.stage)
-            if worker is None or action.microbatch is None:
-                continue
-            if action.kind.value == "F":
-                for name in worker.input_names:
-                    if name in self.producer and self.rank_of(self.producer[name]) != self.rank:
-                        key = ("act", name, action.stage, action.microbatch)
-                        self._posted[key] = self._post(key)
-            elif action.kind.value in ("B", "I") and worker.loss is None:
-                for name in worker.output_names:
-                    if name not in self.grad_values:
-                        continue
-                    for consumer in self.consumers[name]:
-                        if self.rank_of(consumer) != self.rank:
-                            key = ("grad", name, consumer, action.microbatch)
-                            self._posted[key] = self._post(key)
-
-    def _post(self, key: tuple):
-        """irecv for ("act", value, consumer stage, mb) or ("grad", value, consumer, mb)."""
-        kind, name, consumer, mb = key
-        spec = self.specs[name]
-        if kind == "act":
-            src, direction = self.rank_of(self.producer[name]), 0
-            device, dtype = self.devices[consumer], spec.dtype or torch.int64
-        else:
-            src, direction = self.rank_of(consumer), 1
-            device, dtype = self.devices[self.producer[name]], spec.dtype
-        buf = torch.empty(spec.shape(self.sizes[mb]), dtype=dtype, device=device)
-        return dist.irecv(buf, src=src, tag=self._tag(name, consumer, mb, direction)), buf
+    def _irecv(self, message: Message) -> list[tuple[Any, torch.Tensor]]:
+        src, device = self.rank_of(message.src), self.devices[message.dst]
+        requests = []
+        for name in message.values:
+            spec = self.specs[name]
+            buf = torch.empty(spec.shape(self.sizes[message.microbatch]),
+                              dtype=spec.dtype or torch.int64, device=device)
+            requests.append((dist.irecv(buf, src=src, tag=self._tag(message, name)), buf))
+        return requests
 
     def finish(self) -> None:
         """Complete every send of the step (they complete once their receiver has the data)."""
@@ -210,14 +159,10 @@ class P2PTransport:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _tag(self, name: str, consumer: int, mb: int, direction: int) -> int:
-        # Unique per message of a step: value, consuming stage, micro-batch, forward/backward.
-        index = self._index[name] * self._num_stages + consumer
-        return (index * len(self.sizes) + mb) * 2 + direction
-
-    def _count(self, tensor: torch.Tensor) -> None:
-        self.stats["messages"] += 1
-        self.stats["bytes"] += tensor.numel() * tensor.element_size()
+    def _tag(self, message: Message, name: str) -> int:
+        # Unique per (message, value) of a step: link, direction, micro-batch, value.
+        link = (message.src * self._num_stages + message.dst) * 2 + message.backward
+        return (link * len(self.sizes) + message.microbatch) * len(self._index) + self._index[name]
 
     def _wait(self, work, stage: int | None, what: str, peer: int | None) -> None:
         began = time.perf_counter()
@@ -254,12 +199,3 @@ class P2PTransport:
         if failed:
             message = self.store.get(ERROR_KEY).decode(errors="replace")
             raise PeerFailure(f"stopped because {message}")
-
-
-_MISSING = object()
-
-
-def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().contiguous()
-    return torch.tensor(int(value), dtype=torch.int64, device=device)

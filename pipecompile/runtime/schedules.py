@@ -3,7 +3,7 @@
 Terms: p stages, D devices, v virtual stages per device (p = D·v), m micro-batches. ``F``
 forward, ``B`` backward, ``I``/``W`` backward for inputs/weights, ``STEP`` optimizer step; see
 `pipecompile.runtime.actions`. Generators emit compute actions only; `make_schedule` lowers the
-result with `add_communication` and validates it.
+result with `add_communication` (the messages of a program's dataflow) and validates it.
 
 Every generator has the signature
 ``(num_devices, num_microbatches, *, virtual_stages=1) -> Schedule``; only the interleaved
@@ -44,6 +44,7 @@ from typing import Protocol
 from pipecompile.errors import ScheduleError
 from pipecompile.runtime.actions import Action, Kind, Schedule
 from pipecompile.runtime.lowering import add_communication
+from pipecompile.runtime.messages import Dataflow
 from pipecompile.runtime.validate import validate
 
 __all__ = [
@@ -216,11 +217,13 @@ SCHEDULE_NAMES: tuple[str, ...] = (*SCHEDULES, *ASYNC_SCHEDULE_NAMES)
 
 def make_schedule(
     name: str, num_devices: int, num_microbatches: int, *, virtual_stages: int = 1,
-    batches: int = 1,
+    batches: int = 1, dataflow: Dataflow | None = None,
 ) -> Schedule:
     """Generate the schedule ``name``, add its sends and receives, and validate it.
 
     `batches` > 1 (asynchronous schedules only) makes one stream of batches × m micro-batches.
+    `dataflow`: the program's links, whose messages the schedule moves (default: each stage
+    reads from the one before it, `Dataflow.chain`).
     """
     from pipecompile.runtime.async_schedules import ASYNC_SCHEDULES
 
@@ -236,6 +239,6 @@ def make_schedule(
         raise ScheduleError(f"{name} flushes after every batch; streams need pipedream or 2bw")
     else:
         plain = SCHEDULES[name](num_devices, num_microbatches, virtual_stages=virtual_stages)
-    schedule = add_communication(plain)
-    validate(schedule)
+    schedule = add_communication(plain, dataflow)
+    validate(schedule, dataflow)
     return schedule

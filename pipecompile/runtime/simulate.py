@@ -13,10 +13,13 @@ Terms
 Semantics (`simulate`)
 ----------------------
 Every device runs its actions in order, one at a time. A compute action starts when its device
-is free and its data dependencies (`pipecompile.runtime.validate.dependencies`) are met; a value
-produced on another device arrives ``send_forward`` (activations) or ``send_backward``
-(gradients) seconds after the producing stage finished it. Those costs belong to the sending
-stage. A transfer is pure latency on a link: it uses no device time, and links never contend.
+is free and its data dependencies (`pipecompile.runtime.validate.dependencies`) are met; a
+message from another device arrives ``transfers[(sender, receiver, direction)]`` seconds after
+the sending stage finished what it sends (direction ``"F"``: activations, producer to consumer;
+``"B"``: gradients, back; `messages.message_bytes` and `messages.transfer_seconds` compute them
+from a program). Without ``transfers``, a message costs its sender's ``StageCosts.send_forward``
+or ``send_backward``. A transfer is pure latency on a link: it uses no device time, links never
+contend, and the timeline records each one (`Timeline.transfers`).
 A ``SEND`` takes no time; a ``RECV`` lasts from when its device reaches it until the value
 arrives (waiting, not counted as compute). Schedules with or without explicit communication give
 the same times.
@@ -39,13 +42,18 @@ p=2, m=2, F=1, B=2, 1F1B::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence, Union
 
 from pipecompile.errors import ScheduleError
 from pipecompile.runtime.actions import Action, Kind, Schedule
+from pipecompile.runtime.messages import Dataflow
 from pipecompile.runtime.validate import dependencies, validate
 
-__all__ = ["StageCosts", "Event", "Timeline", "simulate"]
+__all__ = ["StageCosts", "Event", "Transfer", "Timeline", "simulate", "Transfers"]
+
+#: Seconds per message, by (sender stage, receiver stage, "F" or "B"): a mapping (a missing key
+#: costs nothing) or a function.
+Transfers = Union[Mapping[tuple[int, int, str], float], Callable[[int, int, str], float]]
 
 _COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.STEP)
 
@@ -56,6 +64,8 @@ class StageCosts:
 
     ``backward_input``/``backward_weight`` are the I and W parts of ``backward``; when one is None
     it is ``backward`` minus the other, and when both are None each is half of ``backward``.
+    ``send_forward``/``send_backward``: the cost of each message this stage sends when
+    `simulate` is given no per-message ``transfers``.
     """
 
     forward: float
@@ -109,11 +119,27 @@ class Event:
 
 
 @dataclass(frozen=True)
+class Transfer:
+    """One message on its link: sent by stage ``src`` at ``start``, there at ``end``."""
+
+    src: int
+    dst: int
+    microbatch: int
+    direction: str  # "F" (activations) or "B" (gradients)
+    start: float
+    end: float
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst} {self.direction}{self.microbatch}"
+
+
+@dataclass(frozen=True)
 class Timeline:
-    """The events of one step, predicted or measured."""
+    """The events of one step, predicted or measured, and the predicted transfers."""
 
     events: tuple[Event, ...]
     num_devices: int
+    transfers: tuple[Transfer, ...] = ()
 
     @property
     def makespan(self) -> float:
@@ -180,6 +206,11 @@ class Timeline:
                 {"device": e.device, "action": str(e.action), "start": e.start, "end": e.end}
                 for e in self.events
             ],
+            "transfers": [
+                {"src": t.src, "dst": t.dst, "microbatch": t.microbatch,
+                 "direction": t.direction, "start": t.start, "end": t.end}
+                for t in self.transfers
+            ],
         }
 
     @classmethod
@@ -191,7 +222,12 @@ class Timeline:
                 )
                 for e in data["events"]
             )
-            return cls(events, int(data["num_devices"]))
+            transfers = tuple(
+                Transfer(int(t["src"]), int(t["dst"]), int(t["microbatch"]), str(t["direction"]),
+                         float(t["start"]), float(t["end"]))
+                for t in data.get("transfers", ())
+            )
+            return cls(events, int(data["num_devices"]), transfers)
         except (KeyError, TypeError) as error:
             raise ScheduleError(
                 f"not a timeline dict ({error!r}); expected {{'num_devices': int, 'events': "
@@ -216,34 +252,63 @@ def simulate(
     step_time: float = 0.0,
     cores: int | None = None,
     efficiency: float = 1.0,
+    dataflow: Dataflow | None = None,
+    transfers: Transfers | None = None,
 ) -> Timeline:
-    """Predict when every action of a valid ``schedule`` runs; ``costs[s]`` is stage s's.
+    """Predict when every action of a valid ``schedule`` runs; ``costs[s]`` is stage s's
+    compute time.
 
     ``cores``: how many compute actions the devices can run at full speed at once (None: no
-    limit); ``efficiency``: their speed when several run at once; see the module docstring.
+    limit); ``efficiency``: their speed when several run at once; ``dataflow``: the program's
+    links (see `validate`); ``transfers``: seconds per message; see the module docstring.
     """
     if len(costs) != schedule.num_stages:
         raise ScheduleError(
             f"simulate: got {len(costs)} StageCosts for {schedule.num_stages} stages; give one "
             f"per stage (e.g. [costs] * {schedule.num_stages})"
         )
-    validate(schedule)
-    deps = dependencies(schedule)
+    validate(schedule, dataflow)
+    deps = dependencies(schedule, dataflow)
     home = schedule.stage_to_device
 
     def latency(dep: Action, action: Action) -> float:
         if home[dep.stage] == home[action.stage]:
             return 0.0
-        if dep.kind in (Kind.F, Kind.SEND_F):
-            return costs[dep.stage].send_forward
-        return costs[dep.stage].send_backward
+        forward = dep.kind in (Kind.F, Kind.SEND_F)
+        if transfers is None:
+            cost = costs[dep.stage]
+            return cost.send_forward if forward else cost.send_backward
+        key = (dep.stage, action.stage, "F" if forward else "B")
+        return transfers(*key) if callable(transfers) else transfers.get(key, 0.0)
 
     if cores is not None and cores < 1:
         raise ScheduleError(f"simulate: cores must be >= 1 or None, got {cores}")
     if not 0 < efficiency <= 1:
         raise ScheduleError(f"simulate: efficiency must be in (0, 1], got {efficiency}")
     if cores is not None and (cores < schedule.num_devices or efficiency < 1):
-        return _simulate_shared(schedule, costs, deps, latency, step_time, cores, efficiency)
+        timeline = _simulate_shared(schedule, costs, deps, latency, step_time, cores, efficiency)
+    else:
+        timeline = _simulate_free(schedule, costs, deps, latency, step_time)
+    return Timeline(timeline.events, timeline.num_devices, _transfers(timeline, deps, latency))
+
+
+def _transfers(timeline: Timeline, deps, latency) -> tuple[Transfer, ...]:
+    """Every dependency across devices is a message: from its sender's end, for its latency."""
+    end = {e.action: e.end for e in timeline.events}
+    home = {e.action: e.device for e in timeline.events}
+    found = []
+    for e in timeline.events:
+        for dep in deps[e.action]:
+            if home[dep] != e.device:
+                forward = dep.kind in (Kind.F, Kind.SEND_F)
+                found.append(Transfer(dep.stage, e.action.stage, e.action.microbatch,
+                                      "F" if forward else "B", end[dep],
+                                      end[dep] + latency(dep, e.action)))
+    return tuple(sorted(found, key=lambda t: (t.start, t.src, t.dst)))
+
+
+def _simulate_free(schedule, costs, deps, latency, step_time: float) -> Timeline:
+    """`simulate` when every device has its own hardware."""
     end: dict[Action, float] = {}
     free = [0.0] * schedule.num_devices
     pcs = [0] * schedule.num_devices

@@ -2,15 +2,19 @@
 
 Terms
 -----
-- **data dependency**: an action that must have finished before another may start. ``F(s, i)``
-  needs ``F(s-1, i)`` (the input), ``B/I(s, i)`` needs ``F(s, i)`` and ``B/I(s+1, i)`` (the output
-  gradient), ``W(s, i)`` needs ``I(s, i)``, ``STEP(s)`` needs every backward of stage ``s``, and an asynchronous ``STEP(s, i)`` needs
-  ``B(s, i)``.
+- **data dependency**: an action that must have finished before another may start. Along the
+  links of the program's dataflow (`pipecompile.runtime.messages.Dataflow`; the neighbour
+  chain by default): ``F(s, i)`` needs ``F(src, i)`` of every stage it reads from,
+  ``B/I(s, i)`` needs ``F(s, i)`` and ``B/I(dst, i)`` of every stage that sends it a gradient,
+  ``W(s, i)`` needs ``I(s, i)``, ``STEP(s)`` needs every backward of stage ``s``, and an
+  asynchronous ``STEP(s, i)`` needs ``B(s, i)``.
 - **explicit / implicit communication**: a schedule with ``SEND_*``/``RECV_*`` actions states its
-  transfers, and then every dependency across devices must go through a ``SEND`` on the producer's
-  device and a matching ``RECV`` on the consumer's (``1SEND_F3`` matches ``2RECV_F3``,
-  ``2SEND_B3`` matches ``1RECV_B3``). A compute-only schedule leaves them implicit: a dependency on
-  another device is met once the producer has run.
+  messages, and then every dependency across devices must go through a ``SEND`` on the
+  producer's device and the matching ``RECV`` on its peer's (``0SEND_F3>2`` matches
+  ``2RECV_F3<0``, ``2SEND_B3>0`` matches ``0RECV_B3<2``). A compute-only schedule leaves them
+  implicit: a dependency on another device is met once the producer has run. Without a
+  dataflow, the links of an explicit schedule are those its messages name (plus neighbours on
+  one device); with one, every message must belong to one of its links.
 - **deadlock**: with sends buffered (they never wait) and receives blocking, every device runs its
   list in order; if at some point no device can start its next action, the schedule hangs.
 
@@ -25,33 +29,38 @@ from __future__ import annotations
 
 from pipecompile.errors import ScheduleError
 from pipecompile.runtime.actions import Action, Kind, Schedule
+from pipecompile.runtime.messages import Dataflow, message_of
 
 __all__ = ["validate", "dependencies"]
 
 _Position = tuple[int, int]  # (device, index in that device's list)
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise `ScheduleError` unless ``schedule`` is complete, well ordered and deadlock free."""
+def validate(schedule: Schedule, dataflow: Dataflow | None = None) -> None:
+    """Raise `ScheduleError` unless ``schedule`` is complete, well ordered and deadlock free
+    (and, given the program's ``dataflow``, moves exactly its messages)."""
     where = _index(schedule)
+    flow = dataflow or Dataflow.infer(schedule)
     if schedule.has_communication:
-        _check_messages(schedule, where)
+        _check_messages(schedule, where, flow)
     _check_complete(schedule, where)
-    deps = dependencies(schedule)
+    deps = dependencies(schedule, flow)
     _check_local_order(schedule, where, deps)
     _check_deadlock(schedule, where, deps)
 
 
-def dependencies(schedule: Schedule) -> dict[Action, tuple[Action, ...]]:
+def dependencies(schedule: Schedule,
+                 dataflow: Dataflow | None = None) -> dict[Action, tuple[Action, ...]]:
     """The data dependencies of every action in ``schedule`` (see the module docstring).
 
-    A dependency whose stage runs on another device is a transfer; `simulate` adds the send cost
-    of the producing stage to it. Dependencies may name actions missing from the schedule;
-    `validate` reports those.
+    A dependency whose stage runs on another device is a transfer; `simulate` charges it.
+    Dependencies may name actions missing from the schedule; `validate` reports those.
     """
     present = {a for row in schedule.actions for a in row}
     explicit = schedule.has_communication
-    last = schedule.num_stages - 1
+    flow = dataflow or Dataflow.infer(schedule)
+    sources = {s: [k.src for k in flow.sources(s)] for s in range(schedule.num_stages)}
+    grads = {s: [k.dst for k in flow.readers(s) if k.grads] for s in sources}
 
     def crosses(a: int, b: int) -> bool:
         return schedule.stage_to_device[a] != schedule.stage_to_device[b]
@@ -62,30 +71,25 @@ def dependencies(schedule: Schedule) -> dict[Action, tuple[Action, ...]]:
 
     deps: dict[Action, tuple[Action, ...]] = {}
     for action in present:
-        s, kind, i = action.stage, action.kind, action.microbatch
+        s, kind, i, peer = action.stage, action.kind, action.microbatch, action.peer
         need: list[Action] = []
-        if kind is Kind.F and 0 < s <= last:
-            if explicit and crosses(s - 1, s):
-                need.append(Action(s, Kind.RECV_F, i))
-            else:
-                need.append(Action(s - 1, Kind.F, i))
+        if kind is Kind.F:
+            need += [Action(s, Kind.RECV_F, i, src) if explicit and crosses(src, s)
+                     else Action(src, Kind.F, i) for src in sources[s]]
         elif kind in (Kind.B, Kind.I):
             need.append(Action(s, Kind.F, i))
-            if s < last:
-                if explicit and crosses(s, s + 1):
-                    need.append(Action(s, Kind.RECV_B, i))
-                else:
-                    need.append(backward_input(s + 1, i))  # type: ignore[arg-type]
+            need += [Action(s, Kind.RECV_B, i, dst) if explicit and crosses(s, dst)
+                     else backward_input(dst, i) for dst in grads[s]]  # type: ignore[arg-type]
         elif kind is Kind.W:
             need.append(Action(s, Kind.I, i))
         elif kind is Kind.SEND_F:
             need.append(Action(s, Kind.F, i))
         elif kind is Kind.SEND_B:
             need.append(backward_input(s, i))  # type: ignore[arg-type]
-        elif kind is Kind.RECV_F and 0 < s <= last:
-            need.append(Action(s - 1, Kind.SEND_F, i))
-        elif kind is Kind.RECV_B and s < last:
-            need.append(Action(s + 1, Kind.SEND_B, i))
+        elif kind is Kind.RECV_F and peer < schedule.num_stages:  # type: ignore[operator]
+            need.append(Action(peer, Kind.SEND_F, i, s))  # type: ignore[arg-type]
+        elif kind is Kind.RECV_B and peer < schedule.num_stages:  # type: ignore[operator]
+            need.append(Action(peer, Kind.SEND_B, i, s))  # type: ignore[arg-type]
         elif kind is Kind.STEP and i is not None:  # asynchronous: right after that backward
             need.append(Action(s, Kind.W, i) if Action(s, Kind.W, i) in present
                         else Action(s, Kind.B, i))
@@ -134,32 +138,32 @@ def _index(schedule: Schedule) -> dict[Action, _Position]:
     return where
 
 
-# A send or receive pairs with the action of this kind on the neighbouring stage.
-_PARTNER = {
-    Kind.SEND_F: (Kind.RECV_F, +1),
-    Kind.RECV_F: (Kind.SEND_F, -1),
-    Kind.SEND_B: (Kind.RECV_B, -1),
-    Kind.RECV_B: (Kind.SEND_B, +1),
-}
+# A send or receive pairs with the action of this kind on its peer stage.
+_PARTNER = {Kind.SEND_F: Kind.RECV_F, Kind.RECV_F: Kind.SEND_F,
+            Kind.SEND_B: Kind.RECV_B, Kind.RECV_B: Kind.SEND_B}
 
 
-def _check_messages(schedule: Schedule, where: dict[Action, _Position]) -> None:
-    """Every send has its receive and the other way round, only between devices."""
+def _check_messages(schedule: Schedule, where: dict[Action, _Position], flow: Dataflow) -> None:
+    """Every send has its receive on the peer's device and the other way round, only between
+    devices, and each belongs to a link of the dataflow."""
     for action, position in sorted(where.items(), key=lambda item: item[1]):
         if action.kind not in _PARTNER:
             continue
-        kind, step = _PARTNER[action.kind]
-        peer = action.stage + step
+        peer = action.peer
         at = _at(action, position)  # only comm actions get here
-        if not 0 <= peer < schedule.num_stages:
+        if peer >= schedule.num_stages:  # type: ignore[operator]
             raise ScheduleError(f"{at}: stage {action.stage} has no stage {peer} to talk to")
-        device = schedule.stage_to_device[peer]
+        device = schedule.stage_to_device[peer]  # type: ignore[index]
         if device == position[0]:
             raise ScheduleError(
                 f"{at}: stages {action.stage} and {peer} both run on device {device}; "
                 f"values stay on the device, remove the {action.kind.value}"
             )
-        partner = Action(peer, kind, action.microbatch)
+        try:
+            message_of(action, flow)
+        except ScheduleError as error:
+            raise ScheduleError(f"{at}: {error}") from None
+        partner = Action(peer, _PARTNER[action.kind], action.microbatch, action.stage)
         if partner not in where:
             raise ScheduleError(f"{at}: no matching {partner} on device {device}")
 
@@ -206,10 +210,10 @@ def _why(action: Action, dep: Action) -> str:
     if action.kind in (Kind.SEND_F, Kind.SEND_B):
         return "a send comes after the action that computes what it sends"
     if action.kind is Kind.F:
-        return "a forward needs the previous stage's forward"
+        return "a forward needs the forward of each stage it reads from"
     if dep.kind is Kind.F:
         return "the backward of a micro-batch needs its forward first"
-    return "a backward needs the next stage's backward"
+    return "a backward needs the backward of each stage that reads its outputs"
 
 
 def _check_local_order(
