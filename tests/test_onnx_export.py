@@ -130,7 +130,9 @@ def test_validate_manifest_names_the_problem():
     with pytest.raises(pc.ConfigError, match=r"'z' is produced by no stage"):
         pco.validate_manifest({**good, "outputs": ["z"]})
     schema = json.loads(pco.SCHEMA_PATH.read_text())
-    assert schema["required"] == ["inputs", "outputs", "stages"]
+    for key in schema["required"]:  # every key the schema requires is enforced by name
+        with pytest.raises(pc.ConfigError, match=rf"\$: missing key '{key}'"):
+            pco.validate_manifest({k: v for k, v in good.items() if k != key})
 
 
 def test_run_checks_its_inputs(tmp_path_factory):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from dataclasses import replace
 from itertools import combinations
 
@@ -206,8 +205,7 @@ def test_memory_error_says_what_fits():
         "best placement needs 6.00 GiB on its fullest device. To fix: use devices with at least "
         "6.00 GiB; use 4 devices (the fewest that fit); save memory (fewer micro-batches in "
         "flight, activation checkpointing).")
-    assert isinstance(err, PartitionError) and isinstance(err, ValueError)
-    with pytest.raises(PartitionMemoryError) as info:
+    with pytest.raises(ValueError) as info:  # what a user who knows only ValueError catches
         partition(pr)
     assert info.value.devices_needed is None and "6.00 GiB" in str(info.value)
     tiny = simple([1.0] * 3, p=1, static_bytes=(GiB,) * 3, devices=(DeviceSpec(memory=1),))
@@ -267,7 +265,7 @@ def test_format_bytes():
     assert format_bytes(math.inf) == "inf"
 
 
-def test_large_problem_is_fast():
+def test_large_problem_is_feasible_and_no_single_cut_move_improves_it():
     rng = random.Random(7)
     n, p = 200, 16
     pr = PartitionProblem(
@@ -278,9 +276,18 @@ def test_large_problem_is_fast():
         devices=tuple(DeviceSpec(speed=rng.uniform(0.5, 2), memory=4e9, bandwidth=1e9)
                       for _ in range(p)),
         inflight=one_f_one_b(p))
-    start = time.perf_counter()
     got = partition(pr)
-    elapsed = time.perf_counter() - start
     assert got.num_stages == p and got.bottleneck >= lower_bound(pr)
     assert all(m <= d.memory for m, d in zip(got.stage_memory, pr.devices))
-    assert elapsed < 1.0, f"partition took {elapsed:.2f}s for n={n}, p={p}"
+    assert evaluate(pr, got.bounds) == got
+    # too large for brute force; an optimum is at least locally optimal: moving any one cut
+    # by a block either breaks a memory limit or leaves the bottleneck no lower
+    for i in range(1, p):
+        for step in (-1, 1):
+            moved = list(got.bounds)
+            moved[i] += step
+            if not moved[i - 1] < moved[i] < moved[i + 1]:
+                continue
+            other = evaluate(pr, moved)
+            if all(m <= d.memory for m, d in zip(other.stage_memory, pr.devices)):
+                assert other.bottleneck >= got.bottleneck * (1 - 1e-12), (i, step)

@@ -43,8 +43,9 @@ def test_generated_schedules_pass(name: str) -> None:
     validate(make_schedule(name, 4, 8, virtual_stages=v))
 
 
-def test_error_is_a_value_error() -> None:
-    assert issubclass(ScheduleError, ValueError)
+def test_a_bad_schedule_can_be_caught_as_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"device 0, action 1 \(0F0\): duplicate"):
+        validate(text("0F0 0F0 0B0", "1F0 1B0"))
 
 
 # -- completeness ------------------------------------------------------------------------------

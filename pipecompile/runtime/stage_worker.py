@@ -9,14 +9,17 @@ about other stages or transport; the executors move values between workers.
     backward_input(i, grads)     -> input grads      zero-bubble I: keeps the graph for W
     backward_weight(i)                               zero-bubble W: accumulates param .grad
 
-With `checkpoint=True` the forward runs without autograd and keeps only the inputs (and the RNG
-state, so dropout draws the same mask); the backward recomputes the forward first.
+With `checkpoint=True` the forward runs without autograd and keeps only the inputs and the random
+state it started from (the CPU generator's and that of each accelerator the stage's tensors live
+on), so the recomputation in backward draws the same dropout masks; the backward recomputes the
+forward first, then puts the random state back as it found it (as torch.utils.checkpoint does).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -36,13 +39,55 @@ class LossSpec:
     scale: float  # each micro-batch loss is multiplied by this before backward (1/m: the mean)
 
 
+@dataclass(frozen=True)
+class _RngState:
+    """The random state a checkpointed forward started from: the CPU generator's and, per
+    accelerator device the stage touches, that device's generator (dropout on a CUDA tensor
+    draws from the CUDA generator, not the CPU one)."""
+
+    cpu: torch.Tensor
+    device_type: str | None  # "cuda" (or another accelerator), None for a CPU-only stage
+    devices: tuple[tuple[int, torch.Tensor], ...]  # (device index, its generator state)
+
+    @classmethod
+    def capture(cls, values: Iterable[Any]) -> "_RngState":
+        """The current random state of the CPU and of the devices `values`' tensors are on."""
+        found = {(v.device.type, v.get_device()) for v in values
+                 if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")}
+        types = {kind for kind, _ in found}
+        if len(types) > 1:
+            raise RuntimeError(f"a stage's tensors are on several device types {sorted(types)}; "
+                               f"checkpointing restores the random state of one")
+        device_type = types.pop() if types else None
+        states = ()
+        if device_type is not None:
+            module = torch.get_device_module(device_type)
+            states = tuple((i, module.get_rng_state(i)) for i in sorted(i for _, i in found))
+        return cls(torch.random.get_rng_state(), device_type, states)
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Run the body from this random state; afterwards the state is what it was before."""
+        indices = [i for i, _ in self.devices]
+        # device_type matters only when indices is non-empty; "cuda" keeps a CPU-only stage
+        # from asking an absent accelerator for anything.
+        with torch.random.fork_rng(devices=indices, device_type=self.device_type or "cuda"):
+            torch.random.set_rng_state(self.cpu)
+            if self.device_type is not None:
+                module = torch.get_device_module(self.device_type)
+                for index, state in self.devices:
+                    module.set_rng_state(state, index)
+            yield
+
+
 @dataclass
 class _Saved:
     leaves: dict[str, torch.Tensor]  # received inputs that need a gradient, as leaves
     outputs: dict[str, Any]
     loss: torch.Tensor | None = None
     inputs: dict[str, Any] | None = None  # checkpointing: what to recompute from
-    rng: Any = None
+    rng: _RngState | None = None  # checkpointing: the random state the forward started from
+    target: Any = None  # checkpointing, last stage: the target the loss is recomputed with
     weight_work: Any = None  # zero-bubble: what W needs, recorded by I
     weights: dict | None = None  # asynchronous schedules: the weight version this mb uses
 
@@ -75,10 +120,11 @@ class StageWorker:
         """Run micro-batch `mb`; returns the stage outputs (the loss too, on the last stage)."""
         weights = self.versions.acquire(mb) if self.versions is not None else None
         if self.checkpoint:
-            rng = torch.random.get_rng_state()
+            rng = _RngState.capture([*inputs.values(), *self.module.parameters(),
+                                     *self.module.buffers()])
             with torch.no_grad():
                 outputs = self._run(inputs, weights)
-            self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=(rng, target),
+            self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=rng, target=target,
                                     weights=weights)
             self.peak_inflight = max(self.peak_inflight, len(self.saved))
             if self.loss is not None:
@@ -174,14 +220,12 @@ class StageWorker:
         saved = self.saved[mb]
         if saved.inputs is None:
             return saved
-        rng, target = saved.rng
-        with torch.random.fork_rng(devices=[]):
-            torch.random.set_rng_state(rng)
+        with saved.rng.restored():
             leaves = self._leaves(saved.inputs)
             outputs = self._run({**saved.inputs, **leaves}, saved.weights)
         recomputed = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=saved.weights)
         if self.loss is not None:
-            recomputed.loss = self._loss(outputs, target)
+            recomputed.loss = self._loss(outputs, saved.target)
         self.saved[mb] = recomputed
         return recomputed
 
