@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, ConfigError
 from .ir import CapturedModel, ValueInfo
+from .passes.inplace import functionalize
 from .passes.nodes import preserve_buffers
 
 __all__ = ["capture", "batch_size_of"]
@@ -69,8 +70,15 @@ def capture(
         captured = _capture_fx(model, tuple(args), kwargs, batch)
     else:
         raise ConfigError(f"capture={method!r} is not a capture method; use 'export' or 'fx'")
+    module, rewritten = functionalize(captured.module)
+    notes = captured.notes
+    if rewritten:
+        notes += (f"{len(rewritten)} in-place ops on activations made out-of-place "
+                  f"({', '.join(rewritten[:3])}{', ...' if len(rewritten) > 3 else ''})",)
     return replace(
         captured,
+        module=module,
+        notes=notes,
         parameter_names=tuple(n for n, _ in model.named_parameters()),
         state_keys=tuple(model.state_dict().keys()),
     )

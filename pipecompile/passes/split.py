@@ -24,8 +24,9 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InPlaceError
 from ..ir import CapturedModel, LinearGraph, NodeRole
+from .inplace import cross_stage_writes, mutated_inputs
 from .linearize import compute_inputs
 from .nodes import getattr_path as _getattr_path
 
@@ -97,6 +98,7 @@ def split(
     last = len(bounds) - 1 - 1
     output_node = graph.find_nodes(op="output")[0]
 
+    _check_writes(graph, stage_of, output_node, last)
     consumers = _consumers(graph, linear.roles, stage_of, last)
     producer = {v: stage_of[v] for v in consumers}
     placed = _Placement([torch.device(d) for d in devices])
@@ -112,6 +114,8 @@ def split(
         )
         root = {target: placed.get(j, target, _getattr_path(gm, target)) for target in attrs}
         module = fx.GraphModule(root, stage_graph, class_name=f"Stage{j}")
+        if _clone_written_inputs(module.graph):
+            module.recompile()
         names = tuple(name for name, _ in module.named_parameters())
         stages.append(Stage(j, module, placed.devices[j], inputs, outputs,
                             tuple(range(bounds[j], bounds[j + 1])), names))
@@ -175,6 +179,40 @@ def _stage_graph(members, outputs, output_node, roles, stage_of, j):
     graph.lint()
     input_names = tuple(n.name for n in ordered if n.name in inputs)
     return graph, input_names, attrs
+
+
+def _clone_written_inputs(graph: fx.Graph) -> bool:
+    """Clone each received value an op writes to in place, right after the placeholders.
+
+    A stage's inputs are autograd leaves (and may be shared with other readers): an in-place op
+    must write to a copy; autograd routes the copy's gradient back to the leaf exactly."""
+    written = mutated_inputs(graph)
+    if not written:
+        return False
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    for node in placeholders:
+        val = node.meta.get("val")
+        if node.name not in written or (val is not None and not isinstance(val, torch.Tensor)):
+            continue
+        with graph.inserting_after(placeholders[-1]):
+            copy = graph.call_function(torch.ops.aten.clone.default, (node,))
+        copy.meta = dict(node.meta)
+        node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+    return True
+
+
+def _check_writes(graph: fx.Graph, stage_of: Mapping[str, int], output_node, last: int) -> None:
+    """Refuse cuts that would let a stage miss another stage's in-place write."""
+    hazards = cross_stage_writes(graph, {**stage_of, output_node.name: last})
+    if hazards:
+        op, value, reader = hazards[0]
+        raise InPlaceError(
+            f"in-place op {op!r} (stage {stage_of.get(op)}) writes to {value!r} or a view of it, "
+            f"a value stage {reader} reads across a cut and would see without the write (or "
+            f"with it, before it happens). A write through a view cannot be made out-of-place: "
+            f"move the cut (split_points=...) so that {value!r}'s readers and its in-place update "
+            f"are in one stage, or make the op out-of-place in the model"
+        )
 
 
 class _Placement:

@@ -1,0 +1,63 @@
+"""Small models in the styles capture must handle: in-place ReLUs on residual sums, writes to
+views of received values, eager mixture-of-experts routing, dropout and stochastic depth."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class InplaceBlock(nn.Module):
+    """conv-BN, residual add, then an in-place ReLU on the sum (torchvision's BasicBlock)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn(self.conv(x))
+        out += x
+        return self.relu(out)
+
+
+class InplaceResNet(nn.Module):
+    def __init__(self, width: int = 4, blocks: int = 4, classes: int = 3):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+        self.blocks = nn.Sequential(*[InplaceBlock(width) for _ in range(blocks)])
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.relu(self.stem(x)))
+        return self.head(x.mean((2, 3)))
+
+
+class _ScaleHalf(nn.Module):
+    """Doubles the first half of the features in place through a slice (a view)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        a[:, : a.shape[1] // 2].mul_(2.0)
+        return self.lin(a)
+
+
+class ViewWrite(nn.Module):
+    """layers.1 writes into a view of layers.0's output; `reuse` reads that output again later."""
+
+    def __init__(self, dim: int = 6, reuse: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(dim, dim), _ScaleHalf(dim), nn.Linear(dim, dim)])
+        self.reuse = reuse
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.layers[0](x)
+        b = self.layers[1](a)
+        c = self.layers[2](b)
+        return c + a if self.reuse else c
