@@ -61,3 +61,27 @@ class ViewWrite(nn.Module):
         b = self.layers[1](a)
         c = self.layers[2](b)
         return c + a if self.reuse else c
+
+
+class _PermutedGroupNorm(nn.Module):
+    """GroupNorm on a channels-last activation permuted to channels-first (not contiguous)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.lin = nn.Linear(channels, channels)
+        self.norm = nn.GroupNorm(2, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, h, w, channels)
+        y = self.norm(self.lin(x).permute(0, 3, 1, 2))
+        return y.permute(0, 2, 3, 1)
+
+
+class PermutedGroupNormNet(nn.Module):
+    def __init__(self, channels: int = 8, layers: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList([_PermutedGroupNorm(channels) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
