@@ -15,7 +15,9 @@ a flat tuple; pytree specs keep the user's argument and result structures.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import logging
 import re
 from dataclasses import replace
@@ -28,7 +30,9 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, ConfigError
 from .ir import CapturedModel, ValueInfo
+from .passes import opaque as opaque_modules
 from .passes.inplace import functionalize
+from .passes.opaque import OpaqueModule
 from .passes.nodes import preserve_buffers
 
 __all__ = ["capture", "batch_size_of"]
@@ -54,18 +58,23 @@ def capture(
     *,
     method: str = "export",
     static_batch_size: int | None = None,
+    opaque: bool = True,
+    verbose: bool = False,
 ) -> CapturedModel:
     """Capture `model(*args, **kwargs)` as a flat graph.
 
     `static_batch_size` is the batch size to re-capture at if a dynamic batch is impossible
-    (the compiler passes the micro-batch size).
+    (the compiler passes the micro-batch size). With `opaque`, a submodule torch.export cannot
+    trace is kept as one call (see `passes.opaque`). `verbose` lets torch print what it prints
+    while capturing (on failure, a partial graph); otherwise it is kept off the terminal.
     """
     kwargs = dict(kwargs or {})
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     batch = batch_size_of(args, kwargs)
     if method == "export":
-        captured = _capture_export(model, tuple(args), kwargs, batch, static_batch_size)
+        captured = _capture_export(model, tuple(args), kwargs, batch, static_batch_size,
+                                   opaque, verbose)
     elif method == "fx":
         captured = _capture_fx(model, tuple(args), kwargs, batch)
     else:
@@ -88,36 +97,49 @@ def capture(
 # torch.export
 
 
-def _capture_export(model, args, kwargs, batch, static_batch_size) -> CapturedModel:
-    from torch.export import Dim, export
+def _capture_export(model, args, kwargs, batch, static_batch_size, opaque, verbose) -> CapturedModel:
+    from torch.export import Dim
 
     notes: list[str] = []
+    specs: dict[str, OpaqueModule] = {}
     dynamic = batch >= 2  # export specialises sizes 0 and 1; nothing to make dynamic then
-    error: BaseException | None = None
-    ep = None
-    if dynamic:
+    shapes = _dynamic_shapes(model, args, kwargs, batch, Dim("batch")) if dynamic else None
+    first_error: BaseException | None = None
+    while True:
         try:
-            shapes = _dynamic_shapes(model, args, kwargs, batch, Dim("batch"))
-            ep = export(model, args, kwargs, dynamic_shapes=shapes)
-        except Exception as exc:  # noqa: BLE001 - any export failure means: try static shapes
-            error = exc
+            ep, calls = _export(model, args, kwargs, shapes, specs, verbose)
+            break
+        except Exception as exc:  # noqa: BLE001 - every export failure is examined below
+            path = _failing_submodule(model, exc) if opaque else None
+            if path:  # keep every module of that class as one opaque call, capture the rest
+                paths = _same_class(model, path)
+                if not set(paths) <= set(specs):
+                    specs.update(opaque_modules.record(
+                        model, args, kwargs, paths, _reason(model, exc), batch))
+                    continue
+            if shapes is None:
+                raise _capture_error(model, "torch.export", first_error or exc,
+                                     "capture='fx'", specs) from exc
+            first_error = exc
             note = f"dynamic batch export failed ({_first_line(exc)}); captured static shapes"
             notes.append(note)
             log.info("pipecompile: %s", note)
-    if ep is None:
-        if static_batch_size is not None and static_batch_size != batch:
-            args, kwargs = _slice_batch((args, kwargs), batch, static_batch_size)
-            batch = static_batch_size
-        try:
-            ep = export(model, args, kwargs)
-        except Exception as exc:  # noqa: BLE001
-            raise _capture_error(model, "torch.export", error or exc, "capture='fx'") from exc
-        dynamic = False
+            shapes = None
+            if static_batch_size is not None and static_batch_size != batch:
+                args, kwargs = _slice_batch((args, kwargs), batch, static_batch_size)
+                batch = static_batch_size
+                specs = {p: opaque_modules.record(model, args, kwargs, [p], s.reason, batch)[p]
+                         for p, s in specs.items()}
+    dynamic = shapes is not None
 
     module = ep.module()
     signature = ep.module_call_graph[0].signature
     graph = _flat_graph(module.graph, drop_guards=True)
     gm = fx.GraphModule(module, graph)
+    if specs:
+        opaque_modules.restore(gm, specs, calls, model)
+        notes.extend(f"opaque module {s.path!r} ({s.type_name}): {s.reason}" for s in
+                     specs.values())
     values = _values_from_meta(gm.graph)
     batch_symbol, sizes = _symbols(gm.graph, values, batch) if dynamic else (None, {})
     return CapturedModel(
@@ -134,6 +156,53 @@ def _capture_export(model, args, kwargs, batch, static_batch_size) -> CapturedMo
         captured_batch_size=batch,
         notes=tuple(notes),
     )
+
+
+def _export(model, args, kwargs, shapes, specs, verbose):
+    """torch.export with the opaque modules swapped for custom-op calls; torch's own output
+    (a partial graph of up to thousands of lines on failure) kept off the terminal unless
+    `verbose`."""
+    from torch.export import export
+
+    with opaque_modules.exporting(model, specs) as calls, _quiet(verbose) as out:
+        try:
+            return export(model, args, kwargs, dynamic_shapes=shapes), dict(calls)
+        except Exception as exc:
+            exc.pipecompile_details = out.getvalue()  # type: ignore[attr-defined]
+            raise
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool):
+    """Collect what torch prints to stderr and logs below ERROR while exporting."""
+    buffer = io.StringIO()
+    if verbose:
+        yield buffer
+        return
+    loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield buffer
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export",
+                  "torch._dynamo", "torch._subclasses.fake_tensor")
+
+
+def _same_class(model: torch.nn.Module, path: str) -> list[str]:
+    """Every module of `path`'s class that does not lie inside another of them."""
+    cls = type(model.get_submodule(path))
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if type(module) is cls and name and not any(name.startswith(f + ".") for f in found):
+            found.append(name)
+    return found
 
 
 def _dynamic_shapes(model, args, kwargs, batch, dim) -> dict[str, Any]:
@@ -328,27 +397,71 @@ def _first_line(exc: BaseException) -> str:
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 
 
-def _capture_error(model, tool: str, exc: BaseException, alternative: str) -> CaptureError:
-    """A CaptureError naming the module whose code failed and what to try next."""
-    frames = [(f, int(n), fn) for f, n, fn in _FRAME.findall(str(exc))]
+def _failure_site(model, exc: BaseException) -> tuple[str, str, int] | None:
+    """(module path, file, line) of the innermost model code on the failure's stack."""
+    frames = [(f, int(n), None) for f, n, _ in _FRAME.findall(str(exc))]
     tb = exc.__traceback__
     while tb is not None:
-        code = tb.tb_frame.f_code
-        frames.append((code.co_filename, tb.tb_lineno, code.co_name))
+        frame = tb.tb_frame
+        frames.append((frame.f_code.co_filename, tb.tb_lineno, frame.f_locals.get("self")))
         tb = tb.tb_next
-    where = ""
-    for filename, line, _ in reversed(frames):
+    paths = {id(m): name for name, m in model.named_modules()}
+    for filename, line, owner in reversed(frames):
         name = _module_at(model, filename, line)
-        if name is not None:
-            label = name or "<root>"
-            where = f" in module {label!r} ({type(model.get_submodule(name)).__name__}) at {filename}:{line}"
-            break
-    return CaptureError(
+        if name is not None:  # the module running that code, when the frame still tells
+            exact = paths.get(id(owner))
+            same = exact is not None and type(owner) is type(model.get_submodule(name))
+            return (exact if same else name), filename, line
+    return None
+
+
+def _reason(model, exc: BaseException) -> str:
+    """Why a module is kept opaque: torch's message, short, and where."""
+    text = _first_line(exc).split(" (unhinted")[0]
+    site = _failure_site(model, exc)
+    return f"{text} at {site[1]}:{site[2]}" if site else text
+
+
+def _failing_submodule(model, exc: BaseException) -> str | None:
+    """The submodule (never the root) whose own code stopped the capture, if one did; None
+    when the batch size could not be dynamic (then static shapes are tried instead)."""
+    if type(exc).__name__ == "ConstraintViolationError" or "Constraints violated" in str(exc):
+        return None
+    site = _failure_site(model, exc)
+    return site[0] if site is not None and site[0] else None
+
+
+def _capture_error(model, tool: str, exc: BaseException, alternative: str,
+                   opaque: Mapping[str, Any] | None = None) -> CaptureError:
+    """A CaptureError naming the module whose code failed, with the hints that apply."""
+    site = _failure_site(model, exc)
+    where = ""
+    if site is not None:
+        name, filename, line = site
+        where = (f" in module {name or '<root>'!r} ({type(model.get_submodule(name)).__name__})"
+                 f" at {filename}:{line}")
+    text = str(exc)
+    hints = []
+    if "data-dependent" in text or "DataDependent" in type(exc).__name__:
+        hints.append("branch on tensor values with torch.where or torch.cond instead of Python "
+                     "`if`" + (" (the root module's own code cannot be kept opaque: move that "
+                               "code into a submodule)" if site and not site[0] else ""))
+    elif alternative:
+        hints.append(f"try {alternative}")
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) or "Cache" in text:
+        hints.append("build the model with use_cache=False (a KV cache cannot be captured)")
+    if not hints:
+        hints.append("make that code traceable by torch.export (no untraceable calls)")
+    if opaque:
+        hints.append(f"already kept opaque: {', '.join(opaque)}")
+    if getattr(exc, "pipecompile_details", ""):
+        hints.append("compile(..., verbose=True) shows torch's own output")
+    error = CaptureError(
         f"{tool} could not capture {type(model).__name__}{where}: {_first_line(exc)}. "
-        f"Make that code traceable (no Python branching on tensor values: use torch.where or "
-        f"torch.cond; no untraceable calls), pass use_cache=False for transformers models, "
-        f"or try {alternative}."
-    )
+        + "; ".join(hints) + ".")
+    error.details = getattr(exc, "pipecompile_details", "")  # type: ignore[attr-defined]
+    return error
 
 
 def _module_at(model: torch.nn.Module, filename: str, line: int) -> str | None:

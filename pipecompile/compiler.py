@@ -59,6 +59,7 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     vertical_sync: bool = False,
     data_parallel: int = 1,
     timeout: float = 300.0,
+    verbose: bool = False,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices`; see DESIGN.md for the contract.
 
@@ -102,10 +103,12 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     num_stages = len(specs) * v
 
     t = time.perf_counter()
-    captured = capture_model(model, args, kwargs, method=capture, static_batch_size=mb_size)
+    captured = capture_model(model, args, kwargs, method=capture, static_batch_size=mb_size,
+                             verbose=verbose)
     records.append(PassRecord("capture", time.perf_counter() - t,
                               f"{capture}: {len(captured.module.graph.nodes)} nodes, "
-                              f"{'dynamic' if captured.dynamic_batch else 'static'} batch"))
+                              f"{'dynamic' if captured.dynamic_batch else 'static'} batch"
+                              + "".join(f"\n{'':24}{note}" for note in captured.notes)))
 
     t = time.perf_counter()
     levels = [granularity] if granularity else list(GRANULARITIES)

@@ -85,3 +85,87 @@ class PermutedGroupNormNet(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class _Expert(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class EagerMoE(nn.Module):
+    """Top-2 routing the common eager way: `nonzero()` per expert, a loop over the experts hit,
+    `index_add_` of the weighted expert outputs. Data-dependent: torch.export cannot trace it."""
+
+    def __init__(self, dim: int, experts: int = 4, top: int = 2):
+        super().__init__()
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList([_Expert(dim) for _ in range(experts)])
+        self.top = top
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits = self.router(tokens)
+        weights, chosen = torch.topk(F.softmax(logits, dim=-1), self.top, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(tokens)
+        hit = torch.zeros(len(self.experts), dtype=torch.bool)
+        hit[chosen.flatten()] = True
+        for e in hit.nonzero().flatten().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            y = self.experts[e](tokens[rows]) * weights[rows, slot].unsqueeze(-1)
+            out = out.index_add(0, rows, y)
+        return out.reshape(shape), logits
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = nn.Linear(dim, dim)
+        self.moe_norm = nn.LayerNorm(dim)
+        self.moe = EagerMoE(dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.attn(self.norm(x))
+        x = x + h.cumsum(dim=1) / torch.arange(1, x.shape[1] + 1, dtype=x.dtype).unsqueeze(-1)
+        y, logits = self.moe(self.moe_norm(x))
+        return x + y, logits
+
+
+class MoEDecoder(nn.Module):
+    """A small decoder whose blocks each hold an eager MoE; returns (logits, router aux loss)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 8, layers: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([_MoEBlock(dim) for _ in range(layers)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed(ids)
+        aux = x.new_zeros(())
+        for block in self.blocks:
+            x, logits = block(x)
+            aux = aux + logits.logsumexp(-1).pow(2).mean()
+        return self.head(x), aux
+
+
+class DataDependentRoot(nn.Module):
+    """The root's own forward branches on a tensor value: nothing to keep opaque."""
+
+    def __init__(self, dim: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(dim, dim) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        if x.sum() > 0:
+            x = x * 2
+        return x
