@@ -233,29 +233,28 @@ def _install(gm: fx.GraphModule, path: str, module: torch.nn.Module) -> None:
 
 def _opaque_copy(module: torch.nn.Module, spec: OpaqueModule) -> torch.nn.Module:
     """A shallow copy (same parameters, buffers and children) whose forward returns its result
-    flat, and answers fake tensors with the recorded shapes (cost annotation runs it)."""
+    flat, and answers fake tensors with the recorded shapes (cost annotation runs it).
+
+    The copy's class is a subclass of the module's own: `copy.copy` (eval mode) keeps working."""
+    cls = type(module)
+    opaque_cls = type(cls.__name__, (cls,), {
+        "forward": _opaque_forward, "_pipecompile_opaque": spec,
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     clone = copy.copy(module)
-    clone.forward = _FakeAwareForward(clone, spec)
+    clone.__class__ = opaque_cls
     return clone
 
 
-class _FakeAwareForward:
+def _opaque_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple:
     """The module's own forward on real tensors; recorded shapes on fake ones."""
+    from torch._subclasses.fake_tensor import FakeTensor
 
-    def __init__(self, owner: torch.nn.Module, spec: OpaqueModule):
-        self.owner, self.spec = owner, spec
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        if not any(isinstance(t, FakeTensor) for t in tensors):
-            return flat_outputs(type(self.owner).forward(self.owner, *args, **kwargs))
-        _charge(self.spec, tensors)
-        return tuple(fake_outputs(self.spec, tensors))
-
-    def __deepcopy__(self, memo: dict) -> "_FakeAwareForward":
-        return _FakeAwareForward(copy.deepcopy(self.owner, memo), self.spec)
+    spec: OpaqueModule = type(self)._pipecompile_opaque
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if not any(isinstance(t, FakeTensor) for t in tensors):
+        return flat_outputs(super(type(self), self).forward(*args, **kwargs))
+    _charge(spec, tensors)
+    return tuple(fake_outputs(spec, tensors))
 
 
 def _charge(spec: OpaqueModule, tensors: list[torch.Tensor]) -> None:
