@@ -33,9 +33,10 @@ from .ir import CapturedModel, ValueInfo
 from .passes import opaque as opaque_modules
 from .passes.inplace import functionalize
 from .passes.opaque import OpaqueModule
+from .rng import seed_random_ops
 from .passes.nodes import preserve_buffers
 
-__all__ = ["capture", "batch_size_of"]
+__all__ = ["capture", "batch_size_of", "seed_captured"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,14 @@ def capture(
         parameter_names=tuple(n for n, _ in model.named_parameters()),
         state_keys=tuple(model.state_dict().keys()),
     )
+
+
+def seed_captured(captured: CapturedModel, seed: int) -> CapturedModel:
+    """`captured` with every random op drawing from a per-micro-batch stream (see `rng`)."""
+    module, seeded = seed_random_ops(captured.module, seed)
+    note = (f"rng per-microbatch (seed {seed}): {len(seeded)} random ops seeded per micro-batch"
+            + (f" ({', '.join(seeded[:3])}{', ...' if len(seeded) > 3 else ''})" if seeded else ""))
+    return replace(captured, module=module, notes=captured.notes + (note,))
 
 
 # ---------------------------------------------------------------------------------------------

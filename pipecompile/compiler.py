@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .capture import batch_size_of, capture as capture_model
+from .capture import batch_size_of, capture as capture_model, seed_captured
 from .errors import ConfigError, PartitionError
 from .ir import LinearGraph
 from .passes.annotate import DeviceModel, annotate, optimizer_state_factor
@@ -24,6 +24,7 @@ from .passes.partition import DeviceSpec, PartitionProblem, evaluate, lower_boun
 from .passes.split import split
 from .pipeline import PassRecord, Pipeline, values_needing_grad
 from .report import StageCost, format_count
+from .rng import RNG_MODES
 from .runtime.distributed import check_same_plan, local_device, plan_digest, topology_from_environment
 from .runtime.schedules import make_schedule
 from .runtime.microbatch import split_microbatches
@@ -60,6 +61,8 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     data_parallel: int = 1,
     timeout: float = 300.0,
     verbose: bool = False,
+    rng: str = "global",
+    rng_seed: int = 0,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices`; see DESIGN.md for the contract.
 
@@ -102,9 +105,13 @@ def compile(  # noqa: A001 - the public name of DESIGN.md
     v = virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
     num_stages = len(specs) * v
 
+    if rng not in RNG_MODES:
+        raise ConfigError(f"rng={rng!r} is not a random-stream mode; use one of {RNG_MODES}")
     t = time.perf_counter()
     captured = capture_model(model, args, kwargs, method=capture, static_batch_size=mb_size,
                              verbose=verbose)
+    if rng == "per-microbatch":
+        captured = seed_captured(captured, rng_seed)
     records.append(PassRecord("capture", time.perf_counter() - t,
                               f"{capture}: {len(captured.module.graph.nodes)} nodes, "
                               f"{'dynamic' if captured.dynamic_batch else 'static'} batch"

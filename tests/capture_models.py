@@ -169,3 +169,43 @@ class DataDependentRoot(nn.Module):
         if x.sum() > 0:
             x = x * 2
         return x
+
+
+class _DropPath(nn.Module):
+    """Stochastic depth: drop the whole residual branch per sample (timm's drop_path)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = 1.0 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+
+class _NoisyBlock(nn.Module):
+    def __init__(self, dim: int, p: float, drop_path: float):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(p)
+        self.drop_path = _DropPath(drop_path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop_path(self.drop(torch.tanh(self.fc(x))))
+
+
+class NoisyMLP(nn.Module):
+    """Residual MLP blocks with dropout and stochastic depth (random in training mode)."""
+
+    def __init__(self, dim: int = 6, layers: int = 4, p: float = 0.3, drop_path: float = 0.25):
+        super().__init__()
+        self.blocks = nn.ModuleList([_NoisyBlock(dim, p, drop_path) for _ in range(layers)])
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

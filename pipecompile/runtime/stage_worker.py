@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import LossError
+from ..rng import microbatch
 from . import split_backward
 from .versions import WeightVersions
 
@@ -76,7 +77,7 @@ class StageWorker:
         weights = self.versions.acquire(mb) if self.versions is not None else None
         if self.checkpoint:
             rng = torch.random.get_rng_state()
-            with torch.no_grad():
+            with torch.no_grad(), microbatch(mb):
                 outputs = self._run(inputs, weights)
             self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=(rng, target),
                                     weights=weights)
@@ -86,7 +87,8 @@ class StageWorker:
                     self.losses[mb] = self._loss(outputs, target)
             return dict(zip(self.output_names, outputs))
         leaves = self._leaves(inputs)
-        outputs = self._run({**inputs, **leaves}, weights)
+        with microbatch(mb):
+            outputs = self._run({**inputs, **leaves}, weights)
         saved = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=weights)
         if self.loss is not None:
             saved.loss = self._loss(outputs, target)
@@ -178,7 +180,8 @@ class StageWorker:
         with torch.random.fork_rng(devices=[]):
             torch.random.set_rng_state(rng)
             leaves = self._leaves(saved.inputs)
-            outputs = self._run({**saved.inputs, **leaves}, saved.weights)
+            with microbatch(mb):
+                outputs = self._run({**saved.inputs, **leaves}, saved.weights)
         recomputed = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=saved.weights)
         if self.loss is not None:
             recomputed.loss = self._loss(outputs, target)
