@@ -6,10 +6,11 @@ change with the stage count and schedule. With `rng="per-microbatch"` the graph 
 `seed_random_ops` wraps every random node (an aten op tagged `nondeterministic_seeded`:
 dropout, bernoulli, rand, randn, ...) so that it draws from a generator seeded with
 
-    derive_seed(seed, micro-batch index, the node's name)
+    derive_seed(seed, micro-batch index, the node's name, step)
 
-the micro-batch index coming from `microbatch(i)`, a context the stage worker sets around each
-forward (and around recomputation, which therefore redraws the same mask). Node names are those
+the micro-batch index and the step coming from `microbatch(i, step=s)`, a context the stage
+worker sets around each forward (and around recomputation, which therefore redraws the same
+mask; each training step draws new masks). Node names are those
 of the captured graph, the same for any split: the same seed gives the same step on 1, 2 or 4
 stages under any schedule. Outside a `microbatch` context (cost annotation, fake tensors) the
 op runs unchanged.
@@ -32,36 +33,37 @@ __all__ = ["RNG_MODES", "derive_seed", "microbatch", "seed_random_ops", "seeded_
 
 RNG_MODES = ("global", "per-microbatch")
 
-_context = threading.local()  # .index: the micro-batch this thread is running
+_context = threading.local()  # .key: (micro-batch, step) this thread is running
 # Random ops without a generator argument (dropout) draw from the process-wide generator:
 # device threads take turns to seed it, draw and restore it.
 _lock = threading.Lock()
 
 
-def derive_seed(seed: int, index: int, name: str) -> int:
-    """A 63-bit seed from (seed, micro-batch index, node name), stable across processes."""
-    digest = hashlib.blake2b(f"{seed}:{index}:{name}".encode(), digest_size=8).digest()
+def derive_seed(seed: int, index: int, name: str, step: int = 0) -> int:
+    """A 63-bit seed from (seed, micro-batch index, node name, step), stable across processes."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{index}:{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 @contextlib.contextmanager
-def microbatch(index: int | None) -> Iterator[None]:
-    """Random ops of seeded graphs run in this thread draw micro-batch `index`'s stream."""
-    previous = getattr(_context, "index", None)
-    _context.index = index
+def microbatch(index: int | None, *, step: int = 0) -> Iterator[None]:
+    """Random ops of seeded graphs run in this thread draw the stream of micro-batch `index`
+    of training step `step`."""
+    previous = getattr(_context, "key", None)
+    _context.key = None if index is None else (index, step)
     try:
         yield
     finally:
-        _context.index = previous
+        _context.key = previous
 
 
 def seeded_call(op: Any, name: str, seed: int, *args: Any, **kwargs: Any) -> Any:
     """`op(*args, **kwargs)` drawing from derive_seed(seed, current micro-batch, name)."""
-    index = getattr(_context, "index", None)
-    if index is None:
+    key = getattr(_context, "key", None)
+    if key is None:
         return op(*args, **kwargs)
     cuda = sorted({t.device.index or 0 for t in _tensors(args, kwargs) if t.is_cuda})
-    value = derive_seed(seed, index, name)
+    value = derive_seed(seed, key[0], name, step=key[1])
     with _lock, torch.random.fork_rng(devices=cuda):
         torch.default_generator.manual_seed(value)
         for d in cuda:

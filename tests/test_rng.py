@@ -34,9 +34,10 @@ def _case():
 
 def test_derived_seeds_differ_by_each_part_and_are_stable():
     assert derive_seed(0, 1, "dropout") == derive_seed(0, 1, "dropout")
-    seeds = {derive_seed(s, i, n) for s in (0, 1) for i in (0, 1) for n in ("a", "b")}
-    assert len(seeds) == 8
-    assert derive_seed(0, 0, "dropout") == 8494286527066945770  # pinned: not Python's salted hash()
+    seeds = {derive_seed(s, i, n, step=k) for s in (0, 1) for i in (0, 1) for n in ("a", "b")
+             for k in (0, 1)}
+    assert len(seeds) == 16
+    assert derive_seed(0, 0, "dropout") == 2223426449254709234  # pinned: not Python's salted hash()
 
 
 def test_seeded_call_redraws_the_same_mask_and_leaves_the_global_stream_alone():
@@ -63,6 +64,20 @@ def test_same_seed_same_step_on_any_split_and_schedule(devices, schedule):
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-10, atol=1e-14, msg=name)
+
+
+def test_each_step_draws_new_masks_the_same_on_any_split():
+    model, x, y = _case()
+    losses = []
+    for devices, schedule in [(1, "gpipe"), (2, "1f1b")]:
+        pipe = pc.compile(copy.deepcopy(model), (x,), devices=["cpu"] * devices,
+                          microbatches=MICROBATCHES, schedule=schedule, loss_fn=F.mse_loss,
+                          rng="per-microbatch", granularity="layer+1")
+        losses.append([pipe.step(x, target=y) for _ in range(2)])  # no optimizer: same weights
+    (first, second), (first_split, second_split) = losses
+    assert not torch.equal(first, second)
+    torch.testing.assert_close(first_split, first, rtol=1e-12, atol=0)
+    torch.testing.assert_close(second_split, second, rtol=1e-12, atol=0)
 
 
 def test_recomputation_redraws_the_same_masks():

@@ -63,6 +63,7 @@ class StageWorker:
     saved: dict[int, _Saved] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: detached losses
     peak_inflight: int = 0  # most micro-batches held at once (activations saved) so far
+    steps: int = 0  # training steps begun (forwards of micro-batch 0): per-step random streams
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -75,11 +76,12 @@ class StageWorker:
     def forward(self, mb: int, inputs: Mapping[str, Any], target: Any = None) -> dict[str, Any]:
         """Run micro-batch `mb`; returns the stage outputs (the loss too, on the last stage)."""
         weights = self.versions.acquire(mb) if self.versions is not None else None
+        self.steps += mb == 0
         if self.checkpoint:
             rng = torch.random.get_rng_state()
-            with torch.no_grad(), microbatch(mb):
+            with torch.no_grad(), microbatch(mb, step=self.steps):
                 outputs = self._run(inputs, weights)
-            self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=(rng, target),
+            self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=(rng, target, self.steps),
                                     weights=weights)
             self.peak_inflight = max(self.peak_inflight, len(self.saved))
             if self.loss is not None:
@@ -87,7 +89,7 @@ class StageWorker:
                     self.losses[mb] = self._loss(outputs, target)
             return dict(zip(self.output_names, outputs))
         leaves = self._leaves(inputs)
-        with microbatch(mb):
+        with microbatch(mb, step=self.steps):
             outputs = self._run({**inputs, **leaves}, weights)
         saved = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=weights)
         if self.loss is not None:
@@ -176,11 +178,11 @@ class StageWorker:
         saved = self.saved[mb]
         if saved.inputs is None:
             return saved
-        rng, target = saved.rng
+        rng, target, step = saved.rng
         with torch.random.fork_rng(devices=[]):
             torch.random.set_rng_state(rng)
             leaves = self._leaves(saved.inputs)
-            with microbatch(mb):
+            with microbatch(mb, step=step):
                 outputs = self._run({**saved.inputs, **leaves}, saved.weights)
         recomputed = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=saved.weights)
         if self.loss is not None:
