@@ -21,6 +21,7 @@ Random ops inside an opaque module (kept as one eager call) still draw from the 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import threading
 from typing import Any, Iterator
@@ -29,7 +30,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["RNG_MODES", "derive_seed", "microbatch", "seed_random_ops", "seeded_call",
-           "unseed"]
+           "unseed", "is_random"]
 
 RNG_MODES = ("global", "per-microbatch")
 
@@ -89,6 +90,7 @@ def seed_random_ops(gm: fx.GraphModule, seed: int) -> tuple[fx.GraphModule, tupl
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     seeded = []
+    graph._codegen = copy.deepcopy(gm.graph._codegen)  # e.g. pytree in/out handling
     for node in gm.graph.nodes:
         if is_random(node):
             args = fx.map_arg(node.args, lambda n: env[n])

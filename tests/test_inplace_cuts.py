@@ -67,3 +67,44 @@ def test_write_seen_by_a_later_stage_is_refused_naming_op_and_value():
     with pytest.raises(InPlaceError, match=r"in-place op 'mul_' \(stage 1\) writes to 'linear'.*stage 2 reads"):
         pc.compile(model, (x,), loss_fn=F.mse_loss, devices=["cpu"] * 3, microbatches=2,
                    split_points=["layers.1", "layers.2"])
+
+
+def _graph(fn, *args):
+    return torch.export.export(fn, args).module()
+
+
+class _TwoWrites(torch.nn.Module):
+    def forward(self, x):
+        a = x * 2
+        a.relu_()  # on a fresh value: made out-of-place
+        a.add_(1)
+        v = x * 3
+        view = v[:, :1]
+        view.mul_(2)  # through a view: kept
+        return a + v
+
+
+def test_functionalize_rewrites_fresh_values_only_and_leaves_its_input_alone():
+    from pipecompile.passes.inplace import functionalize, mutated_inputs
+
+    gm = _graph(_TwoWrites(), torch.randn(3, 2))
+    before = [n.format_node() for n in gm.graph.nodes]
+    new, rewritten = functionalize(gm)
+    assert [n.format_node() for n in gm.graph.nodes] == before  # a pass never mutates its input
+    assert rewritten == ("relu_", "add_")
+    targets = [n.target for n in new.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.relu.default in targets and torch.ops.aten.mul_.Tensor in targets
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(new(x), _TwoWrites()(x.clone()), rtol=0, atol=0)
+    assert mutated_inputs(new.graph) == {}
+
+
+def test_mutated_inputs_sees_writes_through_views_of_placeholders():
+    from pipecompile.passes.inplace import mutated_inputs
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    view = graph.call_function(torch.ops.aten.slice.Tensor, (x, 1, 0, 1))
+    write = graph.call_function(torch.ops.aten.mul_.Tensor, (view, 2.0))
+    graph.output((write,))
+    assert mutated_inputs(graph) == {"x": write.name}

@@ -17,12 +17,13 @@ In-place writes to parameters/buffers (BatchNorm's running statistics) and to vi
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-__all__ = ["functionalize", "mutated_inputs", "mutated_argument", "is_view"]
+__all__ = ["functionalize", "mutated_inputs", "mutated_argument", "is_view", "cross_stage_writes"]
 
 
 def functionalize(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[str, ...]]:
@@ -34,6 +35,7 @@ def functionalize(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[str, ...]]:
     aliased = {base[n] for n in graph.nodes if is_view(n) and mutated_argument(n) is None}
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}  # original node -> its current value in the new graph
+    new._codegen = copy.deepcopy(gm.graph._codegen)  # e.g. pytree in/out handling
     members: dict[fx.Node, list[fx.Node]] = {}  # base -> the in-place results aliasing it
     rewritten: list[str] = []
     for node in graph.nodes:
