@@ -137,8 +137,7 @@ def _capture_export(model, args, kwargs, batch, static_batch_size, opaque, verbo
             if static_batch_size is not None and static_batch_size != batch:
                 args, kwargs = _slice_batch((args, kwargs), batch, static_batch_size)
                 batch = static_batch_size
-                specs = {p: opaque_modules.record(model, args, kwargs, [p], s.reason, batch)[p]
-                         for p, s in specs.items()}
+                specs = _rerecord(model, args, kwargs, specs, batch)
     dynamic = shapes is not None
 
     module = ep.module()
@@ -165,6 +164,14 @@ def _capture_export(model, args, kwargs, batch, static_batch_size, opaque, verbo
         captured_batch_size=batch,
         notes=tuple(notes),
     )
+
+
+def _rerecord(model, args, kwargs, specs, batch) -> dict[str, OpaqueModule]:
+    """The opaque modules' shapes again, at another batch size."""
+    again: dict[str, OpaqueModule] = {}
+    for path, spec in specs.items():
+        again.update(opaque_modules.record(model, args, kwargs, [path], spec.reason, batch))
+    return again
 
 
 def _export(model, args, kwargs, shapes, specs, verbose):

@@ -82,3 +82,26 @@ def test_opaque_false_refuses_the_moe_naming_the_module():
     model, ids, _ = _case()
     with pytest.raises(CaptureError, match=r"in module 'blocks\.0\.moe' \(EagerMoE\)"):
         capture(model, (ids,), opaque=False)
+
+
+class _PerSampleMoE(MoEDecoder):
+    """Loops over the batch in Python: export falls back to static shapes, MoEs stay opaque."""
+
+    def forward(self, ids):
+        logits, aux = super().forward(ids)
+        rows = [logits[i] * (1.0 + 0.1 * i) for i in range(ids.shape[0])]
+        return torch.stack(rows), aux
+
+
+def test_static_fallback_keeps_opaque_modules_at_the_microbatch_size():
+    torch.manual_seed(0)
+    model = _PerSampleMoE(vocab=VOCAB).double()
+    ids, target = torch.randint(0, VOCAB, (8, 6)), torch.randint(0, VOCAB, (8, 6))
+    reference = copy.deepcopy(model)
+    pipe = pc.compile(model, (ids,), devices=2, microbatches=4, loss_fn=_loss)
+    text = pipe.explain()
+    assert "static batch" in text and "opaque module 'blocks.0.moe'" in text
+    loss = pipe.step(ids, target=target)
+    ref_loss, ref_grads = reference_step(reference, (ids,), {}, target, _loss, 4)
+    assert torch.equal(loss, ref_loss)
+    assert len(assert_grads_equal(pipe, ref_grads, rtol=1e-12)) == len(ref_grads)
