@@ -105,3 +105,21 @@ def test_static_fallback_keeps_opaque_modules_at_the_microbatch_size():
     ref_loss, ref_grads = reference_step(reference, (ids,), {}, target, _loss, 4)
     assert torch.equal(loss, ref_loss)
     assert len(assert_grads_equal(pipe, ref_grads, rtol=1e-12)) == len(ref_grads)
+
+
+def test_a_cut_right_after_an_opaque_call_sends_its_tensors_not_the_tuple():
+    from pipecompile.passes.linearize import linearize
+    from pipecompile.passes.split import split
+
+    model, ids, _ = _case()
+    linear = linearize(capture(model, (ids,)), granularity="op")
+    call = next(b.index for b in linear.blocks if b.nodes == ("blocks_0_moe",))
+    program = split(linear, (0, call + 1, linear.num_blocks), ["cpu", "cpu"])
+    first, second = program.stages
+    assert "blocks_0_moe" not in first.outputs
+    assert all(linear.captured.values[v].is_tensor for v in second.inputs)
+    with torch.no_grad():  # the two stages chained compute the model
+        sent = dict(zip(first.outputs, first.module(ids)))
+        got = second.module(*[ids if v == "ids" else sent[v] for v in second.inputs])
+        want = model(ids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
