@@ -19,7 +19,6 @@ import contextlib
 import inspect
 import io
 import logging
-import re
 from dataclasses import replace
 from typing import Any, Mapping
 
@@ -28,13 +27,14 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .capture_errors import capture_error, failing_submodule, first_line, opaque_reason
 from .errors import CaptureError, ConfigError
 from .ir import CapturedModel, ValueInfo
 from .passes import opaque as opaque_modules
 from .passes.inplace import functionalize
+from .passes.nodes import preserve_buffers
 from .passes.opaque import OpaqueModule
 from .rng import seed_random_ops
-from .passes.nodes import preserve_buffers
 
 __all__ = ["capture", "batch_size_of", "seed_captured"]
 
@@ -119,18 +119,18 @@ def _capture_export(model, args, kwargs, batch, static_batch_size, opaque, verbo
             ep, calls = _export(model, args, kwargs, shapes, specs, verbose)
             break
         except Exception as exc:  # noqa: BLE001 - every export failure is examined below
-            path = _failing_submodule(model, exc) if opaque else None
+            path = failing_submodule(model, exc) if opaque else None
             if path:  # keep every module of that class as one opaque call, capture the rest
                 paths = _same_class(model, path)
                 if not set(paths) <= set(specs):
                     specs.update(opaque_modules.record(
-                        model, args, kwargs, paths, _reason(model, exc), batch))
+                        model, args, kwargs, paths, opaque_reason(model, exc), batch))
                     continue
             if shapes is None:
-                raise _capture_error(model, "torch.export", first_error or exc,
+                raise capture_error(model, "torch.export", first_error or exc,
                                      "capture='fx'", specs) from exc
             first_error = exc
-            note = f"dynamic batch export failed ({_first_line(exc)}); captured static shapes"
+            note = f"dynamic batch export failed ({first_line(exc)}); captured static shapes"
             notes.append(note)
             log.info("pipecompile: %s", note)
             shapes = None
@@ -323,7 +323,7 @@ def _capture_fx(model, args, kwargs, batch) -> CapturedModel:
     try:
         traced = fx.symbolic_trace(model)
     except Exception as exc:  # noqa: BLE001
-        raise _capture_error(model, "torch.fx.symbolic_trace", exc, "capture='export'") from exc
+        raise capture_error(model, "torch.fx.symbolic_trace", exc, "capture='export'") from exc
 
     # Bind the call to forward's parameters: fx placeholders are those parameters, in order.
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
@@ -395,101 +395,7 @@ def _propagate_fake(gm: fx.GraphModule, flat_args: tuple, batch: int) -> bool:
             if not dynamic:
                 raise CaptureError(
                     f"torch.fx traced the model but its graph cannot run on example inputs: "
-                    f"{_first_line(exc)}. Check example_inputs against forward()'s signature."
+                    f"{first_line(exc)}. Check example_inputs against forward()'s signature."
                 ) from exc
-            log.info("pipecompile: symbolic batch propagation failed (%s)", _first_line(exc))
+            log.info("pipecompile: symbolic batch propagation failed (%s)", first_line(exc))
     return False
-
-
-# ---------------------------------------------------------------------------------------------
-# errors
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
-
-
-def _failure_site(model, exc: BaseException) -> tuple[str, str, int] | None:
-    """(module path, file, line) of the innermost model code on the failure's stack."""
-    frames = [(f, int(n), None) for f, n, _ in _FRAME.findall(str(exc))]
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        frames.append((frame.f_code.co_filename, tb.tb_lineno, frame.f_locals.get("self")))
-        tb = tb.tb_next
-    paths = {id(m): name for name, m in model.named_modules()}
-    for filename, line, owner in reversed(frames):
-        name = _module_at(model, filename, line)
-        if name is not None:  # the module running that code, when the frame still tells
-            exact = paths.get(id(owner))
-            same = exact is not None and type(owner) is type(model.get_submodule(name))
-            return (exact if same else name), filename, line
-    return None
-
-
-def _reason(model, exc: BaseException) -> str:
-    """Why a module is kept opaque: torch's message, short, and where."""
-    text = _first_line(exc).split(" (unhinted")[0]
-    site = _failure_site(model, exc)
-    return f"{text} at {site[1]}:{site[2]}" if site else text
-
-
-def _failing_submodule(model, exc: BaseException) -> str | None:
-    """The submodule (never the root) whose own code stopped the capture, if one did; None
-    when the batch size could not be dynamic (then static shapes are tried instead)."""
-    if type(exc).__name__ == "ConstraintViolationError" or "Constraints violated" in str(exc):
-        return None
-    site = _failure_site(model, exc)
-    return site[0] if site is not None and site[0] else None
-
-
-def _capture_error(model, tool: str, exc: BaseException, alternative: str,
-                   opaque: Mapping[str, Any] | None = None) -> CaptureError:
-    """A CaptureError naming the module whose code failed, with the hints that apply."""
-    site = _failure_site(model, exc)
-    where = ""
-    if site is not None:
-        name, filename, line = site
-        where = (f" in module {name or '<root>'!r} ({type(model.get_submodule(name)).__name__})"
-                 f" at {filename}:{line}")
-    text = str(exc)
-    hints = []
-    if "data-dependent" in text or "DataDependent" in type(exc).__name__:
-        hints.append("branch on tensor values with torch.where or torch.cond instead of Python "
-                     "`if`" + (" (the root module's own code cannot be kept opaque: move that "
-                               "code into a submodule)" if site and not site[0] else ""))
-    elif alternative:
-        hints.append(f"try {alternative}")
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False) or "Cache" in text:
-        hints.append("build the model with use_cache=False (a KV cache cannot be captured)")
-    if not hints:
-        hints.append("make that code traceable by torch.export (no untraceable calls)")
-    if opaque:
-        hints.append(f"already kept opaque: {', '.join(opaque)}")
-    if getattr(exc, "pipecompile_details", ""):
-        hints.append("compile(..., verbose=True) shows torch's own output")
-    error = CaptureError(
-        f"{tool} could not capture {type(model).__name__}{where}: {_first_line(exc)}. "
-        + "; ".join(hints) + ".")
-    error.details = getattr(exc, "pipecompile_details", "")  # type: ignore[attr-defined]
-    return error
-
-
-def _module_at(model: torch.nn.Module, filename: str, line: int) -> str | None:
-    """Path of the deepest submodule whose forward's source contains filename:line."""
-    best = None
-    for name, module in model.named_modules():
-        try:
-            forward = type(module).forward
-            src, start = inspect.getsourcelines(forward)
-            if inspect.getsourcefile(forward) == filename and start <= line < start + len(src):
-                if best is None or name.count(".") >= best.count("."):
-                    best = name
-        except (OSError, TypeError):
-            continue
-    return best
