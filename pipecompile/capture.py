@@ -15,9 +15,10 @@ a flat tuple; pytree specs keep the user's argument and result structures.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import logging
-import re
 from dataclasses import replace
 from typing import Any, Mapping
 
@@ -26,11 +27,16 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .capture_errors import capture_error, failing_submodule, first_line, opaque_reason
 from .errors import CaptureError, ConfigError
 from .ir import CapturedModel, ValueInfo
+from .passes import opaque as opaque_modules
+from .passes.inplace import functionalize
 from .passes.nodes import preserve_buffers
+from .passes.opaque import OpaqueModule
+from .rng import seed_random_ops
 
-__all__ = ["capture", "batch_size_of"]
+__all__ = ["capture", "batch_size_of", "seed_captured"]
 
 log = logging.getLogger(__name__)
 
@@ -53,63 +59,95 @@ def capture(
     *,
     method: str = "export",
     static_batch_size: int | None = None,
+    opaque: bool = True,
+    verbose: bool = False,
 ) -> CapturedModel:
     """Capture `model(*args, **kwargs)` as a flat graph.
 
     `static_batch_size` is the batch size to re-capture at if a dynamic batch is impossible
-    (the compiler passes the micro-batch size).
+    (the compiler passes the micro-batch size). With `opaque`, a submodule torch.export cannot
+    trace is kept as one call (see `passes.opaque`). `verbose` lets torch print what it prints
+    while capturing (on failure, a partial graph); otherwise it is kept off the terminal.
     """
     kwargs = dict(kwargs or {})
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     batch = batch_size_of(args, kwargs)
     if method == "export":
-        captured = _capture_export(model, tuple(args), kwargs, batch, static_batch_size)
+        captured = _capture_export(model, tuple(args), kwargs, batch, static_batch_size,
+                                   opaque, verbose)
     elif method == "fx":
         captured = _capture_fx(model, tuple(args), kwargs, batch)
     else:
         raise ConfigError(f"capture={method!r} is not a capture method; use 'export' or 'fx'")
+    module, rewritten = functionalize(captured.module)
+    notes = captured.notes
+    if rewritten:
+        notes += (f"{len(rewritten)} in-place ops on activations made out-of-place "
+                  f"({', '.join(rewritten[:3])}{', ...' if len(rewritten) > 3 else ''})",)
     return replace(
         captured,
+        module=module,
+        notes=notes,
         parameter_names=tuple(n for n, _ in model.named_parameters()),
         state_keys=tuple(model.state_dict().keys()),
     )
+
+
+def seed_captured(captured: CapturedModel, seed: int) -> CapturedModel:
+    """`captured` with every random op drawing from a per-micro-batch stream (see `rng`)."""
+    module, seeded = seed_random_ops(captured.module, seed)
+    note = (f"rng per-microbatch (seed {seed}): {len(seeded)} random ops seeded per micro-batch"
+            + (f" ({', '.join(seeded[:3])}{', ...' if len(seeded) > 3 else ''})" if seeded else ""))
+    return replace(captured, module=module, notes=captured.notes + (note,))
 
 
 # ---------------------------------------------------------------------------------------------
 # torch.export
 
 
-def _capture_export(model, args, kwargs, batch, static_batch_size) -> CapturedModel:
-    from torch.export import Dim, export
+def _capture_export(model, args, kwargs, batch, static_batch_size, opaque, verbose) -> CapturedModel:
+    from torch.export import Dim
 
     notes: list[str] = []
+    specs: dict[str, OpaqueModule] = {}
     dynamic = batch >= 2  # export specialises sizes 0 and 1; nothing to make dynamic then
-    error: BaseException | None = None
-    ep = None
-    if dynamic:
+    shapes = _dynamic_shapes(model, args, kwargs, batch, Dim("batch")) if dynamic else None
+    first_error: BaseException | None = None
+    while True:
         try:
-            shapes = _dynamic_shapes(model, args, kwargs, batch, Dim("batch"))
-            ep = export(model, args, kwargs, dynamic_shapes=shapes)
-        except Exception as exc:  # noqa: BLE001 - any export failure means: try static shapes
-            error = exc
-            note = f"dynamic batch export failed ({_first_line(exc)}); captured static shapes"
+            ep, calls = _export(model, args, kwargs, shapes, specs, verbose)
+            break
+        except Exception as exc:  # noqa: BLE001 - every export failure is examined below
+            path = failing_submodule(model, exc) if opaque else None
+            if path:  # keep every module of that class as one opaque call, capture the rest
+                paths = _same_class(model, path)
+                if not set(paths) <= set(specs):
+                    specs.update(opaque_modules.record(
+                        model, args, kwargs, paths, opaque_reason(model, exc), batch))
+                    continue
+            if shapes is None:
+                raise capture_error(model, "torch.export", first_error or exc,
+                                     "capture='fx'", specs) from exc
+            first_error = exc
+            note = f"dynamic batch export failed ({first_line(exc)}); captured static shapes"
             notes.append(note)
             log.info("pipecompile: %s", note)
-    if ep is None:
-        if static_batch_size is not None and static_batch_size != batch:
-            args, kwargs = _slice_batch((args, kwargs), batch, static_batch_size)
-            batch = static_batch_size
-        try:
-            ep = export(model, args, kwargs)
-        except Exception as exc:  # noqa: BLE001
-            raise _capture_error(model, "torch.export", error or exc, "capture='fx'") from exc
-        dynamic = False
+            shapes = None
+            if static_batch_size is not None and static_batch_size != batch:
+                args, kwargs = _slice_batch((args, kwargs), batch, static_batch_size)
+                batch = static_batch_size
+                specs = _rerecord(model, args, kwargs, specs, batch)
+    dynamic = shapes is not None
 
     module = ep.module()
     signature = ep.module_call_graph[0].signature
     graph = _flat_graph(module.graph, drop_guards=True)
     gm = fx.GraphModule(module, graph)
+    if specs:
+        opaque_modules.restore(gm, specs, calls, model)
+        notes.extend(f"opaque module {s.path!r} ({s.type_name}): {s.reason}" for s in
+                     specs.values())
     values = _values_from_meta(gm.graph)
     batch_symbol, sizes = _symbols(gm.graph, values, batch) if dynamic else (None, {})
     return CapturedModel(
@@ -126,6 +164,61 @@ def _capture_export(model, args, kwargs, batch, static_batch_size) -> CapturedMo
         captured_batch_size=batch,
         notes=tuple(notes),
     )
+
+
+def _rerecord(model, args, kwargs, specs, batch) -> dict[str, OpaqueModule]:
+    """The opaque modules' shapes again, at another batch size."""
+    again: dict[str, OpaqueModule] = {}
+    for path, spec in specs.items():
+        again.update(opaque_modules.record(model, args, kwargs, [path], spec.reason, batch))
+    return again
+
+
+def _export(model, args, kwargs, shapes, specs, verbose):
+    """torch.export with the opaque modules swapped for custom-op calls; torch's own output
+    (a partial graph of up to thousands of lines on failure) kept off the terminal unless
+    `verbose`."""
+    from torch.export import export
+
+    with opaque_modules.exporting(model, specs) as calls, _quiet(verbose) as out:
+        try:
+            return export(model, args, kwargs, dynamic_shapes=shapes), dict(calls)
+        except Exception as exc:
+            exc.pipecompile_details = out.getvalue()  # type: ignore[attr-defined]
+            raise
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool):
+    """Collect what torch prints to stderr and logs below ERROR while exporting."""
+    buffer = io.StringIO()
+    if verbose:
+        yield buffer
+        return
+    loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield buffer
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export",
+                  "torch._dynamo", "torch._subclasses.fake_tensor")
+
+
+def _same_class(model: torch.nn.Module, path: str) -> list[str]:
+    """Every module of `path`'s class that does not lie inside another of them."""
+    cls = type(model.get_submodule(path))
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if type(module) is cls and name and not any(name.startswith(f + ".") for f in found):
+            found.append(name)
+    return found
 
 
 def _dynamic_shapes(model, args, kwargs, batch, dim) -> dict[str, Any]:
@@ -230,7 +323,7 @@ def _capture_fx(model, args, kwargs, batch) -> CapturedModel:
     try:
         traced = fx.symbolic_trace(model)
     except Exception as exc:  # noqa: BLE001
-        raise _capture_error(model, "torch.fx.symbolic_trace", exc, "capture='export'") from exc
+        raise capture_error(model, "torch.fx.symbolic_trace", exc, "capture='export'") from exc
 
     # Bind the call to forward's parameters: fx placeholders are those parameters, in order.
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
@@ -302,57 +395,7 @@ def _propagate_fake(gm: fx.GraphModule, flat_args: tuple, batch: int) -> bool:
             if not dynamic:
                 raise CaptureError(
                     f"torch.fx traced the model but its graph cannot run on example inputs: "
-                    f"{_first_line(exc)}. Check example_inputs against forward()'s signature."
+                    f"{first_line(exc)}. Check example_inputs against forward()'s signature."
                 ) from exc
-            log.info("pipecompile: symbolic batch propagation failed (%s)", _first_line(exc))
+            log.info("pipecompile: symbolic batch propagation failed (%s)", first_line(exc))
     return False
-
-
-# ---------------------------------------------------------------------------------------------
-# errors
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
-
-
-def _capture_error(model, tool: str, exc: BaseException, alternative: str) -> CaptureError:
-    """A CaptureError naming the module whose code failed and what to try next."""
-    frames = [(f, int(n), fn) for f, n, fn in _FRAME.findall(str(exc))]
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        frames.append((code.co_filename, tb.tb_lineno, code.co_name))
-        tb = tb.tb_next
-    where = ""
-    for filename, line, _ in reversed(frames):
-        name = _module_at(model, filename, line)
-        if name is not None:
-            label = name or "<root>"
-            where = f" in module {label!r} ({type(model.get_submodule(name)).__name__}) at {filename}:{line}"
-            break
-    return CaptureError(
-        f"{tool} could not capture {type(model).__name__}{where}: {_first_line(exc)}. "
-        f"Make that code traceable (no Python branching on tensor values: use torch.where or "
-        f"torch.cond; no untraceable calls), pass use_cache=False for transformers models, "
-        f"or try {alternative}."
-    )
-
-
-def _module_at(model: torch.nn.Module, filename: str, line: int) -> str | None:
-    """Path of the deepest submodule whose forward's source contains filename:line."""
-    best = None
-    for name, module in model.named_modules():
-        try:
-            forward = type(module).forward
-            src, start = inspect.getsourcelines(forward)
-            if inspect.getsourcefile(forward) == filename and start <= line < start + len(src):
-                if best is None or name.count(".") >= best.count("."):
-                    best = name
-        except (OSError, TypeError):
-            continue
-    return best

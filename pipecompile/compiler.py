@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .capture import capture as capture_model
+from .capture import capture as capture_model, seed_captured
 from .errors import PartitionError
 from .options import Example, check_async_ties, example_microbatch_size, resolve_options
 from .passes.annotate import optimizer_state_factor
@@ -67,6 +67,9 @@ def compile(  # noqa: A001 - the public name of the design
     vertical_sync: bool = False,
     data_parallel: int = 1,
     timeout: float = 300.0,
+    verbose: bool = False,
+    rng: str = "global",
+    rng_seed: int = 0,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices`.
 
@@ -74,6 +77,9 @@ def compile(  # noqa: A001 - the public name of the design
     device names, or a list of `DeviceSpec` (relative speed, memory) for heterogeneous devices.
     `memory_limit` (bytes, per device or one for all) caps each stage's predicted memory.
     `example_target` (the target of the example batch) lets `profile=True` time `loss_fn` too.
+    `rng="per-microbatch"` draws every random op from a stream of (`rng_seed`, step,
+    micro-batch, op), the same on any stage count and schedule; `verbose=True` shows torch's
+    own output while capturing.
 
     Under torch.distributed (an initialised process group, or torchrun's environment) the same
     call runs on every rank: `devices` is the number of pipeline ranks and `data_parallel` the
@@ -85,7 +91,8 @@ def compile(  # noqa: A001 - the public name of the design
         virtual_stages=virtual_stages, memory_limit=memory_limit, bandwidth=bandwidth,
         data_parallel=data_parallel, timeout=timeout, split_points=split_points,
         loss_fn=loss_fn, optimizer=optimizer, capture=capture, granularity=granularity,
-        profile=profile, checkpoint=checkpoint, vertical_sync=vertical_sync)
+        profile=profile, checkpoint=checkpoint, vertical_sync=vertical_sync, verbose=verbose,
+        rng=rng, rng_seed=rng_seed)
     return Pipeline(run_passes(Plan(options), PASSES, example))
 
 
@@ -95,10 +102,14 @@ def compile(  # noqa: A001 - the public name of the design
 def _capture(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
     captured = capture_model(example.model, example.args, dict(example.kwargs), method=o.capture,
-                             static_batch_size=example_microbatch_size(example, o))
+                             static_batch_size=example_microbatch_size(example, o),
+                             verbose=o.verbose)
+    if o.rng == "per-microbatch":
+        captured = seed_captured(captured, o.rng_seed)
     return replace(plan, captured=captured), (
         f"{o.capture}: {len(captured.module.graph.nodes)} nodes, "
-        f"{'dynamic' if captured.dynamic_batch else 'static'} batch")
+        f"{'dynamic' if captured.dynamic_batch else 'static'} batch"
+        + "".join(f"\n{'':24}{note}" for note in captured.notes))
 
 
 def _schedule(plan: Plan, example: Example) -> tuple[Plan, str]:

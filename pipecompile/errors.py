@@ -10,6 +10,8 @@ from __future__ import annotations
 __all__ = [
     "PipecompileError",
     "CaptureError",
+    "InPlaceError",
+    "OpaqueModuleError",
     "PartitionError",
     "ScheduleError",
     "ConfigError",
@@ -28,6 +30,14 @@ class ConfigError(PipecompileError, ValueError):
 
 class CaptureError(PipecompileError, RuntimeError):
     """The model could not be captured as a graph (torch.export or torch.fx failed)."""
+
+
+class InPlaceError(CaptureError):
+    """An in-place op writes to a value that crosses a stage boundary and cannot be copied."""
+
+
+class OpaqueModuleError(CaptureError):
+    """A submodule kept as one opaque call cannot be run or differentiated as such."""
 
 
 class PartitionError(PipecompileError, ValueError):

@@ -119,7 +119,9 @@ def _check_graph(gm: fx.GraphModule, where: str) -> None:
             raise ConfigError(
                 f"{where}: node {node.name!r} calls module {node.target!r} "
                 f"({type(_getattr(gm, node.target)).__name__}), whose code is not part of the "
-                f"graph and cannot be saved as source; compile with capture='export' to save"
+                f"graph and cannot be saved as source (a module kept opaque by capture, or a "
+                f"leaf of capture='fx'); save needs a graph made only of ops: compile with "
+                f"capture='export' and no opaque modules (see explain())"
             )
 
 

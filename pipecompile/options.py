@@ -21,6 +21,7 @@ from .errors import ConfigError
 from .ir import microbatch_size
 from .passes.partition import DeviceSpec
 from .ranks import Ranks
+from .rng import RNG_MODES
 from .runtime.distributed import local_device, topology_from_environment
 from .runtime.schedules import ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES
 
@@ -70,6 +71,9 @@ class CompileOptions:
     vertical_sync: bool = False
     data_parallel: int = 1
     timeout: float = 300.0
+    verbose: bool = False  # capture: show torch's own output
+    rng: str = "global"  # "per-microbatch": random streams from (seed, step, micro-batch, op)
+    rng_seed: int = 0
     ranks: Ranks = Ranks()
 
     @property
@@ -106,6 +110,9 @@ def resolve_options(
             f"schedule={schedule!r} is not supported; use one of {', '.join(SCHEDULE_NAMES)}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(f"microbatches must be a positive int, got {microbatches!r}")
+    if rest.get("rng", "global") not in RNG_MODES:
+        raise ConfigError(f"rng={rest['rng']!r} is not a random-stream mode; use one of "
+                          f"{', '.join(RNG_MODES)}")
     options = CompileOptions(
         devices=tuple(_device_specs(devices, memory_limit, bandwidth)),
         microbatches=microbatches, schedule=schedule,

@@ -36,12 +36,26 @@ def _gpt():
     return zoo.GPT(vocab=32, dim=16, layers=2, heads=2, seq=8), torch.randint(0, 32, (8, 8))
 
 
+class DataDependentRoot(DataDependent):
+    def forward(self, x):
+        x = self.first(x)
+        if x.sum() > 0:  # in the root's own code: nothing to keep opaque
+            return self.gate.a(x)
+        return -x
+
+
 def test_capture_failure_names_the_module_and_suggests_a_fix():
     with pytest.raises(pc.CaptureError) as info:
-        pc.compile(DataDependent(), (torch.randn(8, 4),), devices=2, microbatches=2)
+        pc.compile(DataDependentRoot(), (torch.randn(8, 4),), devices=2, microbatches=2)
     message = str(info.value)
-    assert "'gate'" in message and "Gate" in message
+    assert "'<root>'" in message and "DataDependentRoot" in message
     assert "torch.cond" in message
+
+
+def test_data_dependent_submodule_is_kept_opaque():
+    pipe = pc.compile(DataDependent(), (torch.randn(8, 4),), devices=2, microbatches=2,
+                      loss_fn=lambda out, y: out.sum())
+    assert "opaque module 'gate' (Gate)" in pipe.explain()
 
 
 def test_fx_capture_failure_is_a_capture_error():

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..rng import unseed
 from .nodes import getattr_path
 
 __all__ = ["eval_graph"]
@@ -66,6 +67,7 @@ def eval_graph(gm: fx.GraphModule) -> fx.GraphModule:
     graph._codegen = copy.deepcopy(gm.graph._codegen)  # e.g. pytree in/out handling
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
+    unseed(graph)  # per-micro-batch random streams: back to the plain ops, then the rules
     removed_inputs: list[fx.Node] = []
     for node in list(graph.nodes):
         if _is_training_norm(node):

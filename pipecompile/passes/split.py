@@ -18,14 +18,16 @@ different devices hold copies listed in `StagedProgram.ties`, whose gradients th
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InPlaceError
 from ..ir import CapturedModel, LinearGraph, NodeRole, StageCost
+from .inplace import cross_stage_writes, mutated_inputs
 from .linearize import compute_inputs
 from .nodes import getattr_path as _getattr_path
 
@@ -93,10 +95,12 @@ def split(
     gm = linear.captured.module
     graph = gm.graph
     stage_of_block = [j for j in range(len(bounds) - 1) for _ in range(bounds[j], bounds[j + 1])]
-    stage_of = {name: stage_of_block[b] for name, b in linear.block_of.items()}
+    stage_of = _with_items_at_home(graph, {name: stage_of_block[b]
+                                           for name, b in linear.block_of.items()})
     last = len(bounds) - 1 - 1
     output_node = graph.find_nodes(op="output")[0]
 
+    _check_writes(graph, stage_of, output_node, last)
     consumers = _consumers(graph, linear.roles, stage_of, last)
     producer = {v: stage_of[v] for v in consumers}
     placed = _Placement([torch.device(d) for d in devices])
@@ -108,10 +112,12 @@ def split(
         else:
             outputs = tuple(v for v in consumers if producer[v] == j)
         stage_graph, inputs, attrs = _stage_graph(
-            members, outputs, output_node if j == last else None, linear.roles, stage_of, j
+            members, outputs, output_node, j == last, linear.roles, stage_of, j
         )
         root = {target: placed.get(j, target, _getattr_path(gm, target)) for target in attrs}
         module = fx.GraphModule(root, stage_graph, class_name=f"Stage{j}")
+        if _clone_written_inputs(module.graph):
+            module.recompile()
         names = tuple(name for name, _ in module.named_parameters())
         stages.append(Stage(j, module, placed.devices[j], inputs, outputs,
                             tuple(range(bounds[j], bounds[j + 1])), names))
@@ -119,6 +125,19 @@ def split(
     tensors, ties = _tensor_copies(gm, stages)
     return StagedProgram(linear.captured, linear, bounds, tuple(stages), producer,
                          consumers, ties, tensors)
+
+
+def _with_items_at_home(graph: fx.Graph, stage_of: dict[str, int]) -> dict[str, int]:
+    """Every `getitem` of a multi-output node runs in that node's stage, so a tuple (an opaque
+    module's outputs, an op's several results) never crosses a cut: its tensors do, each with
+    its own gradient."""
+    for node in graph.nodes:
+        source = node.args[0] if node.args else None
+        if (node.op == "call_function" and node.target is operator.getitem
+                and isinstance(source, fx.Node) and node.name in stage_of
+                and source.name in stage_of):
+            stage_of[node.name] = stage_of[source.name]
+    return stage_of
 
 
 def _consumers(graph, roles, stage_of, last) -> dict[str, tuple[int, ...]]:
@@ -136,7 +155,7 @@ def _consumers(graph, roles, stage_of, last) -> dict[str, tuple[int, ...]]:
     return {v: tuple(sorted(s)) for v, s in sorted(readers.items(), key=lambda kv: order[kv[0]])}
 
 
-def _stage_graph(members, outputs, output_node, roles, stage_of, j):
+def _stage_graph(members, outputs, output_node, is_last, roles, stage_of, j):
     """A stage's graph; returns (graph, input value names, attribute targets it reads)."""
     inputs: set[str] = set()
     copied: set[str] = set(n.name for n in members)  # nodes copied into this stage
@@ -150,12 +169,12 @@ def _stage_graph(members, outputs, output_node, roles, stage_of, j):
                 copied.add(arg.name)
                 discover(arg)
 
-    for node in members + ([output_node] if output_node is not None else []):
+    for node in members + ([output_node] if is_last else []):
         discover(node)
 
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
-    source = output_node.graph if output_node is not None else members[0].graph
+    source = output_node.graph  # the model's graph (its output node is read by the last stage)
     ordered = list(source.nodes)  # the original order is topological
     for node in ordered:
         if node.name in inputs:
@@ -167,7 +186,7 @@ def _stage_graph(members, outputs, output_node, roles, stage_of, j):
             env[node.name] = graph.node_copy(node, lambda n: env[n.name])
             if node.op in ("get_attr", "call_module"):
                 attrs.append(node.target)
-    if output_node is not None:
+    if is_last:
         result = [env[x.name] if isinstance(x, fx.Node) else x for x in output_node.args[0]]
     else:
         result = [env[name] for name in outputs]
@@ -175,6 +194,40 @@ def _stage_graph(members, outputs, output_node, roles, stage_of, j):
     graph.lint()
     input_names = tuple(n.name for n in ordered if n.name in inputs)
     return graph, input_names, attrs
+
+
+def _clone_written_inputs(graph: fx.Graph) -> bool:
+    """Clone each received value an op writes to in place, right after the placeholders.
+
+    A stage's inputs are autograd leaves (and may be shared with other readers): an in-place op
+    must write to a copy; autograd routes the copy's gradient back to the leaf exactly."""
+    written = mutated_inputs(graph)
+    if not written:
+        return False
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    for node in placeholders:
+        val = node.meta.get("val")
+        if node.name not in written or (val is not None and not isinstance(val, torch.Tensor)):
+            continue
+        with graph.inserting_after(placeholders[-1]):
+            copy = graph.call_function(torch.ops.aten.clone.default, (node,))
+        copy.meta = dict(node.meta)
+        node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+    return True
+
+
+def _check_writes(graph: fx.Graph, stage_of: Mapping[str, int], output_node, last: int) -> None:
+    """Refuse cuts that would let a stage miss another stage's in-place write."""
+    hazards = cross_stage_writes(graph, {**stage_of, output_node.name: last})
+    if hazards:
+        op, value, reader = hazards[0]
+        raise InPlaceError(
+            f"in-place op {op!r} (stage {stage_of.get(op)}) writes to {value!r} or a view of it, "
+            f"a value stage {reader} reads across a cut and would see without the write (or "
+            f"with it, before it happens). A write through a view cannot be made out-of-place: "
+            f"move the cut (split_points=...) so that {value!r}'s readers and its in-place update "
+            f"are in one stage, or make the op out-of-place in the model"
+        )
 
 
 class _Placement:

@@ -27,7 +27,8 @@ __all__ = ["WeightWork", "backward_input", "backward_weight"]
 
 @dataclass
 class WeightWork:
-    """What W needs: per frontier node its recorded output gradients and its parameters."""
+    """What W needs: per frontier node its recorded output gradients and its parameters (plus,
+    for a node whose weight-only backward is unsafe, its input-side edges)."""
 
     groups: list[tuple[list[GradientEdge], list, list[torch.Tensor]]] = field(default_factory=list)
 
@@ -74,7 +75,7 @@ def backward_input(
             else:
                 ps.extend(_params_below(child, param_of))
         if ps:
-            frontier[node] = list({id(p): p for p in ps}.values())
+            frontier[node] = list({id(p): p for p in ps}.values()) + _input_edges(node, reaches_input)
 
     captured: dict = {}
     hooks = [n.register_prehook(lambda go, n=n: captured.__setitem__(n, go)) for n in frontier]
@@ -102,6 +103,24 @@ def backward_weight(work: WeightWork) -> None:
     ends) run their W on different threads."""
     for edges, grads, params in work.groups:
         torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
+
+
+# Autograd nodes whose weight-only backward must also ask for the input gradient: torch 2.13's
+# CPU GroupNorm backward with output_mask [False, True, True] on a non-contiguous saved input
+# (a permuted activation) crashes the process with a segmentation fault.
+_WEIGHT_NEEDS_INPUT = {"NativeGroupNormBackward0"}
+
+
+def _input_edges(node, reaches_input) -> list[GradientEdge]:
+    """Extra W inputs that make `node` compute its input gradient too (discarded), where its
+    weight-only backward is unsafe. Asking W for a GradientEdge leaves every .grad untouched."""
+    if type(node).__name__ not in _WEIGHT_NEEDS_INPUT:
+        return []
+    saved = getattr(node, "_saved_input", None)
+    if isinstance(saved, torch.Tensor) and saved.is_contiguous():
+        return []
+    return [GradientEdge(child, nr) for child, nr in node.next_functions
+            if child is not None and reaches_input(child)]
 
 
 class _Reach:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from ..errors import LossError
+from ..rng import microbatch
 from . import split_backward
 from .versions import WeightVersions
 
@@ -88,6 +89,7 @@ class _Saved:
     inputs: dict[str, Any] | None = None  # checkpointing: what to recompute from
     rng: _RngState | None = None  # checkpointing: the random state the forward started from
     target: Any = None  # checkpointing, last stage: the target the loss is recomputed with
+    step: int = 0  # checkpointing: the training step (per-micro-batch random streams)
     weight_work: Any = None  # zero-bubble: what W needs, recorded by I
     weights: dict | None = None  # asynchronous schedules: the weight version this mb uses
 
@@ -107,6 +109,7 @@ class StageWorker:
     saved: dict[int, _Saved] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: detached losses
     peak_inflight: int = 0  # most micro-batches held at once (activations saved) so far
+    steps: int = 0  # training steps begun (forwards of micro-batch 0): per-step random streams
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -119,12 +122,14 @@ class StageWorker:
     def forward(self, mb: int, inputs: Mapping[str, Any], target: Any = None) -> dict[str, Any]:
         """Run micro-batch `mb`; returns the stage outputs (the loss too, on the last stage)."""
         weights = self.versions.acquire(mb) if self.versions is not None else None
+        self.steps += mb == 0
         if self.checkpoint:
             rng = _RngState.capture([*inputs.values(), *self.module.parameters(),
                                      *self.module.buffers()])
-            with torch.no_grad():
+            with torch.no_grad(), microbatch(mb, step=self.steps):
                 outputs = self._run(inputs, weights)
             self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=rng, target=target,
+                                    step=self.steps,
                                     weights=weights)
             self.peak_inflight = max(self.peak_inflight, len(self.saved))
             if self.loss is not None:
@@ -132,7 +137,8 @@ class StageWorker:
                     self.losses[mb] = self._loss(outputs, target)
             return dict(zip(self.output_names, outputs))
         leaves = self._leaves(inputs)
-        outputs = self._run({**inputs, **leaves}, weights)
+        with microbatch(mb, step=self.steps):
+            outputs = self._run({**inputs, **leaves}, weights)
         saved = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=weights)
         if self.loss is not None:
             saved.loss = self._loss(outputs, target)
@@ -222,7 +228,8 @@ class StageWorker:
             return saved
         with saved.rng.restored():
             leaves = self._leaves(saved.inputs)
-            outputs = self._run({**saved.inputs, **leaves}, saved.weights)
+            with microbatch(mb, step=saved.step):
+                outputs = self._run({**saved.inputs, **leaves}, saved.weights)
         recomputed = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=saved.weights)
         if self.loss is not None:
             recomputed.loss = self._loss(outputs, saved.target)
