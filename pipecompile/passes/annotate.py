@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
-from .nodes import call_node, getattr_path as _getattr_path, preserve_buffers
+from .nodes import call_node, getattr_path as _getattr_path, node_target_str, preserve_buffers
 
 __all__ = ["annotate", "DeviceModel", "optimizer_state_factor", "symbolic_block_costs"]
 
@@ -299,7 +299,7 @@ def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode):
 def _external(arg: fx.Node, roles, gm, fake_mode, inputs, params):
     """A fake stand-in for a value the block reads from outside itself."""
     if roles[arg.name] == NodeRole.PARAM:
-        real = _getattr_path(gm, arg.target)
+        real = _getattr_path(gm, node_target_str(arg))
         if not isinstance(real, torch.Tensor):
             return real
         fake = fake_mode.from_tensor(real.detach())

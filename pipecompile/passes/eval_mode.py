@@ -33,7 +33,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..rng import unseed
-from .nodes import getattr_path
+from .nodes import getattr_path, node_target_str
 
 __all__ = ["eval_graph"]
 
@@ -115,12 +115,13 @@ def _writes_buffer(gm: fx.GraphModule, node: fx.Node) -> bool:
         first = node.target._schema.arguments[0]
         in_place = first.alias_info is not None and first.alias_info.is_write
     elif node.op == "call_method":
-        in_place = node.target.endswith("_") and not node.target.startswith("_")
+        method = node_target_str(node)
+        in_place = method.endswith("_") and not method.startswith("_")
     else:
         return False
     if not in_place:
         return False
-    value = getattr_path(gm, node.args[0].target)
+    value = getattr_path(gm, node_target_str(node.args[0]))
     return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
 
 

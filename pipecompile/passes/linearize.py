@@ -28,7 +28,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from .nodes import getattr_path as _getattr_path
+from .nodes import getattr_path as _getattr_path, node_target_str
 
 from ..errors import ConfigError
 from ..ir import Block, CapturedModel, LinearGraph, NodeRole
@@ -105,7 +105,7 @@ def _is_trainable(node: fx.Node) -> bool:
     val = node.meta.get("val")
     module = node.graph.owning_module
     try:
-        attr = _getattr_path(module, node.target) if module is not None else val
+        attr = _getattr_path(module, node_target_str(node)) if module is not None else val
     except AttributeError:
         attr = val
     return isinstance(attr, torch.Tensor) and attr.requires_grad

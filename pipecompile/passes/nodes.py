@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-__all__ = ["getattr_path", "call_node", "preserve_buffers"]
+__all__ = ["getattr_path", "node_target_str", "call_node", "preserve_buffers"]
 
 
 def getattr_path(module: torch.nn.Module, target: str) -> Any:
@@ -19,14 +19,22 @@ def getattr_path(module: torch.nn.Module, target: str) -> Any:
     return obj
 
 
+def node_target_str(node: fx.Node) -> str:
+    """The qualified name a get_attr, call_module or call_method node targets (fx types every
+    target `Callable | str`; only call_function nodes have a callable one)."""
+    assert isinstance(node.target, str), f"node {node.name} ({node.op}) has no name as target"
+    return node.target
+
+
 def call_node(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> Any:
     """Evaluate one call_function / call_method / call_module node on given argument values."""
     if node.op == "call_function":
+        assert callable(node.target), f"call_function node {node.name} targets a name"
         return node.target(*args, **kwargs)
     if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return getattr(args[0], node_target_str(node))(*args[1:], **kwargs)
     if node.op == "call_module":
-        return getattr_path(gm, node.target)(*args, **kwargs)
+        return getattr_path(gm, node_target_str(node))(*args, **kwargs)
     raise AssertionError(f"cannot call node {node.name} of op {node.op}")
 
 
