@@ -33,7 +33,7 @@ from .passes.linearize import GRANULARITIES, linearize
 from .passes.partition import DeviceSpec
 from .passes.split import split
 from .pipeline import Pipeline
-from .plan import Pass, Plan, run_passes
+from .plan import Pass, Plan, need, run_passes
 from .planning import Choice, CostModel, Target, cost, device_model, inflight, place, refine
 from .report import format_count
 from .runtime.lowering import relower
@@ -125,7 +125,7 @@ def _schedule(plan: Plan, example: Example) -> tuple[Plan, str]:
 def _linearize(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
     for level in [o.granularity] if o.granularity else list(GRANULARITIES):
-        linear = linearize(plan.captured, granularity=level)
+        linear = linearize(need(plan.captured, "capture"), granularity=level)
         if linear.num_blocks >= o.num_stages:  # the coarsest that gives every stage a block
             break
     if linear.num_blocks < o.num_stages:
@@ -142,7 +142,7 @@ def _linearize(plan: Plan, example: Example) -> tuple[Plan, str]:
 def _annotate(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
     plan = replace(plan, device_model=device_model(o.devices[0], o.ranks))
-    costs = cost(plan.linear, _cost_model(plan, example), example, o.ranks)
+    costs = cost(need(plan.linear, "linearize"), _cost_model(plan, example), example, o.ranks)
     total = sum(b.forward_flops for b in costs.blocks)
     return replace(plan, costs=costs), (
         f"{format_count(total)}FLOP forward per micro-batch of "
@@ -150,7 +150,8 @@ def _annotate(plan: Plan, example: Example) -> tuple[Plan, str]:
 
 
 def _partition(plan: Plan, example: Example) -> tuple[Plan, str]:
-    placement = place(plan.linear, plan.costs, _target(plan))
+    placement = place(need(plan.linear, "linearize"), need(plan.costs, "annotate"),
+                      _target(plan))
     how = "split_points" if plan.options.split_points is not None else "optimal DP"
     return replace(plan, placement=placement), (
         f"{how}: bounds {placement.bounds}, bottleneck {placement.bottleneck * 1e3:.3f} ms/mb")
@@ -161,14 +162,14 @@ def _calibrate(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     o = plan.options
     if not o.profile:
         return None
-    assert plan.placement is not None and plan.costs is not None
-    before = plan.placement.bounds
-    program = split(plan.linear, before, _stage_devices(plan, example))
-    measured = measure(program, plan.schedule, example, microbatches=o.microbatches,
-                       loss_fn=o.loss_fn, ranks=o.ranks)
-    calibration = fit_calibration(plan.costs, before, measured)
-    costs = calibrate_blocks(plan.costs, calibration)
-    placement = place(plan.linear, costs, _target(plan))
+    linear, estimated = need(plan.linear, "linearize"), need(plan.costs, "annotate")
+    before = need(plan.placement, "partition").bounds
+    program = split(linear, before, _stage_devices(plan, example))
+    measured = measure(program, need(plan.schedule, "schedule"), example,
+                       microbatches=o.microbatches, loss_fn=o.loss_fn, ranks=o.ranks)
+    calibration = fit_calibration(estimated, before, measured)
+    costs = calibrate_blocks(estimated, calibration)
+    placement = place(linear, costs, _target(plan))
     kept = program if placement.bounds == before else None
     return replace(plan, calibration=calibration, costs=costs, placement=placement,
                    program=kept), (
@@ -180,8 +181,9 @@ def _refine(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     o = plan.options
     if o.granularity is not None or o.split_points is not None:
         return None
-    start = Choice(plan.linear, plan.costs, plan.placement)
-    better = refine(plan.captured, start, model=_cost_model(plan, example),
+    start = Choice(need(plan.linear, "linearize"), need(plan.costs, "annotate"),
+                   need(plan.placement, "partition"))
+    better = refine(need(plan.captured, "capture"), start, model=_cost_model(plan, example),
                     target=_target(plan), example=example, ranks=o.ranks)
     if better is None:
         return None
@@ -194,20 +196,21 @@ def _refine(plan: Plan, example: Example) -> tuple[Plan, str] | None:
 
 def _split(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
-    assert plan.placement is not None and plan.costs is not None
-    program = plan.program or split(plan.linear, plan.placement.bounds,
+    costs, placement = need(plan.costs, "annotate"), need(plan.placement, "partition")
+    schedule = need(plan.schedule, "schedule")
+    program = plan.program or split(need(plan.linear, "linearize"), placement.bounds,
                                     _stage_devices(plan, example))
-    measured = (measure(program, plan.schedule, example, microbatches=o.microbatches,
+    measured = (measure(program, schedule, example, microbatches=o.microbatches,
                         loss_fn=o.loss_fn, ranks=o.ranks) if o.profile else None)
-    program = with_stage_costs(program, plan.costs, plan.placement, plan.inflight)
+    program = with_stage_costs(program, costs, placement, plan.inflight)
     if o.asynchronous:
         check_async_ties(program, o.schedule)
     specs = plan.stage_specs
-    stage_costs = tuple(simulator_costs(s, plan.costs, specs[s.index],
+    stage_costs = tuple(simulator_costs(s, costs, specs[s.index],
                                         measured[s.index] if measured else None)
                         for s in program.stages)
     # the schedule that runs moves the program's messages: relower it with the real wiring
-    schedule = relower(plan.schedule, Dataflow.of(program))
+    schedule = relower(schedule, Dataflow.of(program))
     transfers = transfer_seconds(message_bytes(program, example_microbatch_size(example, o)),
                                  lambda stage: specs[stage].bandwidth)
     return replace(plan, program=program, measured=measured, stage_costs=stage_costs,
@@ -221,24 +224,25 @@ def _threads(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     cores = shared_cores(plan.stage_specs, o.ranks)
     if not o.profile or cores is None or len(o.devices) < 2:
         return None
-    value = efficiency(plan.program, plan.schedule, example, microbatches=o.microbatches,
-                       cores=cores)
+    value = efficiency(need(plan.program, "split"), need(plan.schedule, "schedule"), example,
+                       microbatches=o.microbatches, cores=cores)
     return replace(plan, efficiency=value), (
         f"{len(o.devices)} device threads on {cores} cores run at {value:.2f} of their share")
 
 
 def _simulate(plan: Plan, example: Example) -> tuple[Plan, str]:
-    assert plan.schedule is not None
+    schedule = need(plan.schedule, "schedule")
     cores = shared_cores(plan.stage_specs, plan.options.ranks)
-    predicted = simulate(plan.schedule, plan.stage_costs, cores=cores,
+    predicted = simulate(schedule, plan.stage_costs, cores=cores,
                          efficiency=plan.efficiency, transfers=plan.transfers)
     return replace(plan, cores=cores, predicted=predicted), (
-        f"{plan.schedule.name}: predicted step {predicted.makespan * 1e3:.3f} ms, bubble "
+        f"{schedule.name}: predicted step {predicted.makespan * 1e3:.3f} ms, bubble "
         f"{predicted.bubble_fraction:.1%}")
 
 
 def _agree(plan: Plan, example: Example) -> tuple[Plan, str] | None:
-    summary = plan.options.ranks.check(plan.program, plan.schedule)
+    summary = plan.options.ranks.check(need(plan.program, "split"),
+                                       need(plan.schedule, "schedule"))
     return None if summary is None else (plan, summary)
 
 
@@ -255,7 +259,8 @@ PASSES: tuple[tuple[str, Pass], ...] = (
 
 def _cost_model(plan: Plan, example: Example) -> CostModel:
     o = plan.options
-    return CostModel(device=plan.device_model, microbatch_size=example_microbatch_size(example, o),
+    return CostModel(device=need(plan.device_model, "annotate"),
+                     microbatch_size=example_microbatch_size(example, o),
                      microbatches=o.microbatches,
                      optimizer_factor=optimizer_state_factor(o.optimizer), profile=o.profile,
                      calibration=plan.calibration)
@@ -275,5 +280,5 @@ def _stage_devices(plan: Plan, example: Example) -> list[torch.device]:
     ranks = plan.options.ranks
     if not ranks.distributed:
         return devices
-    own = set(ranks.own_stages(plan.schedule))
+    own = set(ranks.own_stages(need(plan.schedule, "schedule")))
     return [d if i in own else example.device for i, d in enumerate(devices)]

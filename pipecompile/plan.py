@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
 from .options import CompileOptions, Example
 
@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     from .runtime.actions import Schedule
     from .runtime.simulate import StageCosts, Timeline
 
-__all__ = ["PassRecord", "Plan", "Pass", "run_passes"]
+__all__ = ["PassRecord", "Plan", "Pass", "need", "run_passes"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,14 @@ class Plan:
     @property
     def stage_specs(self) -> "tuple[DeviceSpec, ...]":
         """The device of every stage (several per device with virtual stages)."""
-        assert self.schedule is not None, "the schedule pass places stages on devices"
-        return tuple(self.options.devices[d] for d in self.schedule.stage_to_device)
+        schedule = need(self.schedule, "schedule")
+        return tuple(self.options.devices[d] for d in schedule.stage_to_device)
+
+
+def need(value: T | None, set_by: str) -> T:
+    """A plan field a later pass reads: `value`, which the `set_by` pass has set by then."""
+    assert value is not None, f"a plan field is read before the {set_by} pass set it"
+    return value
 
 
 Pass = Callable[[Plan, Example], "tuple[Plan, str] | None"]
