@@ -23,9 +23,10 @@ def first_line(exc: BaseException) -> str:
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 
 
-def _failure_site(model, exc: BaseException) -> tuple[str, str, int] | None:
+def _failure_site(model: torch.nn.Module, exc: BaseException) -> tuple[str, str, int] | None:
     """(module path, file, line) of the innermost model code on the failure's stack."""
-    frames = [(f, int(n), None) for f, n, _ in _FRAME.findall(str(exc))]
+    frames: list[tuple[str, int, object]] = [
+        (f, int(n), None) for f, n, _ in _FRAME.findall(str(exc))]
     tb = exc.__traceback__
     while tb is not None:
         frame = tb.tb_frame
@@ -36,19 +37,20 @@ def _failure_site(model, exc: BaseException) -> tuple[str, str, int] | None:
         name = _module_at(model, filename, line)
         if name is not None:  # the module running that code, when the frame still tells
             exact = paths.get(id(owner))
-            same = exact is not None and type(owner) is type(model.get_submodule(name))
-            return (exact if same else name), filename, line
+            if exact is None or type(owner) is not type(model.get_submodule(name)):
+                exact = name
+            return exact, filename, line
     return None
 
 
-def opaque_reason(model, exc: BaseException) -> str:
+def opaque_reason(model: torch.nn.Module, exc: BaseException) -> str:
     """Why a module is kept opaque: torch's message, short, and where."""
     text = first_line(exc).split(" (unhinted")[0]
     site = _failure_site(model, exc)
     return f"{text} at {site[1]}:{site[2]}" if site else text
 
 
-def failing_submodule(model, exc: BaseException) -> str | None:
+def failing_submodule(model: torch.nn.Module, exc: BaseException) -> str | None:
     """The submodule (never the root) whose own code stopped the capture, if one did; None
     when the batch size could not be dynamic (then static shapes are tried instead)."""
     if type(exc).__name__ == "ConstraintViolationError" or "Constraints violated" in str(exc):
@@ -57,7 +59,7 @@ def failing_submodule(model, exc: BaseException) -> str | None:
     return site[0] if site is not None and site[0] else None
 
 
-def capture_error(model, tool: str, exc: BaseException, alternative: str,
+def capture_error(model: torch.nn.Module, tool: str, exc: BaseException, alternative: str,
                    opaque: Mapping[str, Any] | None = None) -> CaptureError:
     """A CaptureError naming the module whose code failed, with the hints that apply."""
     site = _failure_site(model, exc)

@@ -155,8 +155,8 @@ def cross_stage_writes(graph: fx.Graph, stage_of: dict[str, int]) -> list[tuple[
         w = stage_of.get(node.name)
         for m in (n for n in graph.nodes if base.get(n) is base[x]):
             for reader in m.users:
-                c = stage_of.get(reader.name, w)
-                if reader is node or c == w:
+                c = stage_of.get(reader.name)
+                if reader is node or c is None or c == w:  # None: a reader outside every stage
                     continue
                 if _sees_write(m, c, w, stage_of) != (order[reader] > order[node]):
                     found.append((node.name, base[x].name, c))
