@@ -226,9 +226,11 @@ class _Tracer(fx.Tracer):
     get_attr node where the source reads it, as in the saved graph (plain tracing records
     buffers and modules only where they are first used)."""
 
+    _names_of: dict[int, str] | None = None  # id -> name, built once per trace
+
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
         if isinstance(attr_val, (torch.Tensor, fx.GraphModule)):
-            if getattr(self, "_names_of", None) is None:  # built once per trace: id -> name
+            if self._names_of is None:
                 found = [*self.root.named_modules(), *self.root.named_parameters(),
                          *self.root.named_buffers()]
                 self._names_of = {}
@@ -242,9 +244,11 @@ class _Tracer(fx.Tracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
-def _trace(root: torch.nn.Module, cls: type, class_name: str, names: list[str]) -> fx.GraphModule:
+def _trace(root: torch.nn.Module, cls: type[torch.nn.Module], class_name: str,
+           names: list[tuple[str, bool]]) -> fx.GraphModule:
     tracer = _Tracer()
     forward = cls.forward
+    assert isinstance(forward, types.FunctionType), f"{class_name}.forward is not a function"
     recorded = types.FunctionType(forward.__code__, {**forward.__globals__,
                                                      "torch": _TorchRecorder(tracer)},
                                   forward.__name__, forward.__defaults__, forward.__closure__)

@@ -163,7 +163,7 @@ def exporting(model: torch.nn.Module, specs: Mapping[str, OpaqueModule]) -> Iter
     """While active, each module at a path in `specs` calls `pipecompile::opaque` instead.
 
     Yields {path: (input spec, input leaves with None where a tensor goes)} for `restore`."""
-    patched = []
+    patched: list[tuple[torch.nn.Module, bool, Any]] = []  # (module, had own forward, that)
     calls: dict[str, tuple] = {}
     for path, spec in specs.items():
         module = model.get_submodule(path)
@@ -249,10 +249,13 @@ def _opaque_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple:
     """The module's own forward on real tensors; recorded shapes on fake ones."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    spec: OpaqueModule = type(self)._pipecompile_opaque
+    spec: OpaqueModule = getattr(type(self), "_pipecompile_opaque")  # see _opaque_copy
     tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     if not any(isinstance(t, FakeTensor) for t in tensors):
-        return flat_outputs(super(type(self), self).forward(*args, **kwargs))
+        # type(self) is the opaque subclass: super() reaches the module's own forward, which
+        # mypy cannot see from `self: Module`
+        own = super(type(self), self).forward  # type: ignore[misc]
+        return flat_outputs(own(*args, **kwargs))
     _charge(spec, tensors)
     return tuple(fake_outputs(spec, tensors))
 
