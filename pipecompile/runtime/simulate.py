@@ -300,8 +300,10 @@ def _transfers(timeline: Timeline, deps, latency) -> tuple[Transfer, ...]:
     for e in timeline.events:
         for dep in deps[e.action]:
             if home[dep] != e.device:
+                microbatch = e.action.microbatch
+                assert microbatch is not None, "only a STEP has none, and it waits on its stage"
                 forward = dep.kind in (Kind.F, Kind.SEND_F)
-                found.append(Transfer(dep.stage, e.action.stage, e.action.microbatch,
+                found.append(Transfer(dep.stage, e.action.stage, microbatch,
                                       "F" if forward else "B", end[dep],
                                       end[dep] + latency(dep, e.action)))
     return tuple(sorted(found, key=lambda t: (t.start, t.src, t.dst)))

@@ -150,10 +150,11 @@ def _check_messages(schedule: Schedule, where: dict[Action, _Position], flow: Da
         if action.kind not in _PARTNER:
             continue
         peer = action.peer
+        assert peer is not None, "Action gives every send and receive a peer"
         at = _at(action, position)  # only comm actions get here
-        if peer >= schedule.num_stages:  # type: ignore[operator]
+        if peer >= schedule.num_stages:
             raise ScheduleError(f"{at}: stage {action.stage} has no stage {peer} to talk to")
-        device = schedule.stage_to_device[peer]  # type: ignore[index]
+        device = schedule.stage_to_device[peer]
         if device == position[0]:
             raise ScheduleError(
                 f"{at}: stages {action.stage} and {peer} both run on device {device}; "
