@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Any, Mapping, Sequence
 
 import torch
 
@@ -35,6 +35,9 @@ from ..ir import CostTable
 from ..runtime.stage_worker import LossSpec, StageWorker
 from ..tensors import to_device as _to
 from .profile import sync_device
+
+if TYPE_CHECKING:
+    from .split import StagedProgram
 
 __all__ = ["StageTimes", "Calibration", "measure_stages", "thread_efficiency", "fit_calibration",
            "calibrate_blocks"]
@@ -52,10 +55,10 @@ class StageTimes:
 
 
 def measure_stages(
-    program,
+    program: StagedProgram,
     values: Mapping[str, Any],
     *,
-    grad_values: set[str],
+    grad_values: AbstractSet[str],
     loss: LossSpec | None,
     target: Any = None,
     stages: Sequence[int] | None = None,
@@ -81,10 +84,10 @@ def measure_stages(
 
 
 def thread_efficiency(
-    program,
+    program: StagedProgram,
     values: Mapping[str, Any],
     *,
-    grad_values: set[str],
+    grad_values: AbstractSet[str],
     device_stages: Sequence[int],
     cores: int,
     repeats: int = 5,

@@ -216,7 +216,7 @@ def _boundaries(graph: fx.Graph, roles, block_of, n: int) -> tuple[tuple[str, ..
     return tuple(tuple(c) for c in cuts)
 
 
-def compute_inputs(node: fx.Node, roles) -> list[fx.Node]:
+def compute_inputs(node: fx.Node, roles: Mapping[str, str]) -> list[fx.Node]:
     """Compute nodes `node` reads, looking through remat nodes (a stage recomputes those)."""
     out, stack, seen = [], list(node.all_input_nodes), set()
     while stack:

@@ -16,16 +16,22 @@ its stage, so every copy of every parameter sees the same gradient and stays bit
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..passes.split import StagedProgram
+    from .actions import Schedule
+    from .p2p import ValueSpec
 
 __all__ = ["Topology", "topology_from_environment", "local_device", "check_same_plan",
            "plan_digest", "GradientSync", "reduce_mean_loss", "value_specs", "forward_only",
@@ -87,7 +93,7 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def plan_digest(program, schedule) -> int:
+def plan_digest(program: StagedProgram, schedule: Schedule) -> int:
     """A hash of everything every rank must agree on: cuts, wiring, shapes and the schedule."""
     values = program.captured.values
     plan = {
@@ -121,7 +127,8 @@ def check_same_plan(digest: int, device: torch.device) -> None:
 class GradientSync:
     """Process groups and reductions for tied parameters and data-parallel replicas."""
 
-    def __init__(self, topology: Topology, program, schedule, own_stages: Sequence[int]):
+    def __init__(self, topology: Topology, program: StagedProgram, schedule: Schedule,
+                 own_stages: Sequence[int]):
         self.topology = topology
         position = schedule.stage_to_device
         P, D = topology.pipeline_size, topology.data_parallel
@@ -157,10 +164,11 @@ class GradientSync:
             dist.all_reduce(tensor.grad, group=group)
         if self.dp_group is None:
             return
+        grads: list[torch.Tensor] = []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
+            grads.append(p.grad)
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -180,18 +188,17 @@ def reduce_mean_loss(losses: Sequence[torch.Tensor], device: torch.device) -> to
     return total[0] / total[1]
 
 
-def value_specs(program) -> dict:
+def value_specs(program: StagedProgram) -> dict[str, ValueSpec]:
     """Receive-buffer specs of every boundary value: its symbolic shape at a micro-batch size."""
     from .messages import value_shape
     from .p2p import ValueSpec
 
     values = program.captured.values
-    return {name: ValueSpec(lambda size, name=name: value_shape(program, name, size),
-                            values[name].dtype)
+    return {name: ValueSpec(functools.partial(value_shape, program, name), values[name].dtype)
             for name in program.producer}
 
 
-def forward_only(schedule):
+def forward_only(schedule: Schedule) -> Schedule:
     """A one-micro-batch schedule of forwards only: micro-batch 0's F actions and forward
     messages of the (lowered) ``schedule``, in its order on every device."""
     from .actions import Kind, Schedule
@@ -203,8 +210,9 @@ def forward_only(schedule):
                     schedule.stage_to_device, tuple(rows))
 
 
-def broadcast_outputs(outputs, program, batch: int, topology: Topology, group, schedule,
-                      devices) -> list:
+def broadcast_outputs(outputs: Mapping[str, Any] | None, program: StagedProgram, batch: int,
+                      topology: Topology, group: dist.ProcessGroup | None, schedule: Schedule,
+                      devices: Sequence[torch.device]) -> list[Any]:
     """The model's flat outputs on every rank of the replica, sent by the last stage's rank."""
     from ..ir import evaluate
 
@@ -222,6 +230,7 @@ def broadcast_outputs(outputs, program, batch: int, topology: Topology, group, s
             flat.append(outputs[name] if outputs is not None else None)
             continue
         if src == topology.rank:
+            assert outputs is not None, "the last stage ran here: the executor kept its outputs"
             tensor = outputs[name].contiguous()
         else:
             shape = tuple(int(evaluate(d, sizes)) for d in info.shape)

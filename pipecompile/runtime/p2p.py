@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,8 +55,12 @@ class Waiter:
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._loop, daemon=True, name="pipecompile-p2p-wait").start()
 
-    def submit(self, work, timeout: float) -> tuple[threading.Event, list]:
-        done, outcome = threading.Event(), []
+    def submit(self, work: dist.Work, timeout: float) -> tuple[threading.Event,
+                                                                list[BaseException]]:
+        """Wait for `work` on the thread; the event is set when it is done, the list then holds
+        the exception it raised, if any."""
+        done = threading.Event()
+        outcome: list[BaseException] = []
         self._queue.put((work, timeout, done, outcome))
         return done, outcome
 
@@ -94,7 +98,7 @@ class P2PTransport:
 
     # -- transport interface ---------------------------------------------------------------
 
-    def post(self, messages) -> None:
+    def post(self, messages: Sequence[Message]) -> None:
         """Post the receives of ``messages`` now, so their data moves while this rank computes."""
         for message in messages:
             if message not in self._posted:
