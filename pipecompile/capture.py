@@ -20,7 +20,7 @@ import inspect
 import io
 import logging
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import sympy
 import torch
@@ -35,6 +35,9 @@ from .passes.inplace import functionalize
 from .passes.nodes import preserve_buffers
 from .passes.opaque import OpaqueModule
 from .rng import seed_random_ops
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
 
 __all__ = ["capture", "batch_size_of", "seed_captured"]
 
@@ -174,7 +177,8 @@ def _rerecord(model, args, kwargs, specs, batch) -> dict[str, OpaqueModule]:
     return again
 
 
-def _export(model, args, kwargs, shapes, specs, verbose):
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], shapes: Any,
+            specs: Mapping[str, OpaqueModule], verbose: bool) -> tuple[ExportedProgram, dict]:
     """torch.export with the opaque modules swapped for custom-op calls; torch's own output
     (a partial graph of up to thousands of lines on failure) kept off the terminal unless
     `verbose`."""
@@ -189,7 +193,7 @@ def _export(model, args, kwargs, shapes, specs, verbose):
 
 
 @contextlib.contextmanager
-def _quiet(verbose: bool):
+def _quiet(verbose: bool) -> Iterator[io.StringIO]:
     """Collect what torch prints to stderr and logs below ERROR while exporting."""
     buffer = io.StringIO()
     if verbose:

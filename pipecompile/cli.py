@@ -28,7 +28,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TextIO
 
 from .errors import PipecompileError
 from .report import format_bytes
@@ -224,7 +224,7 @@ def _predicted_json(pipe) -> dict[str, Any]:
             "peak_inflight": [t.peak_inflight(s) for s in range(len(pipe.stages))]}
 
 
-def _table(rows: list[tuple[str, ...]], *, indent: int) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], *, indent: int) -> list[str]:
     if not rows:
         return []
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -240,7 +240,7 @@ class _Stderr(logging.StreamHandler):
         self.setFormatter(logging.Formatter("pipecompile: %(message)s"))
 
     @property
-    def stream(self):  # type: ignore[override]
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter

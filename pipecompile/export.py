@@ -152,6 +152,7 @@ def _export(gm, args, dynamic_shapes, output_names: list[str], path: Path) -> No
         warnings.simplefilter("ignore")  # eval-mode, torchvision and naming notices
         program = torch.onnx.export(gm, args, dynamo=True, optimize=False, verbose=False,
                                     dynamic_shapes=dynamic_shapes)
+    assert program is not None, "dynamo=True always returns an ONNXProgram"
     _name_outputs(program.model.graph, output_names)
     program.save(str(path))
 

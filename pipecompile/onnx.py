@@ -112,8 +112,9 @@ def validate_manifest(manifest: Any, *, where: str = "manifest") -> None:
 
 # ---------------------------------------------------------------------------------------------
 
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "number": (int, float),
-          "integer": int}
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "object": dict, "array": list, "string": str, "boolean": bool, "number": (int, float),
+    "integer": int}
 
 
 def _check(value: Any, schema: Mapping[str, Any], path: str) -> list[str]:

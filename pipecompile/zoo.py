@@ -71,7 +71,7 @@ class GPT(nn.Module):
         for module in self.modules():  # GPT-2's initialisation: N(0, 0.02), zero biases
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
-                if getattr(module, "bias", None) is not None:
+                if isinstance(module, nn.Linear) and module.bias is not None:  # Embedding: none
                     nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
