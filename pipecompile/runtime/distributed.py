@@ -191,15 +191,16 @@ def value_specs(program) -> dict:
             for name in program.producer}
 
 
-def forward_only(schedule):
-    """A one-micro-batch schedule of forwards only: micro-batch 0's F actions and forward
-    messages of the (lowered) ``schedule``, in its order on every device."""
+def forward_only(schedule, microbatches: int = 1):
+    """A schedule of forwards only over the first `microbatches` micro-batches: their F
+    actions and forward messages of the (lowered) ``schedule``, in its order on every device
+    (each device's forwards stay in micro-batch order, so no wait can deadlock)."""
     from .actions import Kind, Schedule
 
     keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
-    rows = [tuple(a for a in row if a.kind in keep and a.microbatch == 0)
+    rows = [tuple(a for a in row if a.kind in keep and a.microbatch < microbatches)
             for row in schedule.actions]
-    return Schedule(f"{schedule.name}-forward", schedule.num_stages, 1,
+    return Schedule(f"{schedule.name}-forward", schedule.num_stages, microbatches,
                     schedule.stage_to_device, tuple(rows))
 
 

@@ -145,6 +145,10 @@ class StageWorker:
         """Forward without keeping anything for backward (forward-only calls)."""
         return dict(zip(self.output_names, self._run(inputs)))
 
+    def loss_of(self, outputs: Mapping[str, Any], target: Any) -> torch.Tensor:
+        """The last stage's loss of `outputs` (by output name), e.g. of an `infer` result."""
+        return self._loss(tuple(outputs[n] for n in self.output_names), target)
+
     def backward(self, mb: int, output_grads: Mapping[str, Any]) -> dict[str, Any]:
         """Full backward of micro-batch `mb`: accumulates parameter grads, returns input grads."""
         saved = self._restore(mb)
