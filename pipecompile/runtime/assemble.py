@@ -299,9 +299,11 @@ class DistributedRuntime(Runtime):
         with torch.no_grad():
             self.executor.run(forward_only(self.schedule), self.transport([mb]), [mb], [flat],
                               forward_only=True)
+        autocast = AutocastState.current(self.device_types) is not None
         return captured.unflatten_outputs(
             broadcast_outputs(self.executor.outputs.get(0), self.program, mb.size, self.topology,
-                              self.sync.replica_group, self.schedule, self.wiring.devices))
+                              self.sync.replica_group, self.schedule, self.wiring.devices,
+                              same_dtypes=not autocast))
 
 
 def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOptions",

@@ -205,8 +205,10 @@ def forward_only(schedule, microbatches: int = 1):
 
 
 def broadcast_outputs(outputs, program, batch: int, topology: Topology, group, schedule,
-                      devices) -> list:
-    """The model's flat outputs on every rank of the replica, sent by the last stage's rank."""
+                      devices, *, same_dtypes: bool = True) -> list:
+    """The model's flat outputs on every rank of the replica, sent by the last stage's rank.
+    `same_dtypes=False` (under autocast, where an output may not have its captured dtype):
+    the sender tells the others each output's dtype first."""
     from ..ir import evaluate
 
     captured = program.captured
@@ -216,6 +218,12 @@ def broadcast_outputs(outputs, program, batch: int, topology: Topology, group, s
     sizes = dict(captured.example_sizes)
     if captured.batch_symbol is not None:
         sizes[captured.batch_symbol] = batch
+    dtypes = {n: v.dtype for n, v in captured.values.items() if n in captured.output_names}
+    if not same_dtypes:
+        box = [{n: outputs[n].dtype for n in dtypes if isinstance(outputs[n], torch.Tensor)}
+               if src == topology.rank else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        dtypes.update(box[0])
     flat = []
     for name in captured.output_names:
         info = captured.values.get(name)
@@ -226,7 +234,7 @@ def broadcast_outputs(outputs, program, batch: int, topology: Topology, group, s
             tensor = outputs[name].contiguous()
         else:
             shape = tuple(int(evaluate(d, sizes)) for d in info.shape)
-            tensor = torch.empty(shape, dtype=info.dtype, device=device)
+            tensor = torch.empty(shape, dtype=dtypes[name], device=device)
         dist.broadcast(tensor, src=src, group=group)
         flat.append(tensor)
     return flat
