@@ -34,14 +34,14 @@ class BatchNormDropout(nn.Module):
         return self.head(self.drop(h))
 
 
-def _bn_pipe(p: float = 0.5):
+def _bn_pipe(p: float = 0.5, capture: str = "export"):
     torch.manual_seed(0)
     model = BatchNormDropout(p).double()
     x = torch.randn(8, 6, dtype=torch.float64) * 2 + 1
     y = torch.randint(0, 3, (8,))
     reference = copy.deepcopy(model)
     pipe = pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=F.cross_entropy,
-                      split_points=["fc2"])
+                      split_points=["fc2"], capture=capture)
     return pipe, reference, x, y
 
 
@@ -69,8 +69,9 @@ def test_missing_and_extra_inputs_name_the_input_and_the_compiled_signature():
 # -- 4 and 7: eval mode, eval_step --------------------------------------------------------------
 
 
-def test_eval_output_equals_model_eval_after_training_steps():
-    pipe, reference, x, y = _bn_pipe()
+@pytest.mark.parametrize("capture", ["export", "fx"])
+def test_eval_output_equals_model_eval_after_training_steps(capture):
+    pipe, reference, x, y = _bn_pipe(capture=capture)
     for _ in range(2):  # running statistics advance per micro-batch, as in the reference
         pipe.step(x, target=y)
         reference_step(reference, (x,), {}, y, F.cross_entropy, 2)
@@ -171,6 +172,61 @@ def test_user_adamw_and_scheduler_on_a_model_tied_across_stages():
         for _, t in copies:
             torch.testing.assert_close(t, reference.get_parameter(name) if name in want
                                        else t, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.fixture
+def second_device(monkeypatch):
+    """Stages on "cpu:1" get their own copies of the tensors, as stages on a second
+    accelerator would (no accelerator here): a tie across stages has two objects."""
+    import pipecompile.passes.split as split_module
+
+    place = split_module._to_device
+
+    def to_device(tensor, device):
+        if device.index != 1:
+            return place(tensor, device)
+        moved = tensor.detach().clone()
+        if isinstance(tensor, nn.Parameter):
+            return nn.Parameter(moved, requires_grad=tensor.requires_grad)
+        return moved
+
+    monkeypatch.setattr(split_module, "_to_device", to_device)
+    return ["cpu:0", "cpu:1"]
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_user_adamw_when_the_tie_has_a_copy_on_another_device(second_device, clip):
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    reference = copy.deepcopy(case.model)
+    pipe = pc.compile(case.model, case.args, devices=second_device, microbatches=2,
+                      loss_fn=case.loss_fn)
+    (_, owner), (_, other) = pipe.program.tensors["lm_head.weight"]
+    assert owner is not other and pipe.get_parameter("lm_head.weight") is owner
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        loss = pipe.step(*case.args, target=case.target)  # the copy follows at its start
+        ref_loss, _ = reference_step(reference, case.args, {}, case.target, case.loss_fn, 2)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+        if clip:  # the tie counted once, both copies' gradients scaled
+            torch.testing.assert_close(
+                pipe.clip_grad_norm_(0.05),
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05), rtol=1e-12, atol=0)
+            torch.testing.assert_close(other.grad, owner.grad, rtol=0, atol=0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_sched.step()
+    assert not torch.equal(other, owner)  # only the owner was updated so far
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(*case.args), reference(*case.args), rtol=1e-10,
+                                   atol=1e-12)
+    assert torch.equal(other, owner)
+    torch.testing.assert_close(owner, reference.lm_head.weight, rtol=1e-10, atol=1e-12)
 
 
 def test_tied_copies_follow_their_owner_after_any_update():

@@ -120,8 +120,8 @@ def clip_grad_norm(counted: Sequence[torch.Tensor], held: Sequence[torch.Tensor]
             f"the total {norm_type}-norm of the gradients is {float(total)}; pass "
             f"error_if_nonfinite=False to clip_grad_norm_ to scale them anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in {id(p): p for p in held if p.grad is not None}.values():
-        p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    for grad in {id(p.grad): p.grad for p in held if p.grad is not None}.values():
+        grad.mul_(coef.to(grad.device, grad.dtype))  # a gradient shared by copies: once
     return total
 
 
