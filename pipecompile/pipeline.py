@@ -212,6 +212,7 @@ class Pipeline(torch.nn.Module):
             return [self.step(*a, target=t, **k) for a, k, t in batches]
         mbs: list[MicroBatch] = []
         for a, k, t in batches:
+            check_inputs(self.program.captured, a, k, where="pipe.fit()")
             for mb in split_microbatches(a, k, t, self.microbatches):
                 mbs.append(replace(mb, index=len(mbs)))
         schedule = make_schedule(self.schedule.name, self.schedule.num_devices,

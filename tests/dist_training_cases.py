@@ -74,3 +74,26 @@ def autocast_bf16_boundary(rank):
         out = pipe(x)
     return {"loss": loss, "out": out,
             "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()}}
+
+
+def eval_mode(rank):
+    """Two training steps of a batch-norm + dropout model, then eval-mode outputs on 2 ranks."""
+    import torch.nn.functional as F
+
+    from tests.test_training_loop import BatchNormDropout
+
+    torch.manual_seed(0)
+    model = BatchNormDropout().double()
+    x = torch.randn(8, 6, dtype=torch.float64) * 2 + 1
+    y = torch.randint(0, 3, (8,))
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=F.cross_entropy,
+                      split_points=["fc2"], timeout=60)
+    for _ in range(2):
+        pipe.step(x, target=y)
+    val = pipe.eval_step(x, target=y)  # eval mode for this call only
+    training = pipe.training
+    pipe.eval()
+    with torch.no_grad():
+        out, again = pipe(x), pipe(x)
+    return {"val": val, "out": out, "again": again, "training": training,
+            "state": {k: v.clone() for k, v in pipe.state_dict().items()}}

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist import run_ranks
-from tests.dist_training_cases import _loop, autocast_bf16_boundary, autocast_step, user_loop
+from tests.dist_training_cases import (_loop, autocast_bf16_boundary, autocast_step, eval_mode,
+                                       user_loop)
 from tests.models import CASES
 from tests.reference import reference_step
 
@@ -105,3 +106,29 @@ def test_autocast_with_a_bf16_value_between_ranks():
         torch.testing.assert_close(r["loss"], want.double(), rtol=1e-5, atol=1e-6)
         for name, g in r["grads"].items():
             torch.testing.assert_close(g, grads[name], rtol=5e-2, atol=5e-3, msg=name)
+
+
+def test_eval_mode_and_eval_step_on_two_ranks():
+    from tests.test_training_loop import _bn_pipe
+
+    results = run_ranks(eval_mode, 2)
+    _, reference, x, y = _bn_pipe()
+    for _ in range(2):  # running statistics advance per micro-batch
+        reference_step(reference, (x,), {}, y, F.cross_entropy, 2)
+    reference.eval()
+    with torch.no_grad():
+        out = reference(x)
+        val = torch.stack([F.cross_entropy(reference(xi), yi)
+                           for xi, yi in zip(x.chunk(2), y.chunk(2))]).mean()
+    for rank, r in enumerate(results):
+        assert "error" not in r and "died" not in r, (rank, r)
+        assert r["training"]  # eval_step left train mode on
+        torch.testing.assert_close(r["val"], val, rtol=1e-12, atol=0)
+        torch.testing.assert_close(r["out"], out, rtol=1e-12, atol=1e-12)
+        assert torch.equal(r["out"], r["again"])
+    state = reference.state_dict()
+    for key in state:  # every buffer is on some rank, equal to the reference's
+        held = [r["state"][key] for r in results if key in r["state"]]
+        assert held, key
+        for value in held:
+            torch.testing.assert_close(value, state[key], rtol=1e-12, atol=0, msg=key)

@@ -9,6 +9,11 @@ asynchronous schedules), the `Executor`, one optimizer per stage (synchronous sc
 transport per step. They differ in how values move (in-process `Mailbox` or `P2PTransport`),
 how a step ends (tied copies' gradients summed locally, or reduced across ranks and replicas)
 and how a forward-only call runs. `Pipeline` holds the result and never asks which it is.
+
+What a user's training loop needs is here too (mechanisms in `training.py`): the caller's
+autocast re-entered in the device threads, a loss scale, train/eval mode (the workers switch
+between the stage graphs and their eval-mode forms), forward-only validation losses, clipping
+by the global gradient norm, and tied copies that follow their owner.
 """
 
 from __future__ import annotations
