@@ -73,6 +73,7 @@ def test_state_is_captured_and_reentered_in_another_thread():
 def test_step_under_autocast_equals_the_unsplit_model(options):
     pipe, reference, x, y = _setup(**options)
     float_loss = pipe.step(x, target=y)
+    assert pipe.executor.autocast is None  # autocast off: no context entered per action
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = pipe.step(x, target=y)
     want, grads = _reference_step(reference, x, y)

@@ -66,6 +66,12 @@ def test_missing_and_extra_inputs_name_the_input_and_the_compiled_signature():
     assert torch.isfinite(loss)
 
 
+def test_an_fx_capture_names_its_positional_signature():
+    pipe, _, x, y = _bn_pipe(capture="fx")
+    with pytest.raises(pc.ConfigError, match=r"'bias' .*\(x\).*torch.fx: pass inputs positionally"):
+        pipe.step(x, target=y, bias=x)
+
+
 # -- 4 and 7: eval mode, eval_step --------------------------------------------------------------
 
 
@@ -268,6 +274,19 @@ def test_clip_grad_norm_equals_the_unsplit_model(norm_type):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     assert got > 0.1  # the gradients were really scaled
     assert_grads_equal(pipe, {n: p.grad for n, p in reference.named_parameters()}, rtol=1e-12)
+
+
+def test_clip_refuses_a_non_finite_norm_when_asked_and_asynchronous_schedules():
+    pipe, _, x, y = _bn_pipe(p=0.0)
+    pipe.step(x, target=y)
+    next(pipe.parameters()).grad[0, 0] = math.inf
+    with pytest.raises(pc.ConfigError, match="error_if_nonfinite=False"):
+        pipe.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    pipe = pc.compile(BatchNormDropout(0.0).double(), (x,), devices=2, microbatches=2,
+                      loss_fn=F.cross_entropy, schedule="pipedream", split_points=["fc2"],
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(pc.ConfigError, match="no step gradients to clip"):
+        pipe.clip_grad_norm_(1.0)
 
 
 # -- 3 (GradScaler side): a scaled loss scales the gradients -------------------------------------
