@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from .capture import batch_size_of
 from .draw import draw_partition
 from .errors import ConfigError
+from .inputs import check_inputs
 from .mirror import mirror
 from .passes.split import Stage, StagedProgram
 from .persist import load_plan, save_plan
@@ -36,6 +37,7 @@ from .runtime.executor import Executor
 from .runtime.microbatch import MicroBatch, split_microbatches
 from .runtime.schedules import make_schedule
 from .runtime.simulate import StageCosts, Timeline, simulate
+from .runtime.training import loss_scale_value
 
 __all__ = ["Pipeline", "PassRecord", "load"]
 
@@ -129,6 +131,7 @@ class Pipeline(torch.nn.Module):
         outputs with that leading size are concatenated.
         """
         captured = self.program.captured
+        check_inputs(captured, args, kwargs, where="pipe()")
         batch = batch_size_of(args, kwargs)
         if not captured.dynamic_batch and batch != captured.captured_batch_size:
             return self._call_in_chunks(args, kwargs, batch)
@@ -154,15 +157,48 @@ class Pipeline(torch.nn.Module):
             merged.append(torch.cat(parts))
         return pytree.tree_unflatten(merged, leaves[0][1])
 
-    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+    def step(self, *args: Any, target: Any = None, loss_scale: Any = None,
+             **kwargs: Any) -> torch.Tensor:
         """One training step over `microbatches` micro-batches; returns the mean loss.
 
         Synchronous schedules: gradients start from zero and end as those of the mean
         micro-batch loss; with an optimizer, every stage's parameters are updated. PipeDream
         and 2BW update during the step (see `runtime/versions.py`) and drain at its end.
+        A `torch.autocast` active around the call applies in every stage. `loss_scale` (a
+        number or a `torch.amp.GradScaler`) multiplies the loss before backward, so the
+        gradients are that many times larger; the returned loss is not scaled.
         """
+        check_inputs(self.program.captured, args, kwargs, where="pipe.step()")
         mbs = split_microbatches(args, kwargs, target, self.microbatches)
-        return self.runtime.run(self.schedule, mbs, batches=1)[0]
+        scale = loss_scale_value(loss_scale, self.runtime.wiring.devices[-1])
+        return self.runtime.run(self.schedule, mbs, batches=1, loss_scale=scale)[0]
+
+    def eval_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """The validation loss of a batch: the mean over micro-batches of
+        `loss_fn(model.eval()(x_i), y_i)`, by forwards only in eval mode without autograd.
+        Gradients, parameters and `pipe.training` are left as they were."""
+        check_inputs(self.program.captured, args, kwargs, where="pipe.eval_step()")
+        mbs = split_microbatches(args, kwargs, target, self.microbatches)
+        return self.runtime.evaluate(mbs)
+
+    def train(self, mode: bool = True) -> "Pipeline":
+        """Train mode (the default) or, with `mode=False` (`pipe.eval()`), eval mode: the
+        stages run their inference graphs (batch norm reads its running statistics, dropout
+        is off), as `model.eval()` does to the unsplit model."""
+        super().train(mode)
+        self.runtime.set_training(mode)
+        return self
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients by their global norm, as `torch.nn.utils.clip_grad_norm_`
+        over `model.parameters()` would: the norm covers every stage, on every rank, a tied
+        parameter once; returns that total norm (the same on every rank)."""
+        if self.runtime.asynchronous:
+            raise ConfigError(
+                f"schedule={self.schedule.name!r} updates the weights during the step, so there "
+                f"are no step gradients to clip afterwards; use a synchronous schedule")
+        return self.runtime.clip_grad_norm(max_norm, norm_type, error_if_nonfinite)
 
     def fit(self, batches: Iterable[tuple]) -> list[torch.Tensor]:
         """Train on a stream of batches; returns each batch's mean loss.
@@ -176,6 +212,7 @@ class Pipeline(torch.nn.Module):
             return [self.step(*a, target=t, **k) for a, k, t in batches]
         mbs: list[MicroBatch] = []
         for a, k, t in batches:
+            check_inputs(self.program.captured, a, k, where="pipe.fit()")
             for mb in split_microbatches(a, k, t, self.microbatches):
                 mbs.append(replace(mb, index=len(mbs)))
         schedule = make_schedule(self.schedule.name, self.schedule.num_devices,

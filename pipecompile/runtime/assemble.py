@@ -9,14 +9,22 @@ asynchronous schedules), the `Executor`, one optimizer per stage (synchronous sc
 transport per step. They differ in how values move (in-process `Mailbox` or `P2PTransport`),
 how a step ends (tied copies' gradients summed locally, or reduced across ranks and replicas)
 and how a forward-only call runs. `Pipeline` holds the result and never asks which it is.
+
+What a user's training loop needs is here too (mechanisms in `training.py`): the caller's
+autocast re-entered in the device threads, a loss scale, train/eval mode (the workers switch
+between the stage graphs and their eval-mode forms), forward-only validation losses, clipping
+by the global gradient norm, and tied copies that follow their owner.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+import contextlib
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..passes.eval_mode import eval_graph
 from ..passes.split import StagedProgram
 from ..tensors import to_device
 from .actions import Schedule
@@ -29,6 +37,7 @@ from .microbatch import MicroBatch, split_microbatches
 from .p2p import P2PTransport, Waiter
 from .schedules import ASYNC_SCHEDULE_NAMES
 from .stage_worker import LossSpec, StageWorker
+from .training import AutocastState, TiedCopies, clip_grad_norm, counted_parameters
 from .versions import VersionRule, WeightVersions
 
 if TYPE_CHECKING:
@@ -71,6 +80,10 @@ class Runtime:
         self.optimizers = ([] if self.asynchronous
                            else _optimizers(program, options.optimizer, self.own_stages))
         self.parameters = self._parameters()  # every copy this process holds (tied: all)
+        self.device_types = sorted({self.wiring.devices[s].type for s in self.own_stages})
+        self.ties = TiedCopies(program, self.own_stages)
+        self.training = True  # False: the workers run the stages' eval-mode graphs
+        self._eval_modules: dict[int, torch.nn.Module] = {}
         self.last_schedule = schedule  # the schedule the last step ran
         self.communication: Any = None  # the last step's message statistics (P2P transport)
 
@@ -82,11 +95,14 @@ class Runtime:
                 return tensor
         return None
 
-    def run(self, schedule: Schedule, mbs: Sequence[MicroBatch], *,
-            batches: int) -> list[torch.Tensor]:
-        """Run `schedule` over micro-batches `mbs`; the mean loss of each batch."""
+    def run(self, schedule: Schedule, mbs: Sequence[MicroBatch], *, batches: int,
+            loss_scale: float | None = None) -> list[torch.Tensor]:
+        """Run `schedule` over micro-batches `mbs`; the mean loss of each batch. The caller's
+        autocast applies in every device thread; `loss_scale` multiplies the loss before
+        backward (a GradScaler's scale), not the returned loss."""
         captured = self.program.captured
         flat = [captured.flatten_inputs(mb.args, mb.kwargs) for mb in mbs]
+        self.ties.follow()
         if not self.asynchronous:
             for p in self.parameters:
                 p.grad = None
@@ -95,7 +111,9 @@ class Runtime:
             if worker.versions is not None:
                 worker.versions.begin_call()
         transport = self.transport(mbs)
-        steps = self.executor.run(schedule, transport, mbs, flat)
+        self.executor.autocast = AutocastState.current(self.device_types)
+        with self._scaled_loss(loss_scale):
+            steps = self.executor.run(schedule, transport, mbs, flat)
         self.last_schedule = schedule
         self.communication = getattr(transport, "stats", None)  # P2P: messages, bytes, waits
         last = self.workers.get(self.program.num_stages - 1)
@@ -107,6 +125,73 @@ class Runtime:
                 opt.step()
         return result
 
+    def evaluate(self, mbs: Sequence[MicroBatch]) -> torch.Tensor:
+        """The mean validation loss over `mbs`: forwards only, in eval mode, without
+        autograd (nothing is kept for a backward pass)."""
+        captured = self.program.captured
+        flat = [captured.flatten_inputs(mb.args, mb.kwargs) for mb in mbs]
+        self.ties.follow()
+        self.executor.autocast = AutocastState.current(self.device_types)
+        with self.mode(training=False), torch.no_grad():
+            self.executor.run(forward_only(self.schedule, len(mbs)), self.transport(mbs),
+                              mbs, flat, forward_only=True)
+            last = self.workers.get(self.program.num_stages - 1)
+            losses = ([last.loss_of(self.executor.outputs.pop(mb.index), mb.target)
+                       for mb in mbs] if last is not None else [])
+        return self.mean_loss(losses)
+
+    def set_training(self, mode: bool) -> None:
+        """Train mode runs the captured (training-mode) stage graphs; eval mode their
+        inference forms (batch norm reads its running statistics, no dropout), built once on
+        first use and sharing the same parameter and buffer objects."""
+        if mode == self.training:
+            return
+        for index, worker in self.workers.items():
+            stage = self.program.stages[index]
+            if mode:
+                worker.module = stage.module
+            else:
+                if index not in self._eval_modules:
+                    self._eval_modules[index] = eval_graph(stage.module)
+                worker.module = self._eval_modules[index]
+        self.training = mode
+
+    @contextlib.contextmanager
+    def mode(self, *, training: bool) -> Iterator[None]:
+        """Run the body in train or eval mode, then return to the mode before."""
+        before = self.training
+        self.set_training(training)
+        try:
+            yield
+        finally:
+            self.set_training(before)
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float,
+                       error_if_nonfinite: bool) -> torch.Tensor:
+        """Clip by the global norm over every stage (and rank); returns the total norm."""
+        return clip_grad_norm(counted_parameters(self.program, self.own_stages),
+                              self.parameters, max_norm, norm_type,
+                              device=self.wiring.devices[self.own_stages[0]],
+                              group=self.norm_group, error_if_nonfinite=error_if_nonfinite)
+
+    @property
+    def norm_group(self) -> Any:
+        """The process group a global gradient norm is reduced over (None: this process)."""
+        return None
+
+    @contextlib.contextmanager
+    def _scaled_loss(self, loss_scale: float | None) -> Iterator[None]:
+        last = self.workers.get(self.program.num_stages - 1)
+        if loss_scale is None or last is None or last.loss is None:
+            yield
+            return
+        spec = last.loss
+        last.loss = replace(spec, scale=spec.scale * loss_scale)
+        try:
+            yield
+        finally:
+            last.loss = spec
+
     # -- what the local and distributed runtimes do differently ----------------------------
 
     def transport(self, mbs: Sequence[MicroBatch]) -> Any:
@@ -115,6 +200,10 @@ class Runtime:
 
     def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """After the backward passes: complete the gradients; each batch's mean loss."""
+        raise NotImplementedError
+
+    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of one batch's micro-batch losses (of every replica's, on every rank)."""
         raise NotImplementedError
 
     def forward(self, args: tuple, kwargs: dict) -> Any:
@@ -141,14 +230,19 @@ class LocalRuntime(Runtime):
 
     def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         self._sum_tied_gradients()
-        return [torch.stack([l.to(chunk[0].device) for l in chunk]).mean() for chunk in losses]
+        return [self.mean_loss(chunk) for chunk in losses]
+
+    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([l.to(losses[0].device) for l in losses]).mean()
 
     def forward(self, args: tuple, kwargs: dict) -> Any:
         captured = self.program.captured
         env = dict(zip(captured.input_names, captured.flatten_inputs(args, kwargs)))
+        self.ties.follow()
         outputs: tuple = ()
         for stage in self.program.stages:
-            outputs = tuple(stage.module(*[to_device(env[n], stage.device) for n in stage.inputs]))
+            module = self.workers[stage.index].module  # the train- or eval-mode graph
+            outputs = tuple(module(*[to_device(env[n], stage.device) for n in stage.inputs]))
             env.update(zip(stage.outputs, outputs))
         return captured.unflatten_outputs(list(outputs))
 
@@ -191,20 +285,30 @@ class DistributedRuntime(Runtime):
     def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         if not self.asynchronous:
             self.sync.reduce(self.parameters)
-        device = self.wiring.devices[self.own_stages[0]]
-        return [reduce_mean_loss(chunk, device) for chunk in losses]
+        return [self.mean_loss(chunk) for chunk in losses]
+
+    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        return reduce_mean_loss(losses, self.wiring.devices[self.own_stages[0]])
+
+    @property
+    def norm_group(self) -> Any:
+        return self.sync.replica_group
 
     def forward(self, args: tuple, kwargs: dict) -> Any:
         """Forward only across the ranks of this replica; every rank gets the outputs."""
         captured = self.program.captured
         (mb,) = split_microbatches(args, kwargs, None, 1)
         flat = captured.flatten_inputs(mb.args, mb.kwargs)
+        self.ties.follow()
+        self.executor.autocast = None  # the caller's thread runs this rank's row
         with torch.no_grad():
             self.executor.run(forward_only(self.schedule), self.transport([mb]), [mb], [flat],
                               forward_only=True)
+        autocast = AutocastState.current(self.device_types) is not None
         return captured.unflatten_outputs(
             broadcast_outputs(self.executor.outputs.get(0), self.program, mb.size, self.topology,
-                              self.sync.replica_group, self.schedule, self.wiring.devices))
+                              self.sync.replica_group, self.schedule, self.wiring.devices,
+                              same_dtypes=not autocast))
 
 
 def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOptions",
@@ -224,6 +328,7 @@ def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOption
         if asynchronous:
             rule = VersionRule(schedule.name, program.num_stages, s.index, m,
                                options.vertical_sync)
+            assert options.optimizer is not None, "resolve_options requires it for async"
             versions = WeightVersions(s.module, rule, options.optimizer)
         workers[s.index] = StageWorker(
             s.index, s.module, s.inputs, s.outputs,

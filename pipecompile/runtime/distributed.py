@@ -198,22 +198,26 @@ def value_specs(program: StagedProgram) -> dict[str, ValueSpec]:
             for name in program.producer}
 
 
-def forward_only(schedule: Schedule) -> Schedule:
-    """A one-micro-batch schedule of forwards only: micro-batch 0's F actions and forward
-    messages of the (lowered) ``schedule``, in its order on every device."""
+def forward_only(schedule: Schedule, microbatches: int = 1) -> Schedule:
+    """A schedule of forwards only over the first `microbatches` micro-batches: their F
+    actions and forward messages of the (lowered) ``schedule``, in its order on every device
+    (each device's forwards stay in micro-batch order, so no wait can deadlock)."""
     from .actions import Kind, Schedule
 
     keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
-    rows = [tuple(a for a in row if a.kind in keep and a.microbatch == 0)
+    rows = [tuple(a for a in row if a.kind in keep and a.microbatch is not None
+                  and a.microbatch < microbatches)
             for row in schedule.actions]
-    return Schedule(f"{schedule.name}-forward", schedule.num_stages, 1,
+    return Schedule(f"{schedule.name}-forward", schedule.num_stages, microbatches,
                     schedule.stage_to_device, tuple(rows))
 
 
 def broadcast_outputs(outputs: Mapping[str, Any] | None, program: StagedProgram, batch: int,
                       topology: Topology, group: dist.ProcessGroup | None, schedule: Schedule,
-                      devices: Sequence[torch.device]) -> list[Any]:
-    """The model's flat outputs on every rank of the replica, sent by the last stage's rank."""
+                      devices: Sequence[torch.device], *, same_dtypes: bool = True) -> list[Any]:
+    """The model's flat outputs on every rank of the replica, sent by the last stage's rank.
+    `same_dtypes=False` (under autocast, where an output may not have its captured dtype):
+    the sender tells the others each output's dtype first."""
     from ..ir import evaluate
 
     captured = program.captured
@@ -223,6 +227,14 @@ def broadcast_outputs(outputs: Mapping[str, Any] | None, program: StagedProgram,
     sizes = dict(captured.example_sizes)
     if captured.batch_symbol is not None:
         sizes[captured.batch_symbol] = batch
+    dtypes = {n: v.dtype for n, v in captured.values.items() if n in captured.output_names}
+    if not same_dtypes:
+        sent = outputs if src == topology.rank else None
+        box: list[dict[str, torch.dtype] | None] = [
+            None if sent is None else
+            {n: sent[n].dtype for n in dtypes if isinstance(sent[n], torch.Tensor)}]
+        dist.broadcast_object_list(box, src=src, group=group)
+        dtypes.update(box[0] or {})
     flat = []
     for name in captured.output_names:
         info = captured.values.get(name)
@@ -234,7 +246,7 @@ def broadcast_outputs(outputs: Mapping[str, Any] | None, program: StagedProgram,
             tensor = outputs[name].contiguous()
         else:
             shape = tuple(int(evaluate(d, sizes)) for d in info.shape)
-            tensor = torch.empty(shape, dtype=info.dtype, device=device)
+            tensor = torch.empty(shape, dtype=dtypes[name], device=device)
         dist.broadcast(tensor, src=src, group=group)
         flat.append(tensor)
     return flat

@@ -74,6 +74,7 @@ class Executor:
         self.records: list[Event] = []
         self.outputs: dict[int, dict[str, Any]] = {}  # forward-only runs: last stage's outputs
         self.forward_only = False
+        self.autocast: Any = None  # the caller's AutocastState, re-entered around computation
         self.dataflow = wiring.dataflow()
         # Per step: values handed to (stage, mb), output gradients summed for (stage, mb), and
         # each message's values from its producing action until its SEND. Each key is written
@@ -202,7 +203,11 @@ class Executor:
     def _dispatch(self, action: Action, context) -> float:
         """Run `action`; returns when its compute began (after its inputs arrived)."""
         called = time.perf_counter()
-        began = _ACTIONS[action.kind](self, action, *context)
+        if self.autocast is not None and action.kind in _COMPUTE:  # thread-local: re-entered
+            with self.autocast.entered():
+                began = _ACTIONS[action.kind](self, action, *context)
+        else:
+            began = _ACTIONS[action.kind](self, action, *context)
         return began if began is not None else called
 
     def _forward(self, action, transport, feeds, microbatches) -> float:
@@ -314,6 +319,8 @@ _ACTIONS: dict[Kind, Callable] = {
     Kind.SEND_B: Executor._send,
     Kind.RECV_B: Executor._receive,
 }
+
+_COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})  # actions that run the stage or autograd
 
 
 def _device_stream(device: torch.device):

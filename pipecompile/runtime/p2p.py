@@ -132,7 +132,9 @@ class P2PTransport:
             return torch.zeros(spec.shape(self.sizes[message.microbatch]), dtype=spec.dtype,
                                device=device)
         if isinstance(value, torch.Tensor):
-            return value.detach().contiguous()
+            # in the captured dtype, which the receive buffer has: under autocast a value may
+            # be computed in bf16/fp16, and upcasting it is exact
+            return value.detach().to(self.specs[name].dtype or value.dtype).contiguous()
         return torch.tensor(int(value), dtype=torch.int64, device=device)
 
     def _irecv(self, message: Message) -> list[tuple[Any, torch.Tensor]]:

@@ -60,7 +60,7 @@ class _RngState:
             raise RuntimeError(f"a stage's tensors are on several device types {sorted(types)}; "
                                f"checkpointing restores the random state of one")
         device_type = types.pop() if types else None
-        states = ()
+        states: tuple[tuple[int, Any], ...] = ()
         if device_type is not None:
             module = torch.get_device_module(device_type)
             states = tuple((i, module.get_rng_state(i)) for i in sorted(i for _, i in found))
@@ -151,6 +151,10 @@ class StageWorker:
         """Forward without keeping anything for backward (forward-only calls)."""
         return dict(zip(self.output_names, self._run(inputs)))
 
+    def loss_of(self, outputs: Mapping[str, Any], target: Any) -> torch.Tensor:
+        """The last stage's loss of `outputs` (by output name), e.g. of an `infer` result."""
+        return self._loss(tuple(outputs[n] for n in self.output_names), target)
+
     def backward(self, mb: int, output_grads: Mapping[str, Any]) -> dict[str, Any]:
         """Full backward of micro-batch `mb`: accumulates parameter grads, returns input grads."""
         saved = self._restore(mb)
@@ -164,6 +168,7 @@ class StageWorker:
 
     def _backward_versioned(self, mb: int, saved: _Saved, roots, grads) -> dict[str, Any]:
         """Gradients of this micro-batch's own weight version, kept for the next update."""
+        assert saved.weights is not None and self.versions is not None, "an asynchronous stage"
         names = list(saved.leaves)
         weights = list(saved.weights)
         wanted = [saved.leaves[n] for n in names] + [saved.weights[n] for n in weights]
@@ -175,6 +180,7 @@ class StageWorker:
 
     def apply_update(self) -> None:
         """Asynchronous STEP: the optimizer applies the pending gradient to the live weights."""
+        assert self.versions is not None, "STEP with a micro-batch runs on asynchronous stages"
         self.versions.update()
 
     def backward_input(self, mb: int, output_grads: Mapping[str, Any]) -> dict[str, Any]:
@@ -210,6 +216,7 @@ class StageWorker:
 
     def _loss(self, outputs: tuple, target: Any) -> torch.Tensor:
         spec = self.loss
+        assert spec is not None, "only the last stage computes the loss"
         result = spec.unflatten(list(outputs))
         loss = spec.loss_fn(result, target) if spec.loss_fn is not None else result
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -226,6 +233,7 @@ class StageWorker:
         saved = self.saved[mb]
         if saved.inputs is None:
             return saved
+        assert saved.rng is not None, "a checkpointed forward saves its random state"
         with saved.rng.restored():
             leaves = self._leaves(saved.inputs)
             with microbatch(mb, step=saved.step):
@@ -239,6 +247,7 @@ class StageWorker:
     def _roots(self, saved: _Saved, output_grads: Mapping[str, Any]) -> tuple[list, list]:
         """Tensors to backpropagate from, and their incoming gradients."""
         if self.loss is not None:
+            assert saved.loss is not None, "the last stage's forward computed the loss"
             loss = saved.loss * self.loss.scale
             return [loss], [torch.ones_like(loss)]
         roots, grads = [], []

@@ -1,0 +1,139 @@
+"""What a training loop around a pipeline needs from the runtime, apart from the schedule.
+
+    AutocastState   the caller's `torch.autocast` state, captured when a step starts and
+                    re-entered by each device thread around its compute actions (autocast is
+                    thread-local: worker threads would otherwise run in float32)
+    TiedCopies      copies of a tied parameter on other devices of this process follow their
+                    owner after any optimizer updated it (the user's own optimizer sees only
+                    the owner, `pipe.parameters()` lists a tied parameter once)
+    clip_grad_norm  `torch.nn.utils.clip_grad_norm_` over every stage of every rank: partial
+                    norms of this process's gradients, reduced over the pipeline's ranks (data-
+                    parallel replicas hold identical reduced gradients), ties counted once
+
+None of these costs anything when unused: no autocast context is entered when autocast is off,
+and a tie is copied only when its owner changed (`Tensor._version`, bumped by in-place updates).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = ["AutocastState", "TiedCopies", "clip_grad_norm", "counted_parameters",
+           "loss_scale_value"]
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The autocast modes enabled in the calling thread: (device type, dtype) pairs."""
+
+    modes: tuple[tuple[str, torch.dtype], ...]
+    cache: bool
+
+    @classmethod
+    def current(cls, device_types: Iterable[str]) -> "AutocastState | None":
+        """The calling thread's autocast for `device_types`; None when none is enabled."""
+        modes = tuple((t, torch.get_autocast_dtype(t)) for t in device_types
+                      if torch.is_autocast_enabled(t))
+        return cls(modes, torch.is_autocast_cache_enabled()) if modes else None
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the body under these autocast modes (in whichever thread enters it)."""
+        with contextlib.ExitStack() as stack:
+            for device_type, dtype in self.modes:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype,
+                                                   cache_enabled=self.cache))
+            yield
+
+
+class TiedCopies:
+    """Tied parameters with several tensor objects in this process (stages on different
+    devices): after the owner (the copy `pipe.parameters()` lists) was updated in place, by
+    any optimizer, `follow()` copies it into the other copies."""
+
+    def __init__(self, program: Any, own_stages: Sequence[int]):
+        self.groups: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        for tie in program.ties:
+            copies = list({id(t): t for s, t in program.tensors[tie.names[0]]
+                           if s in own_stages}.values())
+            if len(copies) > 1:
+                self.groups.append((copies[0], copies[1:]))
+        self.seen = [owner._version for owner, _ in self.groups]
+
+    def follow(self) -> None:
+        """Copy each owner that changed since the last call into its copies."""
+        for i, (owner, copies) in enumerate(self.groups):
+            if owner._version != self.seen[i]:
+                with torch.no_grad():
+                    for copy in copies:
+                        copy.copy_(owner.to(copy.device))
+                self.seen[i] = owner._version
+
+
+def counted_parameters(program: Any, own_stages: Sequence[int]) -> list[torch.Tensor]:
+    """The parameters whose gradients this process counts in a global norm: each parameter
+    once, by the process holding its first stage's copy (a tie's owner)."""
+    first_owner = 0 in own_stages
+    counted: dict[int, torch.Tensor] = {}
+    for name in program.captured.parameter_names:
+        stage, tensor = program.tensors[name][0]
+        if stage in own_stages or (stage == -1 and first_owner):
+            counted[id(tensor)] = tensor
+    return list(counted.values())
+
+
+def clip_grad_norm(counted: Sequence[torch.Tensor], held: Sequence[torch.Tensor],
+                   max_norm: float, norm_type: float, *, device: torch.device,
+                   group: Any = None, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale the gradients of `held` (every copy this process holds) so that the global
+    `norm_type`-norm of the gradients of `counted` over all processes of `group` (None: this
+    process only) is at most `max_norm`; returns that total norm, as
+    `torch.nn.utils.clip_grad_norm_` does on the unsplit model."""
+    norm_type = float(norm_type)
+    grads = [p.grad for p in counted if p.grad is not None]
+    dtype = grads[0].dtype if grads else torch.get_default_dtype()
+    norms = [torch.linalg.vector_norm(g, norm_type).to(device, torch.float64) for g in grads]
+    if math.isinf(norm_type):
+        partial = torch.stack(norms).max() if norms else torch.zeros((), dtype=torch.float64,
+                                                                      device=device)
+    else:
+        partial = (torch.stack(norms).pow(norm_type).sum() if norms
+                   else torch.zeros((), dtype=torch.float64, device=device))
+    if group is not None:
+        import torch.distributed as dist
+
+        partial = partial.reshape(1)
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(partial, op=op, group=group)
+        partial = partial[0]
+    total = partial if math.isinf(norm_type) else partial.pow(1.0 / norm_type)
+    total = total.to(dtype)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise ConfigError(
+            f"the total {norm_type}-norm of the gradients is {float(total)}; pass "
+            f"error_if_nonfinite=False to clip_grad_norm_ to scale them anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in {id(p.grad): p.grad for p in held if p.grad is not None}.values():
+        grad.mul_(coef.to(grad.device, grad.dtype))  # a gradient shared by copies: once
+    return total
+
+
+def loss_scale_value(loss_scale: Any, device: torch.device) -> float | None:
+    """The factor a step multiplies its loss by before backward: a number, a 0-dim tensor, or
+    a `torch.amp.GradScaler` (its current scale, through `scaler.scale` so that the scaler
+    knows it was used this iteration); None or 1 means no scaling."""
+    if loss_scale is None:
+        return None
+    if isinstance(loss_scale, torch.amp.GradScaler):
+        loss_scale = loss_scale.scale(torch.ones((), device=device))
+    value = float(loss_scale)
+    if not value > 0 or math.isinf(value):
+        raise ConfigError(f"loss_scale must be a positive finite number, got {value}")
+    return None if value == 1.0 else value

@@ -1,0 +1,117 @@
+"""torch.autocast around step / __call__ / eval_step applies in every stage's device thread,
+and equals the unsplit model under the same autocast (bf16 on the CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pipecompile as pc
+from pipecompile.runtime.training import AutocastState
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _setup(**options):
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    reference = copy.deepcopy(model)
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=F.cross_entropy,
+                      **options)
+    return pipe, reference, x, y
+
+
+def _reference_step(model, x, y):
+    """The unsplit model, everything (forward, loss, backward) under bf16 autocast."""
+    model.zero_grad(set_to_none=True)
+    losses = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for xi, yi in zip(x.chunk(2), y.chunk(2)):
+            loss = F.cross_entropy(model(xi), yi)
+            (loss / 2).backward()
+            losses.append(loss.detach())
+    return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_state_is_captured_and_reentered_in_another_thread():
+    assert AutocastState.current(["cpu"]) is None  # off: nothing to enter
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        state = AutocastState.current(["cpu"])
+    assert state == AutocastState((("cpu", torch.bfloat16),), cache=False)
+    seen = []
+
+    def worker():
+        with state.entered():
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                         torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype))
+
+    import threading
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [(True, torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("options", [dict(schedule="gpipe"), dict(schedule="1f1b"),
+                                     dict(schedule="1f1b", checkpoint=True),
+                                     dict(schedule="zb-h1")])
+def test_step_under_autocast_equals_the_unsplit_model(options):
+    pipe, reference, x, y = _setup(**options)
+    float_loss = pipe.step(x, target=y)
+    assert pipe.executor.autocast is None  # autocast off: no context entered per action
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pipe.step(x, target=y)
+    want, grads = _reference_step(reference, x, y)
+    assert loss != float_loss  # bf16 really ran in the device threads
+    # the same bf16 arithmetic as the unsplit model (identical here; bf16-sized tolerance)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for name, p in pipe.named_parameters():
+        assert p.dtype == torch.float32  # parameters keep their dtype
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_call_and_eval_step_under_autocast():
+    pipe, reference, x, y = _setup()
+    float_out = pipe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pipe(x)
+        want = reference(x)
+        loss = pipe.eval_step(x, target=y)
+        want_loss = torch.stack([F.cross_entropy(reference(xi), yi)
+                                 for xi, yi in zip(x.chunk(2), y.chunk(2))]).mean()
+    assert out.dtype == torch.bfloat16 and float_out.dtype == torch.float32
+    assert not torch.equal(out.float(), float_out)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_parameters_train():
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16)
+    x, y = torch.randn(8, 16, dtype=torch.bfloat16), torch.randint(0, 4, (8,))
+    reference = copy.deepcopy(model)
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=F.cross_entropy)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    loss = pipe.step(x, target=y)
+    opt.step()
+    assert loss.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in pipe.parameters())
+    with torch.no_grad():
+        want = torch.stack([F.cross_entropy(reference(xi), yi)
+                            for xi, yi in zip(x.chunk(2), y.chunk(2))]).mean()
+    torch.testing.assert_close(loss, want, rtol=1e-2, atol=1e-2)
