@@ -223,9 +223,12 @@ class Pipeline(torch.nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:
         """Load `state_dict` (the model's keys) into every copy of every tensor: this
-        process's, and a tied weight's copies on other devices."""
+        process's, and a tied weight's copies on other devices. `strict` asks for the keys
+        this process holds (under torch.distributed: its stages', as `set_state_dict` passes
+        them) and accepts any of the model's keys."""
         keys = set(self.program.captured.state_keys)
-        missing, unexpected = sorted(keys - set(state_dict)), sorted(set(state_dict) - keys)
+        held = set(super().state_dict(keep_vars=True))
+        missing, unexpected = sorted(held - set(state_dict)), sorted(set(state_dict) - keys)
         if strict and (missing or unexpected):
             raise ConfigError(
                 f"load_state_dict: missing keys {missing[:5]}, unexpected keys "
