@@ -5,7 +5,7 @@ thread, as does the single process. Prints median step times, their ratio, and p
 of the step was spent waiting for messages (receives and the send completions at the end),
 how many messages and bytes it sent.
 
-    python bench/distributed.py            # 8 layers, d=128, batch 16x64 (FACTS.md's model)
+    python bench/distributed.py            # 8 layers, d=128, batch 16x64 (the model of the earlier peer comparison)
     python bench/distributed.py --quick
 """
 

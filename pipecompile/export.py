@@ -1,4 +1,4 @@
-"""ONNX export of a staged program: one ONNX file per stage plus manifest.json (DESIGN.md).
+"""ONNX export of a staged program: one ONNX file per stage plus manifest.json (format in README).
 
     export_onnx(program, "out/")  ->  out/stage0.onnx, out/stage1.onnx, ..., out/manifest.json
 
