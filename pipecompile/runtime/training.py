@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from ..errors import ConfigError
 
@@ -99,29 +100,22 @@ def clip_grad_norm(counted: Sequence[torch.Tensor], held: Sequence[torch.Tensor]
     norm_type = float(norm_type)
     grads = [p.grad for p in counted if p.grad is not None]
     dtype = grads[0].dtype if grads else torch.get_default_dtype()
-    norms = [torch.linalg.vector_norm(g, norm_type).to(device, torch.float64) for g in grads]
-    if math.isinf(norm_type):
-        partial = torch.stack(norms).max() if norms else torch.zeros((), dtype=torch.float64,
-                                                                      device=device)
-    else:
-        partial = (torch.stack(norms).pow(norm_type).sum() if norms
-                   else torch.zeros((), dtype=torch.float64, device=device))
-    if group is not None:
+    partial = get_total_norm(grads, norm_type).to(device)  # this process's part (0 if none)
+    if group is not None:  # the global norm: max of the parts, or (sum of p-th powers)^(1/p)
         import torch.distributed as dist
 
-        partial = partial.reshape(1)
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(partial, op=op, group=group)
-        partial = partial[0]
-    total = partial if math.isinf(norm_type) else partial.pow(1.0 / norm_type)
-    total = total.to(dtype)
+        inf = math.isinf(norm_type)
+        part = (partial if inf else partial.pow(norm_type)).reshape(1)
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        partial = part[0] if inf else part[0].pow(1.0 / norm_type)
+    total = partial.to(dtype)
     if error_if_nonfinite and not torch.isfinite(total):
         raise ConfigError(
             f"the total {norm_type}-norm of the gradients is {float(total)}; pass "
             f"error_if_nonfinite=False to clip_grad_norm_ to scale them anyway")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in {id(p.grad): p.grad for p in held if p.grad is not None}.values():
-        grad.mul_(coef.to(grad.device, grad.dtype))  # a gradient shared by copies: once
+    # a gradient shared by several copies is scaled once
+    unique = {id(p.grad): p for p in held if p.grad is not None}
+    clip_grads_with_norm_(list(unique.values()), max_norm, total)
     return total
 
 
