@@ -23,8 +23,8 @@ from .passes.profile import record_values
 from .passes.split import Stage, StagedProgram
 from .ranks import Ranks
 from .runtime.actions import Schedule
-from .runtime.assemble import values_needing_grad
 from .runtime.microbatch import split_microbatches
+from .runtime.messages import gradient_values
 from .runtime.simulate import StageCosts
 from .runtime.stage_worker import LossSpec
 
@@ -93,7 +93,7 @@ def measure(program: StagedProgram, schedule: Schedule, example: Example, *, mic
     torch.distributed each rank times its own stages and all ranks share the results."""
     values, target = _first_microbatch(program.linear, example, microbatches)
     own = ranks.own_stages(schedule) if ranks.distributed else None
-    measured = measure_stages(program, values, grad_values=values_needing_grad(program),
+    measured = measure_stages(program, values, grad_values=gradient_values(program),
                               loss=LossSpec(program.captured.unflatten_outputs, loss_fn,
                                             1.0 / microbatches),
                               target=target, stages=own)
@@ -106,7 +106,7 @@ def efficiency(program: StagedProgram, schedule: Schedule, example: Example, *,
     values, _ = _first_microbatch(program.linear, replace(example, target=None), microbatches)
     firsts = [min(s for s in range(schedule.num_stages) if schedule.stage_to_device[s] == d)
               for d in range(schedule.num_devices)]
-    return thread_efficiency(program, values, grad_values=values_needing_grad(program),
+    return thread_efficiency(program, values, grad_values=gradient_values(program),
                              device_stages=firsts, cores=cores)
 
 

@@ -43,7 +43,7 @@ from .versions import VersionRule, WeightVersions
 if TYPE_CHECKING:
     from ..options import CompileOptions
 
-__all__ = ["Runtime", "LocalRuntime", "DistributedRuntime", "assemble", "values_needing_grad"]
+__all__ = ["Runtime", "LocalRuntime", "DistributedRuntime", "assemble"]
 
 
 def assemble(program: StagedProgram, schedule: Schedule, options: "CompileOptions") -> "Runtime":
@@ -53,10 +53,6 @@ def assemble(program: StagedProgram, schedule: Schedule, options: "CompileOption
         return LocalRuntime(program, schedule, options)
     return DistributedRuntime(program, schedule, options, topology)
 
-
-def values_needing_grad(program: StagedProgram) -> frozenset[str]:
-    """Boundary values that are floating point (gradients flow back through them)."""
-    return gradient_values(program)
 
 
 class Runtime:
@@ -71,7 +67,7 @@ class Runtime:
         self.timeout = options.timeout
         self.asynchronous = schedule.name in ASYNC_SCHEDULE_NAMES
         self.own_stages = tuple(own_stages)
-        self.grad_values = frozenset(values_needing_grad(program))
+        self.grad_values = gradient_values(program)
         self.workers = _workers(program, schedule, options, self.own_stages, self.grad_values)
         self.wiring = Wiring(program.producer, program.consumers,
                              program.captured.input_names, tuple(s.device for s in program.stages),
