@@ -29,6 +29,8 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
+from .passes.nodes import recreate_as_call
+
 __all__ = ["RNG_MODES", "derive_seed", "microbatch", "seed_random_ops", "seeded_call",
            "unseed", "is_random"]
 
@@ -93,13 +95,8 @@ def seed_random_ops(gm: fx.GraphModule, seed: int) -> tuple[fx.GraphModule, tupl
     graph._codegen = copy.deepcopy(gm.graph._codegen)  # e.g. pytree in/out handling
     for node in gm.graph.nodes:
         if is_random(node):
-            args = fx.map_arg(node.args, lambda n: env[n])
-            kwargs = fx.map_arg(node.kwargs, lambda n: env[n])
-            new = graph.create_node("call_function", seeded_call,
-                                    (node.target, node.name, int(seed), *args), dict(kwargs),
-                                    name=node.name)
-            new.meta = dict(node.meta)
-            env[node] = new
+            env[node] = recreate_as_call(graph, node, seeded_call, env,
+                                         prefix=(node.target, node.name, int(seed)))
             seeded.append(node.name)
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .nodes import recreate_as_call
+
 __all__ = ["functionalize", "mutated_inputs", "mutated_argument", "is_view", "cross_stage_writes"]
 
 
@@ -43,10 +45,7 @@ def functionalize(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[str, ...]]:
         x = mutated_argument(node)
         root = base.get(x) if x is not None else None
         if target is not None and root is not None and _fresh(root) and root not in aliased:
-            args = tuple(fx.map_arg(node.args, lambda n: env[n]))
-            kwargs = dict(fx.map_arg(node.kwargs, lambda n: env[n]))
-            value = new.create_node("call_function", target, args, kwargs, name=node.name)
-            value.meta = dict(node.meta)
+            value = recreate_as_call(new, node, target, env)
             group = members.setdefault(root, [root])
             group.append(node)
             for alias in group:  # later readers of any alias read the result

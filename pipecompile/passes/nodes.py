@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-__all__ = ["getattr_path", "node_target_str", "call_node", "preserve_buffers"]
+__all__ = ["getattr_path", "node_target_str", "call_node", "preserve_buffers", "recreate_as_call"]
 
 
 def getattr_path(module: torch.nn.Module, target: str) -> Any:
@@ -48,3 +48,14 @@ def preserve_buffers(module: torch.nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for b, value in saved:
                 b.copy_(value)
+
+
+def recreate_as_call(graph: fx.Graph, node: fx.Node, target: Any, env: dict[fx.Node, fx.Node],
+                     prefix: tuple = ()) -> fx.Node:
+    """`node` copied into `graph` as a call of `target` (arguments `prefix` + its own, mapped
+    through `env`), keeping its name and metadata: a graph rewrite that swaps one op."""
+    args = tuple(fx.map_arg(node.args, lambda n: env[n]))
+    kwargs = dict(fx.map_arg(node.kwargs, lambda n: env[n]))
+    new = graph.create_node("call_function", target, (*prefix, *args), kwargs, name=node.name)
+    new.meta = dict(node.meta)
+    return new
