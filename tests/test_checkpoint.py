@@ -113,5 +113,7 @@ def test_state_dict_round_trip_in_one_process(tmp_path):
         p.step(*case.args, target=case.target)
         q.step()
     want = dict(pipe.named_parameters())
+    # float64 to 1e-10 like every equivalence test: the device threads add a tied weight's
+    # gradient contributions in either order, so the last bit may differ between two pipelines
     for name, tensor in other.named_parameters():
-        torch.testing.assert_close(tensor, want[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(tensor, want[name], rtol=1e-10, atol=1e-12, msg=name)
