@@ -114,10 +114,14 @@ def _capture_export(model, args, kwargs, batch, static_batch_size, opaque, verbo
 
     notes: list[str] = []
     specs: dict[str, OpaqueModule] = {}
-    dynamic = batch >= 2  # export specialises sizes 0 and 1; nothing to make dynamic then
-    shapes = _dynamic_shapes(model, args, kwargs, batch, Dim("batch")) if dynamic else None
+    # Tried in order: every size of a batched input symbolic (sequence lengths too), then the
+    # batch alone, then static shapes. Export specialises sizes 0 and 1, so a batch below 2
+    # starts static.
+    attempts: list[Any] = ([_dynamic_shapes(model, args, kwargs, batch, Dim("batch"), rest)
+                            for rest in (True, False)] if batch >= 2 else []) + [None]
     first_error: BaseException | None = None
     while True:
+        shapes = attempts[0]
         try:
             ep, calls = _export(model, args, kwargs, shapes, specs, verbose)
             break
@@ -132,11 +136,15 @@ def _capture_export(model, args, kwargs, batch, static_batch_size, opaque, verbo
             if shapes is None:
                 raise capture_error(model, "torch.export", first_error or exc,
                                      "capture='fx'", specs) from exc
-            first_error = exc
-            note = f"dynamic batch export failed ({first_line(exc)}); captured static shapes"
-            notes.append(note)
+            first_error = first_error or exc
+            attempts.pop(0)
+            note = (f"export with symbolic input sizes failed ({first_line(exc)}); "
+                    + ("only the batch size is symbolic" if attempts[0] is not None
+                       else "captured static shapes"))
             log.info("pipecompile: %s", note)
-            shapes = None
+            if attempts[0] is not None:
+                continue
+            notes.append(note)
             if static_batch_size is not None and static_batch_size != batch:
                 args, kwargs = _slice_batch((args, kwargs), batch, static_batch_size)
                 batch = static_batch_size
@@ -225,13 +233,17 @@ def _same_class(model: torch.nn.Module, path: str) -> list[str]:
     return found
 
 
-def _dynamic_shapes(model, args, kwargs, batch, dim) -> dict[str, Any]:
-    """`dynamic_shapes` keyed by forward's parameter names: dim 0 dynamic where it is the batch."""
+def _dynamic_shapes(model, args, kwargs, batch, dim, rest: bool) -> dict[str, Any]:
+    """`dynamic_shapes` keyed by forward's parameter names: dim 0 is `dim` where it is the batch,
+    and with `rest` that input's other sizes are `Dim.AUTO` (symbolic where the model allows,
+    e.g. a sequence length; export keeps a size the model fixes static without failing)."""
+    from torch.export import Dim
+
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
 
     def spec(leaf):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch:
-            return {0: dim}
+            return {0: dim, **({k: Dim.AUTO for k in range(1, leaf.dim())} if rest else {})}
         return None
 
     shapes = {}

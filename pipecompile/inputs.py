@@ -11,12 +11,18 @@ a `ConfigError` naming the input and the compiled signature:
     error:     pipe.step() is missing the keyword input 'scale'; the model was compiled with
                inputs (x, *, scale)
 
-The check only looks at counts and names (no tensor is touched), so it costs nothing per step.
+It also checks each input's rank, and its size in every dimension that capture fixed (a
+sequence length the model's code makes constant, or a static-shape fallback): the error names
+the input, the dimension and the captured size. The check reads only counts, names and shapes
+(no tensor data), so it costs next to nothing per step.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
+
+import sympy
+import torch
 
 from .errors import ConfigError
 from .ir import CapturedModel
@@ -60,11 +66,37 @@ def check_inputs(captured: CapturedModel, args: tuple, kwargs: Mapping[str, Any]
             f"{where} got {len(args)} positional input{'s' if len(args) != 1 else ''} but the "
             f"model was compiled with {positional}: inputs {signature}")
     try:
-        captured.flatten_inputs(args, kwargs)
+        flat = captured.flatten_inputs(args, kwargs)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
         raise ConfigError(
             f"{where}: the inputs do not have the structure the model was compiled with "
             f"({signature}, nested as {captured.in_spec}): {type(exc).__name__}: {exc}") from exc
+    _check_sizes(captured, flat, where)
+
+
+def _check_sizes(captured: CapturedModel, flat: list[Any], where: str) -> None:
+    """Every input has the captured rank, and the captured size wherever capture fixed one
+    (dimension 0, the batch, is split and checked by the micro-batching)."""
+    for name, value in zip(captured.input_names, flat):
+        shape = captured.values[name].shape
+        if not isinstance(value, torch.Tensor) or captured.values[name].dtype is None:
+            continue
+        if value.dim() != len(shape):
+            raise ConfigError(
+                f"{where}: input {name!r} has {value.dim()} dimensions but the model was "
+                f"compiled with {len(shape)} (shape {_shape_text(shape)})")
+        for axis, (dim, size) in enumerate(zip(shape, value.shape)):
+            if axis > 0 and isinstance(dim, (int, sympy.Integer)) and int(dim) != size:
+                raise ConfigError(
+                    f"{where}: input {name!r} has size {size} in dimension {axis}, but the "
+                    f"model was captured with that size fixed at {int(dim)} (shape "
+                    f"{_shape_text(shape)}: the model's code makes it constant, or capture "
+                    f"fell back to static shapes); pass inputs of size {int(dim)} there, or "
+                    f"compile with an example of the size you need")
+
+
+def _shape_text(shape: tuple) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ")"
 
 
 def _spec_parts(captured: CapturedModel) -> tuple[int, list[str]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import sympy
 import torch
@@ -113,6 +113,17 @@ class CapturedModel:
         if not self.dynamic_batch:
             return self.captured_batch_size
         return microbatch_size(self.captured_batch_size, microbatches)
+
+    def sizes_of(self, flat_inputs: Sequence[Any]) -> dict[sympy.Symbol, int]:
+        """Every size symbol's value in a call: read from the inputs' sizes (a batch, a
+        sequence length), the example's value for a symbol no input dimension names."""
+        sizes = dict(self.example_sizes)
+        for name, value in zip(self.input_names, flat_inputs):
+            if isinstance(value, torch.Tensor):
+                for dim, size in zip(self.values[name].shape, value.shape):
+                    if isinstance(dim, sympy.Symbol):
+                        sizes[dim] = int(size)
+        return sizes
 
     def sizes_at(self, batch: int) -> dict[sympy.Symbol, int]:
         """Every size symbol's value when the batch has `batch` samples: what turns a symbolic

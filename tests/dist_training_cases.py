@@ -97,3 +97,19 @@ def eval_mode(rank):
         out, again = pipe(x), pipe(x)
     return {"val": val, "out": out, "again": again, "training": training,
             "state": {k: v.clone() for k, v in pipe.state_dict().items()}}
+
+
+def sequence_lengths(rank):
+    """Steps and calls on 2 ranks at sequence lengths other than the example's (8): the loss,
+    the gradients and the output at each length."""
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    pipe = pc.compile(case.model, case.args, devices=2, microbatches=2, loss_fn=case.loss_fn,
+                      schedule="1f1b", timeout=60)
+    results = {}
+    for seq in (5, 8, 3):
+        x, y = case.args[0][:, :seq], case.target[:, :seq]
+        loss = pipe.step(x, target=y)
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        results[seq] = {"loss": loss, "grads": grads, "out": pipe(x)}
+    return results

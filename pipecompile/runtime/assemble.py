@@ -274,9 +274,14 @@ class DistributedRuntime(Runtime):
             rank=topology.rank,
             rank_of_stage=lambda stage: topology.rank_of(position[stage]),
             specs=value_specs(self.program),
-            devices=self.wiring.devices, microbatch_sizes=[mb.size for mb in mbs],
+            devices=self.wiring.devices, sizes=[self._sizes(mb) for mb in mbs],
             timeout=self.timeout, waiter=self.waiter, store=_default_store(),
             label=lambda stage: f"rank {topology.rank} (stage {stage})")
+
+    def _sizes(self, mb: MicroBatch) -> dict[Any, int]:
+        """The size symbols' values in micro-batch `mb` (what the receive buffers are sized by)."""
+        captured = self.program.captured
+        return captured.sizes_of(captured.flatten_inputs(mb.args, mb.kwargs))
 
     def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         if not self.asynchronous:
@@ -302,9 +307,9 @@ class DistributedRuntime(Runtime):
                               forward_only=True)
         autocast = AutocastState.current(self.device_types) is not None
         return captured.unflatten_outputs(
-            broadcast_outputs(self.executor.outputs.get(0), self.program, mb.size, self.topology,
-                              self.sync.replica_group, self.schedule, self.wiring.devices,
-                              same_dtypes=not autocast))
+            broadcast_outputs(self.executor.outputs.get(0), self.program, self._sizes(mb),
+                              self.topology, self.sync.replica_group, self.schedule,
+                              self.wiring.devices, same_dtypes=not autocast))
 
 
 def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOptions",

@@ -189,7 +189,7 @@ def reduce_mean_loss(losses: Sequence[torch.Tensor], device: torch.device) -> to
 
 
 def value_specs(program: StagedProgram) -> dict[str, ValueSpec]:
-    """Receive-buffer specs of every boundary value: its symbolic shape at a micro-batch size."""
+    """Receive-buffer specs of every boundary value: its symbolic shape at given sizes."""
     from .messages import value_shape
     from .p2p import ValueSpec
 
@@ -212,21 +212,20 @@ def forward_only(schedule: Schedule, microbatches: int = 1) -> Schedule:
                     schedule.stage_to_device, tuple(rows))
 
 
-def broadcast_outputs(outputs: Mapping[str, Any] | None, program: StagedProgram, batch: int,
+def broadcast_outputs(outputs: Mapping[str, Any] | None, program: StagedProgram,
+                      sizes: Mapping[Any, int],
                       topology: Topology, group: dist.ProcessGroup | None, schedule: Schedule,
                       devices: Sequence[torch.device], *, same_dtypes: bool = True) -> list[Any]:
     """The model's flat outputs on every rank of the replica, sent by the last stage's rank.
     `same_dtypes=False` (under autocast, where an output may not have its captured dtype):
-    the sender tells the others each output's dtype first."""
+    the sender tells the others each output's dtype first. `sizes`: the size symbols' values
+    in the call (`CapturedModel.sizes_of`)."""
     from ..ir import evaluate
 
     captured = program.captured
     last = program.num_stages - 1
     src = topology.rank_of(schedule.stage_to_device[last])
     device = devices[last] if src == topology.rank else local_device()
-    sizes = dict(captured.example_sizes)
-    if captured.batch_symbol is not None:
-        sizes[captured.batch_symbol] = batch
     dtypes = {n: v.dtype for n, v in captured.values.items() if n in captured.output_names}
     if not same_dtypes:
         sent = outputs if src == topology.rank else None

@@ -156,24 +156,23 @@ def gradient_values(program: Any) -> frozenset[str]:
                      if values[n].dtype is not None and values[n].dtype.is_floating_point)
 
 
-def value_shape(program: Any, name: str, microbatch_size: int) -> tuple[int, ...]:
-    """The shape of boundary value ``name`` at a micro-batch size (its symbolic shape evaluated)."""
+def value_shape(program: Any, name: str, sizes: Mapping[Any, int]) -> tuple[int, ...]:
+    """The shape of boundary value ``name`` when the size symbols have the values ``sizes``
+    (`CapturedModel.sizes_at` a micro-batch size, or `sizes_of` a call's inputs)."""
     from pipecompile.ir import evaluate
 
-    captured = program.captured
-    sizes = dict(captured.example_sizes)
-    if captured.batch_symbol is not None:
-        sizes[captured.batch_symbol] = microbatch_size
-    return tuple(int(evaluate(d, sizes)) for d in captured.values[name].shape)
+    return tuple(int(evaluate(d, sizes)) for d in program.captured.values[name].shape)
 
 
 def message_bytes(program: Any, microbatch_size: int) -> dict[MessageKey, int]:
     """Bytes of every message of a program's links at ``microbatch_size`` (a non-tensor value
     counts as an 8-byte int), keyed (sender, receiver, "F"/"B")."""
+    sizes = program.captured.sizes_at(microbatch_size)
+
     def size(name: str) -> int:
         dtype = program.captured.values[name].dtype
         item = dtype.itemsize if dtype is not None else 8
-        return item * math.prod(value_shape(program, name, microbatch_size))
+        return item * math.prod(value_shape(program, name, sizes))
 
     result: dict[MessageKey, int] = {}
     for link in Dataflow.of(program).links:

@@ -2,8 +2,9 @@
 
 A message of the lowered schedule (`messages.Message`: a link's values for one micro-batch,
 forward or backward) goes as one tagged ``isend``/``irecv`` per value. Shapes and dtypes come
-from the compiled plan (a value's symbolic shape evaluated at the micro-batch size), so no
-shape handshake precedes a message, and a batch of another size than the example still works.
+from the compiled plan: a value's symbolic shape evaluated at the sizes of the micro-batch's
+inputs (its batch size, sequence length, ...), which every rank of a pipeline is given, so no
+shape handshake precedes a message and any size the capture left symbolic works.
 Every (message, value) has its own tag, so messages between two ranks cannot be confused
 whatever the order in which the ranks post them (gloo honours tags).
 
@@ -42,9 +43,10 @@ class PeerFailure(StageExecutionError):
 
 @dataclass(frozen=True)
 class ValueSpec:
-    """How to allocate a receive buffer for a value: shape as a function of micro-batch size."""
+    """How to allocate a receive buffer for a value: its shape as a function of the size
+    symbols' values (`CapturedModel.sizes_of` a micro-batch's inputs)."""
 
-    shape: Callable[[int], tuple[int, ...]]
+    shape: Callable[[Mapping[Any, int]], tuple[int, ...]]
     dtype: torch.dtype | None  # None: a Python int carried as a 0-dim int64 tensor
 
 
@@ -79,13 +81,13 @@ class P2PTransport:
 
     def __init__(self, *, rank: int, rank_of_stage: Callable[[int], int],
                  specs: Mapping[str, ValueSpec], devices: tuple[torch.device, ...],
-                 microbatch_sizes: list[int], timeout: float, waiter: Waiter,
+                 sizes: Sequence[Mapping[Any, int]], timeout: float, waiter: Waiter,
                  store: Any = None, label: Callable[[int], str] = str):
         self.rank = rank
         self.rank_of = rank_of_stage
         self.specs = specs
         self.devices = devices  # device of each stage
-        self.sizes = microbatch_sizes
+        self.sizes = sizes  # per micro-batch: every size symbol's value
         self.timeout = timeout
         self.store = store
         self.waiter = waiter

@@ -1,0 +1,80 @@
+"""Any sequence length: capture keeps the non-batch sizes of batched inputs symbolic where the
+model allows it, so one plan runs every length, in one process and over gloo ranks, with the
+unsplit model's loss and gradients; a size the model fixes gets an error naming the input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipecompile as pc
+from tests.dist import run_ranks
+from tests.dist_training_cases import sequence_lengths
+from tests.models import CASES
+from tests.reference import assert_grads_equal, reference_step
+
+
+@pytest.mark.parametrize("name,schedule", [("llama", "1f1b"), ("gpt2", "zb-h1")])
+def test_other_sequence_lengths_match_unsplit_model(name, schedule):
+    torch.manual_seed(0)
+    case = CASES[name]()  # example sequence length 8
+    pipe = pc.compile(case.model, case.args, devices=2, microbatches=2, schedule=schedule,
+                      loss_fn=case.loss_fn)
+    captured = pipe.program.captured
+    assert len(captured.example_sizes) == 2, "batch and sequence length are symbols"
+    for seq in (5, 12):
+        x = torch.randint(0, 64, (6, seq))
+        y = torch.randint(0, 64, (6, seq))
+        loss = pipe.step(x, target=y)
+        ref_loss, ref_grads = reference_step(case.model, (x,), {}, y, case.loss_fn, 2)
+        assert torch.allclose(loss, ref_loss, rtol=1e-12, atol=0)
+        assert_grads_equal(pipe, ref_grads)
+        out = pipe(x)
+        assert out.logits.shape == (6, seq, 64)
+        torch.testing.assert_close(out.logits, case.model(x).logits, rtol=1e-12, atol=1e-12)
+
+
+def test_other_sequence_lengths_on_two_ranks():
+    results = run_ranks(sequence_lengths, 2, timeout=240)
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    for seq in (5, 8, 3):
+        x, y = case.args[0][:, :seq], case.target[:, :seq]
+        ref_loss, ref_grads = reference_step(case.model, (x,), {}, y, case.loss_fn, 2)
+        with torch.no_grad():
+            ref_out = case.model(x)
+        for rank in results:
+            got = rank[seq]
+            assert torch.allclose(got["loss"], ref_loss, rtol=1e-12, atol=0)
+            assert got["out"].shape == (8, seq, 64)
+            torch.testing.assert_close(got["out"], ref_out, rtol=1e-12, atol=1e-12)
+            assert got["grads"], "each rank holds gradients of its stages"
+            for name, grad in got["grads"].items():
+                torch.testing.assert_close(grad, ref_grads[name], rtol=1e-10, atol=1e-12)
+
+
+class FixedLength(torch.nn.Module):
+    """Its code fixes the sequence length: a position table added by broadcasting."""
+
+    def __init__(self, seq: int = 6, dim: int = 4):
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(seq, dim))
+        self.a = torch.nn.Linear(dim, dim)
+        self.b = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x + self.pos)))
+
+
+def test_size_the_model_fixes_is_named_in_the_error():
+    model = FixedLength()
+    x = torch.randn(4, 6, 4)
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2,
+                      loss_fn=lambda out, y: (out - y).pow(2).mean())
+    assert pipe.program.captured.values[pipe.program.captured.input_names[0]].shape[1] == 6
+    with pytest.raises(pc.ConfigError, match=r"input 'x' has size 5 in dimension 1.*fixed at 6"):
+        pipe.step(torch.randn(4, 5, 4), target=torch.randn(4, 5, 4))
+    with pytest.raises(pc.ConfigError, match=r"input 'x' has 2 dimensions.*compiled with 3"):
+        pipe(torch.randn(4, 6))
+    # the batch size still varies
+    assert pipe.step(torch.randn(8, 6, 4), target=torch.randn(8, 6, 4)).dim() == 0
