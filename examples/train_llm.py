@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
+from torch.optim.lr_scheduler import LRScheduler
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import pipecompile as pc
@@ -102,6 +103,7 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
 
 
 def checkpoint_path(args: argparse.Namespace, step: int) -> str:
+    """One directory per saved step: a failed save leaves the older ones intact."""
     return os.path.join(args.ckpt_dir, f"step_{step:06d}")
 
 
@@ -115,7 +117,8 @@ def latest_checkpoint(args: argparse.Namespace) -> int | None:
     return max(steps, default=None)
 
 
-def training_state(pipe, opt, sched, step: int) -> dict:
+def training_state(pipe: pc.Pipeline, opt: torch.optim.Optimizer, sched: LRScheduler,
+                   step: int) -> dict:
     """What a checkpoint holds: model and optimizer (each rank its own stages' tensors, keyed by
     the model's parameter names), the scheduler's state and the step."""
     model_sd, optim_sd = get_state_dict(pipe, opt, options=STATE_OPTIONS)
@@ -123,18 +126,19 @@ def training_state(pipe, opt, sched, step: int) -> dict:
             "trainer": {"step": step, "scheduler": sched.state_dict()}}
 
 
-def save(args, pipe, opt, sched, step: int) -> str:
+def save(args: argparse.Namespace, pipe: pc.Pipeline, opt: torch.optim.Optimizer,
+         sched: LRScheduler, step: int) -> str:
+    """Every rank writes its own stages' tensors (a key held by several ranks once)."""
     path = checkpoint_path(args, step)
     dcp.save(training_state(pipe, opt, sched, step), checkpoint_id=path,
              no_dist=not dist.is_initialized())
     return path
 
 
-def load(args, pipe, opt, sched, step: int) -> int:
-    """Load the checkpoint of `step` into pipe, opt and sched; returns the saved step."""
-    state = training_state(pipe, opt, sched, step)
-    dcp.load(state, checkpoint_id=checkpoint_path(args, step),
-             no_dist=not dist.is_initialized())
+def load(path: str, pipe: pc.Pipeline, opt: torch.optim.Optimizer, sched: LRScheduler) -> int:
+    """Load the checkpoint at `path` into pipe, opt and sched; returns its step."""
+    state = training_state(pipe, opt, sched, step=-1)  # the structure dcp.load fills in
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     set_state_dict(pipe, opt, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=STATE_OPTIONS)
     sched.load_state_dict(state["trainer"]["scheduler"])
@@ -161,9 +165,13 @@ def main(argv: list[str] | None = None) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, args.warmup, args.steps))
     step = 0
-    if args.resume and (saved := latest_checkpoint(args)) is not None:
-        step = load(args, pipe, opt, sched, saved)
-        log(f"resumed from {checkpoint_path(args, saved)} at step {step}")
+    if args.resume:
+        saved = latest_checkpoint(args)
+        if saved is None:
+            log(f"no checkpoint in {args.ckpt_dir}: starting at step 0")
+        else:
+            step = load(checkpoint_path(args, saved), pipe, opt, sched)
+            log(f"resumed from {checkpoint_path(args, saved)} at step {step}")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=not args.no_autocast)

@@ -98,6 +98,7 @@ def test_resumed_run_repeats_the_uninterrupted_steps_exactly(runs):
     assert after == {s: v for s, v in _steps(full).items() if s > SAVED}
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no process group: intended
 def test_checkpoint_loads_into_the_unsplit_model(runs):
     import torch.distributed.checkpoint as dcp
 
@@ -106,8 +107,9 @@ def test_checkpoint_loads_into_the_unsplit_model(runs):
     args = example.parse_args(TINY)
     model = example.build_model(args)  # the initial weights, as every rank built them
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    state = {"model": model.state_dict()}
+    state = {"model": model.state_dict(), "trainer": {"step": -1}}
     dcp.load(state, checkpoint_id=str(tmp / "ckpt" / f"step_{SAVED:06d}"), no_dist=True)
+    assert state["trainer"]["step"] == SAVED
     assert set(state["model"]) == set(initial)  # the original parameter names
     model.load_state_dict(state["model"])
     assert all(not torch.equal(initial[k], v) for k, v in model.state_dict().items())
