@@ -162,6 +162,7 @@ def _capture_export(model, args, kwargs, batch, static_batch_size, opaque, verbo
     values = _values_from_meta(gm.graph)
     batch_symbol, sizes = _symbols(gm.graph, values, batch) if dynamic else (None, {})
     return CapturedModel(
+        size_ranges=_ranges(ep, sizes),
         module=gm,
         in_spec=signature.in_spec,
         out_spec=signature.out_spec,
@@ -324,6 +325,25 @@ def _symbols(graph: fx.Graph, values, batch: int) -> tuple[sympy.Symbol | None, 
     if batch_symbol is not None:
         sizes[batch_symbol] = batch
     return batch_symbol, sizes
+
+
+def _ranges(ep: ExportedProgram, sizes: Mapping[sympy.Symbol, int]
+            ) -> dict[sympy.Symbol, tuple[int, int | None]]:
+    """The range export assumed for each size symbol, where it is narrower than any size."""
+    ranges = {}
+    for symbol, vr in ep.range_constraints.items():
+        if symbol not in sizes:
+            continue
+        low = _finite(vr.lower) or 0
+        high = _finite(vr.upper)
+        if low > 2 or high is not None:  # export's own floor (0 or 2) needs no check
+            ranges[symbol] = (low, high)
+    return ranges
+
+
+def _finite(bound: Any) -> int | None:
+    """A value range's bound as an int; None for an infinite one (sympy's or torch's int_oo)."""
+    return None if "oo" in str(bound) else int(bound)
 
 
 def _output_names(graph: fx.Graph) -> tuple[str, ...]:

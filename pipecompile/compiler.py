@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .capture import capture as capture_model, seed_captured
-from .errors import PartitionError
+from .deferred import Planner
+from .errors import ConfigError, PartitionError
 from .options import Example, check_async_ties, example_microbatch_size, resolve_options
 from .passes.annotate import optimizer_state_factor
 from .passes.calibrate import calibrate_blocks, fit_calibration
@@ -73,6 +74,10 @@ def compile(  # noqa: A001 - the public name of the design
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices`.
 
+    Without `example_inputs`/`example_kwargs` the pipeline plans lazily: its first
+    `step(...)` or call captures and plans from those inputs, and a later call whose inputs the
+    plan cannot run is planned again (see `deferred.py`). With them, it plans now.
+
     `devices` is a count (CUDA devices if present, else that many CPU workers), a list of
     device names, or a list of `DeviceSpec` (relative speed, memory) for heterogeneous devices.
     `memory_limit` (bytes, per device or one for all) caps each stage's predicted memory.
@@ -85,15 +90,23 @@ def compile(  # noqa: A001 - the public name of the design
     call runs on every rank: `devices` is the number of pipeline ranks and `data_parallel` the
     number of pipeline replicas; each rank keeps only its own stages.
     """
-    example = Example(model, tuple(example_inputs), dict(example_kwargs or {}), example_target)
-    options = resolve_options(
-        example, devices=devices, microbatches=microbatches, schedule=schedule,
-        virtual_stages=virtual_stages, memory_limit=memory_limit, bandwidth=bandwidth,
-        data_parallel=data_parallel, timeout=timeout, split_points=split_points,
-        loss_fn=loss_fn, optimizer=optimizer, capture=capture, granularity=granularity,
-        profile=profile, checkpoint=checkpoint, vertical_sync=vertical_sync, verbose=verbose,
-        rng=rng, rng_seed=rng_seed)
-    return Pipeline(run_passes(Plan(options), PASSES, example))
+    def plan_for(example: Example | None) -> Plan:
+        options = resolve_options(
+            example, devices=devices, microbatches=microbatches, schedule=schedule,
+            virtual_stages=virtual_stages, memory_limit=memory_limit, bandwidth=bandwidth,
+            data_parallel=data_parallel, timeout=timeout, split_points=split_points,
+            loss_fn=loss_fn, optimizer=optimizer, capture=capture, granularity=granularity,
+            profile=profile, checkpoint=checkpoint, vertical_sync=vertical_sync,
+            verbose=verbose, rng=rng, rng_seed=rng_seed)
+        return run_passes(Plan(options), PASSES, example) if example is not None else Plan(options)
+
+    if not example_inputs and not example_kwargs:  # lazy: plans on the first call
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        plan_for(None)  # check the options now, not at the first step
+        return Pipeline(planner=Planner(model, plan_for))
+    return Pipeline(plan_for(Example(model, tuple(example_inputs), dict(example_kwargs or {}),
+                                     example_target)))
 
 
 # -- the passes ---------------------------------------------------------------------------------
@@ -164,7 +177,7 @@ def _calibrate(plan: Plan, example: Example) -> tuple[Plan, str] | None:
         return None
     linear, estimated = need(plan.linear, "linearize"), need(plan.costs, "annotate")
     before = need(plan.placement, "partition").bounds
-    program = split(linear, before, _stage_devices(plan, example))
+    program = split(linear, before, _stage_devices(plan, example), placed=example.placed)
     measured = measure(program, need(plan.schedule, "schedule"), example,
                        microbatches=o.microbatches, loss_fn=o.loss_fn, ranks=o.ranks)
     calibration = fit_calibration(estimated, before, measured)
@@ -199,7 +212,7 @@ def _split(plan: Plan, example: Example) -> tuple[Plan, str]:
     costs, placement = need(plan.costs, "annotate"), need(plan.placement, "partition")
     schedule = need(plan.schedule, "schedule")
     program = plan.program or split(need(plan.linear, "linearize"), placement.bounds,
-                                    _stage_devices(plan, example))
+                                    _stage_devices(plan, example), placed=example.placed)
     measured = (measure(program, schedule, example, microbatches=o.microbatches,
                         loss_fn=o.loss_fn, ranks=o.ranks) if o.profile else None)
     program = with_stage_costs(program, costs, placement, plan.inflight)

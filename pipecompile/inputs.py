@@ -86,6 +86,13 @@ def _check_sizes(captured: CapturedModel, flat: list[Any], where: str) -> None:
                 f"{where}: input {name!r} has {value.dim()} dimensions but the model was "
                 f"compiled with {len(shape)} (shape {_shape_text(shape)})")
         for axis, (dim, size) in enumerate(zip(shape, value.shape)):
+            low, high = captured.size_ranges.get(dim, (0, None))
+            if axis > 0 and not low <= size <= (size if high is None else high):
+                raise ConfigError(
+                    f"{where}: input {name!r} has size {size} in dimension {axis}, but the "
+                    f"model was captured for sizes {low}..{'' if high is None else high} there "
+                    f"(its code branches on that size, and the graph holds one branch); pass "
+                    f"inputs in that range, or compile with an example of the size you need")
             if axis > 0 and isinstance(dim, (int, sympy.Integer)) and int(dim) != size:
                 raise ConfigError(
                     f"{where}: input {name!r} has size {size} in dimension {axis}, but the "

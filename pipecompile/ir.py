@@ -94,6 +94,9 @@ class CapturedModel:
     batch_symbol: sympy.Symbol | None
     example_sizes: Mapping[sympy.Symbol, int]  # every symbol's value in the example inputs
     captured_batch_size: int  # batch size of the inputs the graph was traced with
+    # the sizes each symbol may take (lowest, highest or None): export assumes them, e.g. a
+    # sequence length above 4 where the model's code branches on `seq > 4`
+    size_ranges: Mapping[sympy.Symbol, tuple[int, int | None]] = field(default_factory=dict)
     parameter_names: tuple[str, ...] = ()  # model.named_parameters() order (ties once)
     state_keys: tuple[str, ...] = ()  # model.state_dict() keys (persistent buffers only)
     notes: tuple[str, ...] = ()

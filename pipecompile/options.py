@@ -42,6 +42,9 @@ class Example:
     args: tuple
     kwargs: Mapping[str, Any]
     target: Any = None
+    # the stages' device copies of the model's tensors by (id(tensor), device): one table for
+    # every plan of a lazily compiled pipeline, so that all of them train the same tensors
+    placed: dict | None = None
 
     @property
     def batch(self) -> int:
@@ -87,13 +90,14 @@ class CompileOptions:
 
 
 def resolve_options(
-    example: Example, *, devices: int | Sequence[str | torch.device | DeviceSpec],
+    example: Example | None, *, devices: int | Sequence[str | torch.device | DeviceSpec],
     microbatches: int, schedule: str, virtual_stages: int | None,
     memory_limit: float | Sequence[float] | None, bandwidth: float | None,
     data_parallel: int, timeout: float, split_points: Sequence[str] | None, **rest: Any,
 ) -> CompileOptions:
-    """Check compile's options against each other and the example batch; resolve devices and
-    ranks. `rest` are the options taken as given (loss_fn, optimizer, capture, ...)."""
+    """Check compile's options against each other and the example batch (None: lazy compile,
+    checked again at the first call); resolve devices and ranks. `rest` are the options taken
+    as given (loss_fn, optimizer, capture, ...)."""
     count = devices if isinstance(devices, int) else len(devices)
     if not isinstance(data_parallel, int) or data_parallel < 1:
         raise ConfigError(f"data_parallel must be a positive int, got {data_parallel!r}")
@@ -120,7 +124,7 @@ def resolve_options(
         virtual_stages=virtual_stages or (2 if schedule == "interleaved-1f1b" else 1),
         data_parallel=data_parallel, timeout=timeout, ranks=Ranks(topology), **rest)
     _check_async(options)
-    if example.batch < microbatches:
+    if example is not None and example.batch < microbatches:
         raise ConfigError(
             f"the example batch has {example.batch} samples, fewer than microbatches="
             f"{microbatches}; use a batch of at least {microbatches} or fewer micro-batches")

@@ -170,7 +170,7 @@ def _program_from_json(root: Path, data: dict[str, Any],
     """The staged program: weights read, each stage's module rebuilt from its code."""
     state = _read_state(root, data)
     captured = _captured_from_json(data["captured"], state)
-    placed = _Placement(stage_devices)
+    placed = _Placement(stage_devices, {})
     stages = []
     for entry in data["stages"]:
         j = entry["index"]
@@ -276,6 +276,7 @@ def _captured_to_json(program: StagedProgram) -> dict[str, Any]:
         "method": c.method, "dynamic_batch": c.dynamic_batch,
         "batch_symbol": str(c.batch_symbol) if c.batch_symbol is not None else None,
         "example_sizes": {str(k): int(v) for k, v in c.example_sizes.items()},
+        "size_ranges": {str(k): list(v) for k, v in c.size_ranges.items()},
         "captured_batch_size": c.captured_batch_size,
         "parameter_names": list(c.parameter_names), "state_keys": list(c.state_keys),
         "notes": list(c.notes),
@@ -305,6 +306,7 @@ def _captured_from_json(data: dict[str, Any], state: dict[str, torch.Tensor]) ->
         values=values, method=data["method"], dynamic_batch=data["dynamic_batch"],
         batch_symbol=symbols[data["batch_symbol"]] if data["batch_symbol"] else None,
         example_sizes={symbols[k]: v for k, v in data["example_sizes"].items()},
+        size_ranges={symbols[k]: (v[0], v[1]) for k, v in data.get("size_ranges", {}).items()},
         captured_batch_size=data["captured_batch_size"],
         parameter_names=tuple(data["parameter_names"]), state_keys=tuple(data["state_keys"]),
         notes=tuple(data["notes"]),

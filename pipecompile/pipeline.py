@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import batch_size_of
 from .draw import draw_partition
+from .deferred import Planner, cannot_run
 from .errors import ConfigError
 from .inputs import check_inputs
 from .mirror import mirror
@@ -45,30 +46,111 @@ __all__ = ["Pipeline", "PassRecord", "load"]
 class Pipeline(torch.nn.Module):
     """A model split into pipeline stages, trained by interpreting a schedule."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan | None = None, *, planner: Planner | None = None):
         super().__init__()
+        assert (plan is None) != (planner is None), "a plan, or a planner for a lazy pipeline"
+        self._plan: Plan | None = None
+        self._runtime: Runtime | None = None
+        self._planner = planner
+        self._plans: list[tuple[Plan, Runtime]] = []  # lazy: every plan made so far
+        self._read_unplanned = False  # lazy: parameters were read before the first plan
+        if plan is not None:
+            self._use(plan, assemble(_program(plan), _schedule(plan), plan.options))
+        else:
+            assert planner is not None
+            model = planner.model
+            persistent = set(model.state_dict(keep_vars=True))
+            mirror(self, ((n, t, n in persistent) for n, t in
+                          [*model.named_parameters(), *model.named_buffers()]))
+
+    def _use(self, plan: Plan, runtime: Runtime) -> None:
+        """Run `plan` from now on: its runtime, and the model's names over its tensors."""
         assert plan.program is not None and plan.schedule is not None, "an unfinished plan"
-        self.plan = plan
-        self.runtime: Runtime = assemble(plan.program, plan.schedule, plan.options)
+        if self._runtime is not None and runtime is not self._runtime:
+            runtime.set_training(self.training)
         captured = plan.program.captured
         persistent = set(captured.state_keys)
         names = [*captured.state_keys, *(n for n in plan.program.tensors if n not in persistent)]
-        owned = ((n, self.runtime.own_copy(n)) for n in dict.fromkeys(names))
+        owned = [(n, runtime.own_copy(n)) for n in dict.fromkeys(names)]
+        if self._plan is None and self._read_unplanned:
+            _check_same_tensors(dict(self.named_parameters()), dict(owned))
+        self._plan, self._runtime = plan, runtime
+        for table in (self._modules, self._parameters, self._buffers):
+            table.clear()
+        self._non_persistent_buffers_set.clear()
         mirror(self, ((n, t, n in persistent) for n, t in owned if t is not None))
+
+    def _ready(self, args: tuple, kwargs: Mapping[str, Any], target: Any, *, where: str,
+               microbatched: bool = True) -> None:
+        """Check a call's inputs; a lazy pipeline first finds or makes a plan that runs them."""
+        if self._planner is None:
+            check_inputs(self.program.captured, args, kwargs, where=where)
+            return
+        reasons = []
+        for plan, runtime in self._plans:
+            reason = cannot_run(plan, args, kwargs, where=where, microbatched=microbatched)
+            if reason is None:
+                if plan is not self._plan:
+                    self._use(plan, runtime)
+                return
+            reasons.append(reason)
+        if self._plans:
+            self._check_can_replan(reasons[-1])
+        plan = self._planner.plan(args, kwargs, target)
+        runtime = assemble(_program(plan), _schedule(plan), plan.options)
+        self._plans.append((plan, runtime))
+        self._use(plan, runtime)
+        check_inputs(self.program.captured, args, kwargs, where=where)
+
+    def _check_can_replan(self, reason: str) -> None:
+        options = self.plan.options
+        if options.ranks.distributed:
+            raise ConfigError(
+                f"these inputs need a new plan ({reason}), but under torch.distributed every "
+                f"rank would have to re-plan at the same step; pass inputs the first plan runs "
+                f"(any size capture kept symbolic may vary)")
+        if options.optimizer is not None:
+            raise ConfigError(
+                f"these inputs need a new plan ({reason}), whose stages would get new "
+                f"optimizers from optimizer=...; pass inputs the first plan runs, or use your "
+                f"own optimizer over pipe.parameters(), which every plan shares")
+
+    # -- the lazy pipeline's state ---------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        """The plan this pipeline runs (a lazy pipeline's latest, once it has one)."""
+        if self._plan is None:
+            raise ConfigError(_NOT_PLANNED)
+        return self._plan
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            raise ConfigError(_NOT_PLANNED)
+        return self._runtime
+
+    @property
+    def planned(self) -> bool:
+        """False for a lazily compiled pipeline until its first call."""
+        return self._plan is not None
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        if self._plan is None:
+            self._read_unplanned = True  # an optimizer may be built over them: see _use
+        return super().named_parameters(prefix, recurse, remove_duplicate)
 
     # -- what was compiled ----------------------------------------------------------------
 
     @property
     def program(self) -> StagedProgram:
-        program = self.plan.program
-        assert program is not None  # checked in __init__
-        return program
+        return _program(self.plan)
 
     @property
     def schedule(self) -> Schedule:
-        schedule = self.plan.schedule
-        assert schedule is not None  # checked in __init__
-        return schedule
+        return _schedule(self.plan)
 
     @property
     def stages(self) -> tuple[Stage, ...]:
@@ -130,8 +212,8 @@ class Pipeline(torch.nn.Module):
         A model captured with static shapes runs in chunks of its captured batch size, and
         outputs with that leading size are concatenated.
         """
+        self._ready(args, kwargs, None, where="pipe()", microbatched=False)
         captured = self.program.captured
-        check_inputs(captured, args, kwargs, where="pipe()")
         batch = batch_size_of(args, kwargs)
         if not captured.dynamic_batch and batch != captured.captured_batch_size:
             return self._call_in_chunks(args, kwargs, batch)
@@ -168,7 +250,7 @@ class Pipeline(torch.nn.Module):
         number or a `torch.amp.GradScaler`) multiplies the loss before backward, so the
         gradients are that many times larger; the returned loss is not scaled.
         """
-        check_inputs(self.program.captured, args, kwargs, where="pipe.step()")
+        self._ready(args, kwargs, target, where="pipe.step()")
         mbs = split_microbatches(args, kwargs, target, self.microbatches)
         scale = loss_scale_value(loss_scale, self.runtime.wiring.devices[-1])
         return self.runtime.run(self.schedule, mbs, batches=1, loss_scale=scale)[0]
@@ -177,7 +259,7 @@ class Pipeline(torch.nn.Module):
         """The validation loss of a batch: the mean over micro-batches of
         `loss_fn(model.eval()(x_i), y_i)`, by forwards only in eval mode without autograd.
         Gradients, parameters and `pipe.training` are left as they were."""
-        check_inputs(self.program.captured, args, kwargs, where="pipe.eval_step()")
+        self._ready(args, kwargs, target, where="pipe.eval_step()")
         mbs = split_microbatches(args, kwargs, target, self.microbatches)
         return self.runtime.evaluate(mbs)
 
@@ -186,7 +268,8 @@ class Pipeline(torch.nn.Module):
         stages run their inference graphs (batch norm reads its running statistics, dropout
         is off), as `model.eval()` does to the unsplit model."""
         super().train(mode)
-        self.runtime.set_training(mode)
+        if self._runtime is not None:
+            self._runtime.set_training(mode)
         return self
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
@@ -208,6 +291,8 @@ class Pipeline(torch.nn.Module):
         pipeline between batches; synchronous schedules flush after every batch (a `step` each).
         """
         batches = [_batch_parts(b) for b in batches]
+        if batches:
+            self._ready(*batches[0], where="pipe.fit()")
         if not self.runtime.asynchronous:
             return [self.step(*a, target=t, **k) for a, k, t in batches]
         mbs: list[MicroBatch] = []
@@ -290,6 +375,9 @@ class Pipeline(torch.nn.Module):
     # -- inspection, export and persistence ------------------------------------------------
 
     def __repr__(self) -> str:
+        if self._plan is None:
+            return f"Pipeline({type(self._planner.model).__name__ if self._planner else ''}: " \
+                   f"{_NOT_PLANNED})"
         return stage_table(self.program, self.schedule, microbatches=self.microbatches,
                            predicted=self.predicted)
 
@@ -324,6 +412,34 @@ def load(directory: str | os.PathLike, *, loss_fn: Callable[[Any, Any], torch.Te
     `pipe.schedule.num_devices`), e.g. `["cpu"] * 4` to run a CUDA-saved pipeline on the CPU.
     """
     return Pipeline(load_plan(directory, loss_fn=loss_fn, optimizer=optimizer, devices=devices))
+
+
+_NOT_PLANNED = ("not planned yet: compiled without example inputs, it captures and plans on "
+                "its first pipe.step(...) or pipe(...) call")
+
+
+def _program(plan: Plan) -> StagedProgram:
+    assert plan.program is not None, "a finished plan has its program"
+    return plan.program
+
+
+def _schedule(plan: Plan) -> Schedule:
+    assert plan.schedule is not None, "a finished plan has its schedule"
+    return plan.schedule
+
+
+def _check_same_tensors(before: Mapping[str, torch.Tensor],
+                        after: Mapping[str, torch.Tensor | None]) -> None:
+    """A lazy pipeline's parameters, read before its first plan, must be the tensors the plan
+    trains: an optimizer built over them would otherwise update tensors no stage uses."""
+    moved = [n for n, t in before.items() if after.get(n) is not t]
+    if moved:
+        raise ConfigError(
+            f"pipe.parameters() was read before the pipeline was planned, and the plan keeps "
+            f"{moved[0]!r}{f' and {len(moved) - 1} more' if len(moved) > 1 else ''} as another "
+            f"tensor (a copy on its stage's device, or on another rank); an optimizer built "
+            f"then would update tensors no stage uses. Create the optimizer after the first "
+            f"pipe.step(...), or pass example_inputs to compile so that it plans at once")
 
 
 def _batch_parts(batch: tuple) -> tuple[tuple, dict, Any]:

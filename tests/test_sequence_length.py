@@ -78,3 +78,29 @@ def test_size_the_model_fixes_is_named_in_the_error():
         pipe(torch.randn(4, 6))
     # the batch size still varies
     assert pipe.step(torch.randn(8, 6, 4), target=torch.randn(8, 6, 4)).dim() == 0
+
+
+class Branchy(torch.nn.Module):
+    """Its code branches on the sequence length: export keeps the length symbolic but assumes
+    the branch taken (lengths 5 and up)."""
+
+    def __init__(self, dim: int = 4):
+        super().__init__()
+        self.a = torch.nn.Linear(dim, dim)
+        self.b = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if x.shape[1] > 4:
+            h = h * 2
+        return self.b(torch.tanh(h))
+
+
+def test_size_outside_the_range_export_assumed_is_refused_not_miscomputed():
+    model = Branchy().double()
+    x = torch.randn(4, 6, 4, dtype=torch.float64)
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2,
+                      loss_fn=lambda out, y: (out - y).pow(2).mean())
+    torch.testing.assert_close(pipe(x[:, :5]), model(x[:, :5]))  # in the range: symbolic
+    with pytest.raises(pc.ConfigError, match=r"input 'x' has size 3 in dimension 1.*sizes 5\.\."):
+        pipe(x[:, :3])  # the graph holds the branch of lengths > 4 only

@@ -81,9 +81,12 @@ class StagedProgram:
 
 
 def split(
-    linear: LinearGraph, bounds: Sequence[int], devices: Sequence[torch.device | str]
+    linear: LinearGraph, bounds: Sequence[int], devices: Sequence[torch.device | str], *,
+    placed: dict | None = None,
 ) -> StagedProgram:
-    """Split `linear` at `bounds` into stages placed on `devices` (one per stage)."""
+    """Split `linear` at `bounds` into stages placed on `devices` (one per stage). `placed`
+    holds the device copies of the model's tensors made so far, by (id(tensor), device): given,
+    a copy is made once for all the programs that share the table (and recorded in it)."""
     n = linear.num_blocks
     bounds = tuple(int(b) for b in bounds)
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != n or any(
@@ -103,7 +106,8 @@ def split(
     _check_writes(graph, stage_of, output_node, last)
     consumers = _consumers(graph, linear.roles, stage_of, last)
     producer = {v: stage_of[v] for v in consumers}
-    placed = _Placement([torch.device(d) for d in devices])
+    placement = _Placement([torch.device(d) for d in devices],
+                           {} if placed is None else placed)
     stages = []
     for j in range(len(bounds) - 1):
         members = [n for n in graph.nodes if stage_of.get(n.name) == j]
@@ -114,12 +118,12 @@ def split(
         stage_graph, inputs, attrs = _stage_graph(
             members, outputs, output_node, j == last, linear.roles, stage_of, j
         )
-        root = {target: placed.get(j, target, _getattr_path(gm, target)) for target in attrs}
+        root = {target: placement.get(j, target, _getattr_path(gm, target)) for target in attrs}
         module = fx.GraphModule(root, stage_graph, class_name=f"Stage{j}")
         if _clone_written_inputs(module.graph):
             module.recompile()
         names = tuple(name for name, _ in module.named_parameters())
-        stages.append(Stage(j, module, placed.devices[j], inputs, outputs,
+        stages.append(Stage(j, module, placement.devices[j], inputs, outputs,
                             tuple(range(bounds[j], bounds[j + 1])), names))
 
     tensors, ties = _tensor_copies(gm, stages)
@@ -233,9 +237,10 @@ def _check_writes(graph: fx.Graph, stage_of: Mapping[str, int], output_node, las
 class _Placement:
     """The tensor each stage uses for an attribute: the original, or one copy per device."""
 
-    def __init__(self, devices: list[torch.device]):
+    def __init__(self, devices: list[torch.device],
+                 copies: dict[tuple[int, torch.device], torch.Tensor]):
         self.devices = devices
-        self._copies: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._copies = copies
 
     def get(self, stage: int, name: str, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):

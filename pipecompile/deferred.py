@@ -1,0 +1,73 @@
+"""Lazy compilation: plan from the first call's inputs, and again for inputs a plan cannot run.
+
+`pipecompile.compile(model, devices=4, loss_fn=...)` without example inputs returns a
+`Pipeline` that has no plan yet. Its first `step(...)` or call captures the model with those
+inputs and runs the compiler's passes (`Planner.plan`); the step itself then runs on the new
+plan, so the first result is exact like any other. A later call whose inputs the current plan
+cannot run (`cannot_run`: another set of inputs, a size the capture fixed, a batch that does not
+split into the plan's micro-batches) is planned again; plans are kept, and a call runs on the
+first kept plan that can run it:
+
+    pipe.step(x[8, 12])   -> no plan: capture + plan A (batch and length symbolic), run on A
+    pipe.step(x[8, 40])   -> A runs it (the length is a symbol)
+    pipe.step(x[3, 12])   -> A splits 8 into 4 micro-batches, not 3: plan B, run on B
+    pipe.step(x[8, 16])   -> A again
+
+Every plan places the model's tensors through one shared `placed` table, so all plans train the
+same tensor objects: an optimizer over `pipe.parameters()` keeps working across plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .capture import batch_size_of
+from .errors import ConfigError
+from .inputs import check_inputs
+from .options import Example
+from .plan import Plan
+
+__all__ = ["Planner", "cannot_run"]
+
+
+@dataclass(frozen=True)
+class Planner:
+    """What a lazily compiled pipeline plans with: the model and compile's passes, run on a
+    call's inputs (`plan_for`), and the device copies every plan shares."""
+
+    model: torch.nn.Module
+    plan_for: Callable[[Example], Plan]
+    placed: dict = field(default_factory=dict)  # (id(tensor), device) -> the stages' copy
+
+    def plan(self, args: tuple, kwargs: Mapping[str, Any], target: Any) -> Plan:
+        """The plan compile makes for a call with these inputs."""
+        return self.plan_for(Example(self.model, tuple(args), dict(kwargs), target,
+                                     placed=self.placed))
+
+
+def cannot_run(plan: Plan, args: tuple, kwargs: Mapping[str, Any], *, where: str,
+               microbatched: bool = True) -> str | None:
+    """Why `plan` cannot run a call with these inputs, or None if it can. `microbatched`: the
+    call splits the batch into the plan's micro-batches (a step; `pipe(x)` does not)."""
+    program = plan.program
+    assert program is not None, "a finished plan"
+    captured = program.captured
+    try:
+        check_inputs(captured, args, kwargs, where=where)
+        batch = batch_size_of(args, kwargs)
+    except ConfigError as exc:
+        return str(exc)
+    if not microbatched:
+        return None
+    m = plan.options.microbatches
+    pieces = len(torch.arange(batch).chunk(m)) if batch >= m else 0
+    if pieces != m:
+        return f"a batch of {batch} does not split into its {m} micro-batches"
+    size = -(-batch // m)
+    if not captured.dynamic_batch and size != captured.captured_batch_size:
+        return (f"it was captured with static shapes for micro-batches of "
+                f"{captured.captured_batch_size}, not {size}")
+    return None
