@@ -91,6 +91,7 @@ class SavedActivations:
     """
 
     held: dict[int, int] = field(default_factory=dict)  # micro-batch -> bytes held now
+    spans: dict[int, list[_Span]] = field(default_factory=dict)  # micro-batch -> what it holds
     microbatch: dict[int, int] = field(default_factory=dict)  # most each micro-batch held
     peak: int = 0  # the most bytes held at once since `reset`
     events: list[tuple[int, int]] = field(default_factory=list)
@@ -98,6 +99,7 @@ class SavedActivations:
     def reset(self) -> None:
         """Start a step: nothing held, no peak."""
         self.held.clear()
+        self.spans.clear()
         self.microbatch.clear()
         self.events.clear()
         self.peak = 0
@@ -115,23 +117,28 @@ class SavedActivations:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
-        self._add(mb, _union_bytes(spans))
+        self._add(mb, spans)
 
     def hold(self, mb: int, tensors: Iterable[Any], exclude: Iterable[Any] = ()) -> None:
         """Add tensors the stage keeps itself for micro-batch `mb` (storages counted once)."""
-        self._add(mb, _union_bytes(_spans(tensors, _storage_keys(exclude))))
+        self._add(mb, _spans(tensors, _storage_keys(exclude)))
 
     def release(self, mb: int) -> None:
         """Micro-batch `mb`'s backward is done: its saved tensors are freed."""
+        self.spans.pop(mb, None)
         freed = self.held.pop(mb, 0)
         if freed:
             self.events.append((next(_ORDER), -freed))
 
-    def _add(self, mb: int, nbytes: int) -> None:
-        self.held[mb] = self.held.get(mb, 0) + nbytes
+    def _add(self, mb: int, spans: list[_Span]) -> None:
+        # a micro-batch's spans are merged together: a checkpointed stage's kept input is
+        # saved again by the recomputed forward, and is one tensor
+        self.spans.setdefault(mb, []).extend(spans)
+        before = self.held.get(mb, 0)
+        self.held[mb] = _union_bytes(self.spans[mb])
         self.microbatch[mb] = max(self.microbatch.get(mb, 0), self.held[mb])
         self.peak = max(self.peak, sum(self.held.values()))
-        self.events.append((next(_ORDER), nbytes))
+        self.events.append((next(_ORDER), self.held[mb] - before))
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
