@@ -211,7 +211,10 @@ def _charge_inputs(linear: LinearGraph, saved: list[tuple[list[str], list[str]]]
     return extra
 
 
-def _fake_costs(block, nodes, linear: LinearGraph, gm, fake_mode) -> tuple[tuple, sympy.Expr]:
+def _fake_costs(block, nodes, linear: LinearGraph, gm, fake_mode
+                ) -> tuple[tuple, sympy.Expr, tuple[int, ...], tuple[int, ...]]:
+    """FLOPs, own saved bytes, and which values and inputs the block saves (see
+    `_run_block_fake`); from output sizes where the block cannot run on fake tensors."""
     try:
         with preserve_buffers(gm):
             return _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode)

@@ -50,8 +50,8 @@ def _spans(tensors: Iterable[Any], exclude: set[int]) -> list[_Span]:
         if key in exclude:
             continue
         size = t.element_size()
-        start = t.storage_offset() * size
-        extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+        start = int(t.storage_offset()) * size
+        extent = 1 + sum((int(n) - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride()))
         spans.append((key, start, min(total, start + extent * size), total))
     return spans
 

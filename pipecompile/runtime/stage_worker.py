@@ -13,6 +13,9 @@ With `checkpoint=True` the forward runs without autograd and keeps only the inpu
 state it started from (the CPU generator's and that of each accelerator the stage's tensors live
 on), so the recomputation in backward draws the same dropout masks; the backward recomputes the
 forward first, then puts the random state back as it found it (as torch.utils.checkpoint does).
+
+`activations` counts the bytes each micro-batch keeps for backward (`memory.SavedActivations`,
+read by `pipe.memory_stats()`); micro-batch 0's forward starts a step and resets the counts.
 """
 
 from __future__ import annotations
