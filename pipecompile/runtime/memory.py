@@ -39,19 +39,22 @@ def _spans(tensors: Iterable[Any], exclude: set[int]) -> list[_Span]:
     """Byte spans of the tensors' storages that `tensors` cover (excluded storages skipped)."""
     spans = []
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor) or t.is_meta:
             continue
+        numel, size = t.numel(), t.element_size()
         try:
             storage = t.untyped_storage()
             key, total = storage.data_ptr(), storage.nbytes()
         except (RuntimeError, NotImplementedError):  # no storage (e.g. a tensor subclass)
-            spans.append((id(t), 0, t.numel() * t.element_size(), t.numel() * t.element_size()))
+            spans.append((id(t), 0, numel * size, numel * size))
             continue
-        if key in exclude:
+        if key in exclude or not numel:
             continue
-        size = t.element_size()
         start = int(t.storage_offset()) * size
-        extent = 1 + sum((int(n) - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride()))
+        if t.is_contiguous():
+            extent = numel
+        else:  # the last element's offset + 1 (a transpose, a slice with gaps, an expand)
+            extent = 1 + sum((int(n) - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride()))
         spans.append((key, start, min(total, start + extent * size), total))
     return spans
 
