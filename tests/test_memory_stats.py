@@ -118,3 +118,39 @@ def test_the_prediction_of_a_linear_relu_stage_is_exact():
     (the cost model charged it to both blocks, 1.5x the measurement, before)."""
     first = _pipe("mlp", "gpipe").memory_stats()[0]
     assert first.predicted_activations == first.activations
+
+
+def test_stages_sharing_a_device_combine_their_peaks():
+    """interleaved-1f1b, 2 devices x 2 stages: a device's peak is that of the sum over its
+    stages in time, at least either stage's peak and at most their sum."""
+    torch.manual_seed(0)
+    net, x, y, loss_fn = _mlp()
+    pipe = pc.compile(net, (x,), devices=2, schedule="interleaved-1f1b", virtual_stages=2,
+                      microbatches=4, loss_fn=loss_fn)
+    pipe.step(x, target=y)
+    for d, stages in zip(pipe.memory_stats(), [(0, 2), (1, 3)]):
+        assert d.stages == stages
+        peaks = [pipe.runtime.workers[s].activations.peak for s in stages]
+        assert max(peaks) <= d.activations <= sum(peaks)
+        assert d.predicted_total is not None
+        assert 0.8 * d.total <= d.predicted_total <= 1.5 * d.total, str(d)
+
+
+def _rank_stats(rank):
+    """A 2-rank 1f1b step of the MLP: this rank's memory_stats as plain values."""
+    pipe = _pipe("mlp", "1f1b")
+    return [(d.device, d.stages, d.parameters, d.gradients, d.activations,
+             d.microbatch_activations, d.predicted_total) for d in pipe.memory_stats()]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_each_rank_reports_its_own_device():
+    from tests.dist import run_ranks
+
+    results = run_ranks(_rank_stats, 2)
+    local = [(d.device, d.stages, d.parameters, d.gradients, d.activations,
+              d.microbatch_activations, d.predicted_total)
+             for d in _pipe("mlp", "1f1b").memory_stats()]
+    for rank, r in enumerate(results):
+        assert not isinstance(r, dict), (rank, r)
+        assert r == [local[rank]]
