@@ -276,7 +276,9 @@ class Pipeline(torch.nn.Module):
         """Per device of this process, the memory of the last training step (parameters,
         gradients, optimizer state, the peak of saved activations; on CUDA the allocator's
         peak as the total) next to the plan's prediction; `print` one for a table. The
-        optimizer state is the `optimizer=` one compile built, or `optimizer`'s (your own)."""
+        optimizer state is the `optimizer=` one compile built, or `optimizer`'s (your own).
+        Nothing to switch on: every step counts its saved tensors (about 2 us each, a byte
+        span per tensor, see `runtime/memory.py`), so this always describes the last step."""
         optimizers = [optimizer] if optimizer is not None else self.runtime.optimizers
         return device_memory(self.runtime, self.plan, optimizers)
 

@@ -48,7 +48,9 @@ def test_prediction_is_within_the_band_of_the_measurement(model, schedule):
     for d in stats:
         assert d.activations > 0 and d.predicted_total is not None
         assert 0.8 * d.total <= d.predicted_total <= 1.5 * d.total, str(d)
-        # the activations alone too: in the totals they hide behind the parameters
+        # the activations alone too: in the totals they hide behind the parameters. The MLP's
+        # last stage measures 5 micro-batch-sized tensors against 4 predicted (0.8): MSE saves
+        # the target, and the cost model sees only the captured graph, not loss_fn.
         assert d.predicted_activations is not None
         assert 0.8 * d.activations <= d.predicted_activations <= 1.5 * d.activations, str(d)
 
