@@ -19,11 +19,14 @@ from .errors import (
 )
 from .passes.partition import DeviceSpec, PartitionMemoryError
 from .pipeline import Pipeline, load
+from .runtime.memory import DeviceMemory, format_memory
 
 __all__ = [
     "compile",
     "load",
     "Pipeline",
+    "DeviceMemory",
+    "format_memory",
     "DeviceSpec",
     "PipecompileError",
     "CaptureError",

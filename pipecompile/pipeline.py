@@ -35,6 +35,7 @@ from .runtime.actions import Schedule
 from .runtime.assemble import Runtime, assemble
 from .runtime.distributed import Topology
 from .runtime.executor import Executor
+from .runtime.memory import DeviceMemory, device_memory
 from .runtime.microbatch import MicroBatch, split_microbatches
 from .runtime.schedules import make_schedule
 from .runtime.simulate import StageCosts, Timeline, simulate
@@ -354,6 +355,17 @@ class Pipeline(torch.nn.Module):
         """Per stage, the most micro-batches whose activations were held at once in the last
         step (compare with `pipe.predicted.peak_inflight(stage)`)."""
         return tuple(w.peak_inflight for _, w in sorted(self.runtime.workers.items()))
+
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None
+                     ) -> tuple[DeviceMemory, ...]:
+        """Per device of this process, the memory of the last training step (parameters,
+        gradients, optimizer state, the peak of saved activations; on CUDA the allocator's
+        peak as the total) next to the plan's prediction; `print` one for a table. The
+        optimizer state is the `optimizer=` one compile built, or `optimizer`'s (your own).
+        Nothing to switch on: every step counts its saved tensors (about 2 us each, a byte
+        span per tensor, see `runtime/memory.py`), so this always describes the last step."""
+        optimizers = [optimizer] if optimizer is not None else self.runtime.optimizers
+        return device_memory(self.runtime, self.plan, optimizers)
 
     def plot_timeline(self, path: str) -> str:
         """Draw the predicted and the last measured timeline as a Gantt chart (PNG or SVG)."""

@@ -10,6 +10,11 @@ shapes, under `torch.utils.flop_counter.FlopCounterMode` and a saved-tensors hoo
     backward-weight FLOPs  counted during autograd.grad(outputs, block parameters)  (zero-bubble W)
     activation bytes       tensors autograd saved for backward, parameters excluded, storages once
 
+A value saved by several blocks is charged once: a block's input saved by the block that
+produced it (ReLU saves its output, the next Linear its input) belongs to the producer, and one
+saved only by its consumers belongs to the first of them (`_charge_inputs`); without this, a
+stage of Linear/ReLU blocks was predicted to hold 1.6x the saved bytes it keeps.
+
 FLOP counts come back as SymInts, i.e. sympy expressions such as `1536*s0`. Parameter, gradient
 and optimizer-state bytes are static. The analytic time of a block on a device is
 
@@ -29,6 +34,7 @@ from typing import Any, Callable, Mapping
 import sympy
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
@@ -137,6 +143,7 @@ def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0) 
     fake_mode = _fake_mode(gm.graph)
     costs = []
     measured: dict[tuple, tuple] = {}  # repeated layers have one signature: run them once
+    saved_inputs = []
     for block in linear.blocks:
         tensors = _block_state(block.nodes, nodes, linear.roles, gm)
         trainable = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
@@ -146,7 +153,10 @@ def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0) 
         signature = _signature(block.nodes, nodes, linear)
         if signature not in measured:
             measured[signature] = _fake_costs(block, nodes, linear, gm, fake_mode)
-        flops, act = measured[signature]
+        flops, act, own_saved, inputs_saved = measured[signature]
+        external = _external_inputs(block.nodes, nodes)
+        saved_inputs.append(([block.nodes[i] for i in own_saved],
+                             [external[i] for i in inputs_saved]))
         costs.append(
             BlockCost(
                 forward_flops=flops[0],
@@ -162,17 +172,56 @@ def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0) 
                 parameters=tuple(trainable),
             )
         )
-    return tuple(costs)
+    charged = _charge_inputs(linear, saved_inputs)
+    return tuple(replace(c, activation_bytes=c.activation_bytes + extra)
+                 for c, extra in zip(costs, charged))
 
 
-def _fake_costs(block, nodes, linear: LinearGraph, gm, fake_mode) -> tuple[tuple, sympy.Expr]:
+def _external_inputs(block_nodes, nodes) -> list[str]:
+    """The values a block reads from outside itself, in a fixed order (first use)."""
+    inside = set(block_nodes)
+    found: dict[str, None] = {}
+    for name in block_nodes:
+        for arg in nodes[name].all_input_nodes:
+            if arg.name not in inside:
+                found.setdefault(arg.name)
+    return list(found)
+
+
+def _charge_inputs(linear: LinearGraph, saved: list[tuple[list[str], list[str]]]) -> list[sympy.Expr]:
+    """Bytes of the inputs each block saves that no earlier block already holds: an input
+    the producing block saved itself is counted there; one only consumers save is charged
+    to the first of them. Graph inputs saved by a block are charged to it too."""
+    values = linear.captured.values
+    producer = {n: i for i, b in enumerate(linear.blocks) for n in b.nodes}
+    saved_own = [set(own) for own, _ in saved]
+    charged: set[str] = set()
+    extra = []
+    for _, inputs in saved:
+        total: sympy.Expr = sympy.Integer(0)
+        for name in inputs:
+            source = producer.get(name)
+            if name in charged or (source is not None and name in saved_own[source]):
+                continue
+            charged.add(name)
+            info = values.get(name)
+            if info is not None and info.is_tensor:
+                total += info.nbytes
+        extra.append(total)
+    return extra
+
+
+def _fake_costs(block, nodes, linear: LinearGraph, gm, fake_mode
+                ) -> tuple[tuple, sympy.Expr, tuple[int, ...], tuple[int, ...]]:
+    """FLOPs, own saved bytes, and which values and inputs the block saves (see
+    `_run_block_fake`); from output sizes where the block cannot run on fake tensors."""
     try:
         with preserve_buffers(gm):
             return _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode)
     except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: estimate instead
         log.info("pipecompile: block %s could not run on fake tensors (%s); "
                  "estimating its cost from output sizes", block.name, exc)
-        return (sympy.Integer(0),) * 3, _output_bytes(block.nodes, linear)
+        return (sympy.Integer(0),) * 3, _output_bytes(block.nodes, linear), (), ()
 
 
 def _signature(block_nodes, nodes, linear: LinearGraph) -> tuple:
@@ -238,19 +287,21 @@ def _output_bytes(block_nodes, linear: LinearGraph) -> sympy.Expr:
 
 
 def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode):
-    """(fwd, bwd-input, bwd-weight) FLOPs and saved-activation bytes of one block."""
+    """(fwd, bwd-input, bwd-weight) FLOPs, the bytes of the block's own values autograd saves
+    for backward, and which of its values (positions in `block_nodes`) and of its external
+    inputs (positions in `_external_inputs`) were saved; storages are counted once."""
     block = set(block_nodes)
     env: dict[str, Any] = {}
     inputs: list[torch.Tensor] = []
     params: dict[int, torch.Tensor] = {}
-    saved: dict[int, Any] = {}
+    saved: dict[Any, Any] = {}  # storage -> bytes
 
     def pack(t):
         root = t
         while root._base is not None:
             root = root._base
-        if id(root) not in params and id(root) not in saved:
-            saved[id(root)] = root.numel() * root.element_size()
+        if id(root) not in params:
+            saved.setdefault(StorageWeakRef(t.untyped_storage()), root.numel() * root.element_size())
         return t
 
     prev = fake_mode.allow_non_fake_inputs
@@ -293,7 +344,20 @@ def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode):
     finally:
         fake_mode.allow_non_fake_inputs = prev
     flops = (_sym(forward), _sym(after_input - forward), _sym(after_weight - after_input))
-    return flops, sympy.Add(*[_sym(b) for b in saved.values()])
+    external = _external_inputs(block_nodes, nodes)
+    storage = {name: _storage_of(env.get(name)) for name in [*external, *block_nodes]}
+    inputs_saved = tuple(i for i, n in enumerate(external) if storage[n] in saved)
+    own_saved = tuple(i for i, n in enumerate(block_nodes) if storage[n] in saved)
+    own = {storage[n] for n in external} - {None}
+    own_bytes = sympy.Add(*[_sym(b) for k, b in saved.items() if k not in own])
+    return flops, own_bytes, own_saved, inputs_saved
+
+
+def _storage_of(value: Any) -> Any:
+    """A hashable key of a tensor's storage (None for anything else)."""
+    if isinstance(value, torch.Tensor):
+        return StorageWeakRef(value.untyped_storage())
+    return None
 
 
 def _external(arg: fx.Node, roles, gm, fake_mode, inputs, params):

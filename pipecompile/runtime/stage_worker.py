@@ -13,6 +13,9 @@ With `checkpoint=True` the forward runs without autograd and keeps only the inpu
 state it started from (the CPU generator's and that of each accelerator the stage's tensors live
 on), so the recomputation in backward draws the same dropout masks; the backward recomputes the
 forward first, then puts the random state back as it found it (as torch.utils.checkpoint does).
+
+`activations` counts the bytes each micro-batch keeps for backward (`memory.SavedActivations`,
+read by `pipe.memory_stats()`); micro-batch 0's forward starts a step and resets the counts.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from ..errors import LossError
 from ..rng import microbatch
 from . import split_backward
+from .memory import SavedActivations, step_started
 from .versions import WeightVersions
 
 __all__ = ["StageWorker", "LossSpec"]
@@ -110,6 +114,7 @@ class StageWorker:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: detached losses
     peak_inflight: int = 0  # most micro-batches held at once (activations saved) so far
     steps: int = 0  # training steps begun (forwards of micro-batch 0): per-step random streams
+    activations: SavedActivations = field(default_factory=SavedActivations)  # bytes kept for backward
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -122,12 +127,15 @@ class StageWorker:
     def forward(self, mb: int, inputs: Mapping[str, Any], target: Any = None) -> dict[str, Any]:
         """Run micro-batch `mb`; returns the stage outputs (the loss too, on the last stage)."""
         weights = self.versions.acquire(mb) if self.versions is not None else None
-        self.steps += mb == 0
+        if mb == 0:
+            self._begin_step(inputs)
         if self.checkpoint:
             rng = _RngState.capture([*inputs.values(), *self.module.parameters(),
                                      *self.module.buffers()])
             with torch.no_grad(), microbatch(mb, step=self.steps):
                 outputs = self._run(inputs, weights)
+            # what a checkpointed stage keeps until backward: the inputs it recomputes from
+            self.activations.hold(mb, inputs.values(), self._state(weights))
             self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=rng, target=target,
                                     step=self.steps,
                                     weights=weights)
@@ -137,11 +145,13 @@ class StageWorker:
                     self.losses[mb] = self._loss(outputs, target)
             return dict(zip(self.output_names, outputs))
         leaves = self._leaves(inputs)
-        with microbatch(mb, step=self.steps):
-            outputs = self._run({**inputs, **leaves}, weights)
-        saved = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=weights)
-        if self.loss is not None:
-            saved.loss = self._loss(outputs, target)
+        with self.activations.record(mb, self._state(weights)):
+            with microbatch(mb, step=self.steps):
+                outputs = self._run({**inputs, **leaves}, weights)
+            saved = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=weights)
+            if self.loss is not None:
+                saved.loss = self._loss(outputs, target)
+        if saved.loss is not None:
             self.losses[mb] = saved.loss.detach()
         self.saved[mb] = saved
         self.peak_inflight = max(self.peak_inflight, len(self.saved))
@@ -164,6 +174,7 @@ class StageWorker:
             return self._backward_versioned(mb, saved, roots, grads)
         if roots:
             torch.autograd.backward(roots, grads)
+        self.activations.release(mb)
         return {name: leaf.grad for name, leaf in saved.leaves.items()}
 
     def _backward_versioned(self, mb: int, saved: _Saved, roots, grads) -> dict[str, Any]:
@@ -176,6 +187,7 @@ class StageWorker:
                   if roots and wanted else [None] * len(wanted))
         self.versions.accumulate(dict(zip(weights, result[len(names):])))
         self.versions.release(mb)
+        self.activations.release(mb)
         return dict(zip(names, result[: len(names)]))
 
     def apply_update(self) -> None:
@@ -197,6 +209,18 @@ class StageWorker:
         saved = self.saved.pop(mb)
         if saved.weight_work is not None:
             split_backward.backward_weight(saved.weight_work)
+        self.activations.release(mb)
+
+    def _begin_step(self, inputs: Mapping[str, Any]) -> None:
+        """The first forward of a step (micro-batch 0): new random streams and memory counts."""
+        self.steps += 1
+        self.activations.reset()
+        tensors = [*inputs.values(), *self.module.parameters()]
+        step_started({t.device for t in tensors if isinstance(t, torch.Tensor)}, self.steps)
+
+    def _state(self, weights: dict | None) -> list[Any]:
+        """Parameters and buffers (and a stashed weight version): not activations."""
+        return [*self.module.parameters(), *self.module.buffers(), *(weights or {}).values()]
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -234,13 +258,15 @@ class StageWorker:
         if saved.inputs is None:
             return saved
         assert saved.rng is not None, "a checkpointed forward saves its random state"
-        with saved.rng.restored():
+        # the recomputed forward's saved tensors are held on top of the inputs until backward
+        with saved.rng.restored(), self.activations.record(mb, self._state(saved.weights)):
             leaves = self._leaves(saved.inputs)
             with microbatch(mb, step=saved.step):
                 outputs = self._run({**saved.inputs, **leaves}, saved.weights)
-        recomputed = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=saved.weights)
-        if self.loss is not None:
-            recomputed.loss = self._loss(outputs, saved.target)
+            recomputed = _Saved(leaves, dict(zip(self.output_names, outputs)),
+                                weights=saved.weights)
+            if self.loss is not None:
+                recomputed.loss = self._loss(outputs, saved.target)
         self.saved[mb] = recomputed
         return recomputed
 

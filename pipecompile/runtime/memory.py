@@ -1,0 +1,274 @@
+"""Measured memory of the last training step, per device, next to the plan's prediction.
+
+Saved activations are counted by a `torch.autograd.graph.saved_tensors_hooks` pack hook around
+each stage's forward (`SavedActivations`): it records the byte span of every tensor autograd
+saves for backward, without copying or holding it. A micro-batch's spans are merged per storage
+(a tensor saved twice, or as views, counts once; parameters and buffers are excluded) when its
+forward ends; the stage holds those bytes until its backward (zero-bubble: its W) frees them.
+The hook is on for every training step: it costs a Python call and a few integer operations per
+saved tensor, small next to the op that saved it, so `pipe.memory_stats()` always describes the
+last step without a mode to switch on first.
+
+Parameters, gradients and optimizer state are read from the tensors when `memory_stats` is
+called; on CUDA the allocator's peak since the step began (`torch.cuda.max_memory_allocated`)
+is the device total.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+    from .assemble import Runtime
+
+__all__ = ["SavedActivations", "DeviceMemory", "device_memory", "format_memory",
+           "step_started"]
+
+_ORDER = itertools.count()  # orders the events of stages that share a device (one thread)
+_Span = tuple[int, int, int, int]  # (storage key, start byte, end byte, storage bytes)
+
+
+def _spans(tensors: Iterable[Any], exclude: set[int]) -> list[_Span]:
+    """Byte spans of the tensors' storages that `tensors` cover (excluded storages skipped)."""
+    spans = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            continue
+        numel, size = t.numel(), t.element_size()
+        try:
+            storage = t.untyped_storage()
+            key, total = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage (e.g. a tensor subclass)
+            spans.append((id(t), 0, numel * size, numel * size))
+            continue
+        if key in exclude or not numel:
+            continue
+        start = int(t.storage_offset()) * size
+        if t.is_contiguous():
+            extent = numel
+        else:  # the last element's offset + 1 (a transpose, a slice with gaps, an expand)
+            extent = 1 + sum((int(n) - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride()))
+        spans.append((key, start, min(total, start + extent * size), total))
+    return spans
+
+
+def _union_bytes(spans: Iterable[_Span]) -> int:
+    """Bytes covered by `spans`, each storage's overlapping spans merged."""
+    by_storage: dict[int, list[tuple[int, int]]] = {}
+    for key, start, end, _ in spans:
+        by_storage.setdefault(key, []).append((start, end))
+    covered = 0
+    for intervals in by_storage.values():
+        reach = -1
+        for start, end in sorted(intervals):
+            start = max(start, reach)
+            if end > start:
+                covered += end - start
+            reach = max(reach, end)
+    return covered
+
+
+def _storage_keys(tensors: Iterable[Any]) -> set[int]:
+    keys = set()
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                keys.add(t.untyped_storage().data_ptr())
+    return keys
+
+
+@dataclass
+class SavedActivations:
+    """The bytes one stage keeps for backward: per micro-batch held, and their peak sum.
+
+    `record(mb, exclude)` counts what autograd saves inside it; `hold(mb, tensors)` counts
+    tensors kept by the stage itself (a checkpointed forward's inputs); `release(mb)` frees a
+    micro-batch. `events` (order, change) lets stages that share a device combine their peaks.
+    """
+
+    held: dict[int, int] = field(default_factory=dict)  # micro-batch -> bytes held now
+    spans: dict[int, list[_Span]] = field(default_factory=dict)  # micro-batch -> what it holds
+    microbatch: dict[int, int] = field(default_factory=dict)  # most each micro-batch held
+    peak: int = 0  # the most bytes held at once since `reset`
+    events: list[tuple[int, int]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Start a step: nothing held, no peak."""
+        self.held.clear()
+        self.spans.clear()
+        self.microbatch.clear()
+        self.events.clear()
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def record(self, mb: int, exclude: Iterable[Any]) -> Iterator[None]:
+        """Add to micro-batch `mb` what autograd saves for backward in the body, except the
+        storages of `exclude` (parameters and buffers)."""
+        excluded = _storage_keys(exclude)
+        spans: list[_Span] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            spans.extend(_spans((t,), excluded))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            yield
+        self._add(mb, spans)
+
+    def hold(self, mb: int, tensors: Iterable[Any], exclude: Iterable[Any] = ()) -> None:
+        """Add tensors the stage keeps itself for micro-batch `mb` (storages counted once)."""
+        self._add(mb, _spans(tensors, _storage_keys(exclude)))
+
+    def release(self, mb: int) -> None:
+        """Micro-batch `mb`'s backward is done: its saved tensors are freed."""
+        self.spans.pop(mb, None)
+        freed = self.held.pop(mb, 0)
+        if freed:
+            self.events.append((next(_ORDER), -freed))
+
+    def _add(self, mb: int, spans: list[_Span]) -> None:
+        # a micro-batch's spans are merged together: a checkpointed stage's kept input is
+        # saved again by the recomputed forward, and is one tensor
+        self.spans.setdefault(mb, []).extend(spans)
+        before = self.held.get(mb, 0)
+        self.held[mb] = _union_bytes(self.spans[mb])
+        self.microbatch[mb] = max(self.microbatch.get(mb, 0), self.held[mb])
+        self.peak = max(self.peak, sum(self.held.values()))
+        self.events.append((next(_ORDER), self.held[mb] - before))
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+_resets: dict[str, int] = {}  # accelerator device -> the step its peak statistics began
+_resets_lock = threading.Lock()
+
+
+def step_started(devices: Iterable[torch.device], step: int) -> None:
+    """Reset the allocator's peak statistics of each CUDA device in `devices` once per step
+    (the first stage on a device to begin step `step` does it)."""
+    for device in devices:
+        if device.type != "cuda":
+            continue
+        with _resets_lock:
+            if _resets.get(str(device)) == step:
+                continue
+            _resets[str(device)] = step
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Measured (last training step) and predicted (the plan's cost model) bytes of one
+    pipeline device. `total` is parameters + gradients + optimizer state + activations on a
+    CPU, the allocator's peak on CUDA; the predictions are None for a loaded plan."""
+
+    device: int  # the schedule's device index
+    place: str  # the torch device, e.g. "cpu" or "cuda:1"
+    stages: tuple[int, ...]
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int  # peak of the saved-for-backward bytes held at once
+    total: int
+    microbatch_activations: int  # the most one micro-batch held on this device
+    predicted_total: float | None = None
+    predicted_static: float | None = None  # parameters + gradients + optimizer state
+    predicted_activations: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """predicted_total / total (1.0: exact)."""
+        if self.predicted_total is None or not self.total:
+            return None
+        return self.predicted_total / self.total
+
+    def __str__(self) -> str:
+        return format_memory((self,))
+
+
+def format_memory(devices: Sequence[DeviceMemory]) -> str:
+    """A table of measured and predicted bytes, one row per device."""
+    from ..passes.partition import format_bytes
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else format_bytes(x)
+
+    head = ("device", "stages", "params", "grads", "optim", "activ", "total",
+            "pred activ", "pred total", "pred/meas")
+    rows = [head]
+    for d in devices:
+        ratio = "-" if d.ratio is None else f"{d.ratio:.2f}"
+        rows.append((f"{d.device} {d.place}", ",".join(map(str, d.stages)), fmt(d.parameters),
+                     fmt(d.gradients), fmt(d.optimizer_state), fmt(d.activations),
+                     fmt(d.total), fmt(d.predicted_activations), fmt(d.predicted_total), ratio))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
+
+
+def _nbytes(tensors: Iterable[Any]) -> int:
+    unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def _device_peak(trackers: Sequence[SavedActivations]) -> int:
+    """The most bytes the stages of one device held at once (their events in order)."""
+    if len(trackers) == 1:
+        return trackers[0].peak
+    held = peak = 0
+    for _, change in sorted(e for t in trackers for e in t.events):
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
+def device_memory(runtime: "Runtime", plan: "Plan",
+                  optimizers: Sequence[torch.optim.Optimizer]) -> tuple[DeviceMemory, ...]:
+    """Per device of this process, the last step's measured memory and the plan's prediction."""
+    program, schedule = runtime.program, runtime.schedule
+    by_device: dict[int, list[int]] = {}
+    for s in runtime.own_stages:
+        by_device.setdefault(schedule.stage_to_device[s], []).append(s)
+    result = []
+    for d, stages in sorted(by_device.items()):
+        place = runtime.wiring.devices[stages[0]]
+        params = list({id(p): p for s in stages
+                       for p in program.stages[s].module.parameters()}.values())
+        ids = {id(p) for p in params}
+        state = [t for opt in optimizers for p, st in opt.state.items() if id(p) in ids
+                 for t in st.values() if isinstance(t, torch.Tensor)]
+        trackers = [runtime.workers[s].activations for s in stages]
+        parameters, optimizer_state = _nbytes(params), _nbytes(state)
+        gradients = _nbytes(p.grad for p in params)
+        activations = _device_peak(trackers)
+        total = parameters + gradients + optimizer_state + activations
+        if place.type == "cuda":
+            total = torch.cuda.max_memory_allocated(place)
+        result.append(DeviceMemory(
+            d, str(place), tuple(stages), parameters, gradients, optimizer_state, activations,
+            total, max((v for t in trackers for v in t.microbatch.values()), default=0),
+            *_predicted(plan, stages)))
+    return tuple(result)
+
+
+def _predicted(plan: "Plan", stages: Sequence[int]) -> tuple[float | None, ...]:
+    """(total, static, activations) the plan predicts for `stages`, or Nones."""
+    assert plan.program is not None, "a compiled plan"
+    costs = [plan.program.stages[s].cost for s in stages]
+    if any(c is None for c in costs):
+        return None, None, None
+    total = sum(c.memory for c in costs if c is not None)
+    if plan.costs is None:
+        return total, None, None
+    static = sum(plan.costs.blocks[b].static_bytes for s in stages
+                 for b in plan.program.stages[s].blocks)
+    return total, static, total - static
