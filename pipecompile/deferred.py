@@ -42,8 +42,18 @@ class Planner:
     plan_for: Callable[[Example], Plan]
     placed: dict = field(default_factory=dict)  # (id(tensor), device) -> the stages' copy
 
-    def plan(self, args: tuple, kwargs: Mapping[str, Any], target: Any) -> Plan:
-        """The plan compile makes for a call with these inputs."""
+    def plan(self, args: tuple, kwargs: Mapping[str, Any], target: Any, *, where: str) -> Plan:
+        """The plan compile makes for a call with these inputs (`where` names the call)."""
+        try:
+            batch_size_of(args, kwargs)
+        except ConfigError:
+            given = ", ".join([*(type(a).__name__ for a in args),
+                               *(f"{k}={type(v).__name__}" for k, v in kwargs.items())])
+            raise ConfigError(
+                f"{where} got no tensor with a batch dimension ({given or 'no inputs'}); the "
+                f"pipeline plans from its first call's inputs and splits them into micro-batches "
+                f"along dimension 0: pass at least one tensor whose first dimension is the batch "
+                f"size") from None
         return self.plan_for(Example(self.model, tuple(args), dict(kwargs), target,
                                      placed=self.placed))
 

@@ -97,7 +97,7 @@ class Pipeline(torch.nn.Module):
             reasons.append(reason)
         if self._plans:
             self._check_can_replan(reasons[-1])
-        plan = self._planner.plan(args, kwargs, target)
+        plan = self._planner.plan(args, kwargs, target, where=where)
         runtime = assemble(_program(plan), _schedule(plan), plan.options)
         self._plans.append((plan, runtime))
         self._use(plan, runtime)

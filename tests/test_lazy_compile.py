@@ -96,6 +96,10 @@ def test_a_size_outside_the_captured_range_gets_its_own_plan():
 
 def test_bad_options_fail_at_compile_and_replanning_with_optimizer_is_refused():
     model = Scaled().double()
+    lazy = pc.compile(model, devices=2, loss_fn=_mse)
+    with pytest.raises(pc.ConfigError, match=r"pipe\(\) got no tensor with a batch dimension "
+                                             r"\(int\)"):
+        lazy(3)
     with pytest.raises(pc.ConfigError, match="schedule='nope'"):
         pc.compile(model, devices=2, schedule="nope", loss_fn=_mse)
     pipe = pc.compile(model, devices=2, microbatches=2, schedule="gpipe", loss_fn=_mse,
