@@ -290,7 +290,8 @@ def _split(plan: Plan, example: Example) -> tuple[Plan, str]:
         check_async_ties(program, o.schedule)
     specs = plan.stage_specs
     stage_costs = tuple(simulator_costs(s, costs, specs[s.index],
-                                        measured[s.index] if measured else None)
+                                        measured[s.index] if measured else None,
+                                        recompute=o.stage_checkpoint(s.index))
                         for s in program.stages)
     # the schedule that runs moves the program's messages: relower it with the real wiring
     schedule = relower(schedule, Dataflow.of(program))

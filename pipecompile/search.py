@@ -13,16 +13,16 @@ so every rank given the same costs picks the same plan. Nothing here measures or
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from .errors import PipecompileError
+from .errors import PartitionError, PipecompileError
 from .ir import CostTable
 from .passes.partition import (DeviceSpec, Partition, PartitionMemoryError, PartitionProblem,
                                format_bytes, partition)
-from .planning import inflight
-from .runtime.actions import Kind
+from .runtime.actions import Kind, Schedule
 from .runtime.schedules import make_schedule
 from .runtime.simulate import StageCosts, simulate
 
@@ -139,7 +139,7 @@ def search(space: Space, devices: Sequence[DeviceSpec],
                                         overhead=overhead, split_ratio=split_ratio, cores=cores,
                                         efficiency=efficiency))
     if not found:
-        raise PipecompileError(
+        raise PartitionError(
             f"no schedule of {list(space.schedules)} with micro-batches {list(space.microbatches)}"
             f" can run on {p} devices (too few blocks or micro-batches); use fewer devices")
     order = {id(c): k for k, c in enumerate(found)}
@@ -163,9 +163,10 @@ def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[Devi
                checkpoint: bool | None, *, overhead: float, split_ratio: float,
                cores: int | None, efficiency: float) -> Candidate:
     try:
-        schedule = make_schedule(name, len(devices), m, virtual_stages=v)
+        schedule, peaks = _schedule(name, len(devices), m, v)
     except PipecompileError as error:  # e.g. interleaving needs m to be a multiple of p
-        return Candidate(name, m, v, reason=f"not valid: {str(error).split(';')[0]}")
+        return Candidate(name, m, v, needed=math.inf,  # ranked after every other candidate
+                         reason=f"not valid: {str(error).split(';')[0]}")
     stages = schedule.num_stages
     specs = tuple(devices[d] for d in schedule.stage_to_device)
     split = any(a.kind is Kind.I for row in schedule.actions for a in row)
@@ -175,14 +176,15 @@ def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[Devi
     modes = None if checkpoint is False else (checkpoint,) * stages
     problem = PartitionProblem(
         block_times=times, cut_bytes=table.cut_bytes, static_bytes=table.static_bytes,
-        activation_bytes=table.activation_bytes, devices=specs, inflight=inflight(schedule),
+        activation_bytes=table.activation_bytes, devices=specs, inflight=peaks,
         forward_times=table.forward if modes else None, recompute=modes)
     try:
         placement = partition(problem)
     except PartitionMemoryError as error:
         limit = min(d.memory for d in devices)
-        return Candidate(name, m, v, needed=error.memory_needed, reason=(
-            f"needs {format_bytes(error.memory_needed)} on a device > limit "
+        needed = error.memory_needed * v  # a device holds v stages (at most this together)
+        return Candidate(name, m, v, needed=needed, reason=(
+            f"needs {'up to ' if v > 1 else ''}{format_bytes(needed)} on a device > limit "
             f"{format_bytes(limit)}"))
     recompute = placement.recompute or (False,) * stages
     memory = [0.0] * len(devices)
@@ -196,8 +198,17 @@ def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[Devi
                              f"needs {format_bytes(memory[d])} on device {d} > limit "
                              f"{format_bytes(devices[d].memory)}"))
     costs = _stage_costs(table, placement, specs, recompute, ratio)
-    timeline = simulate(schedule, costs, cores=cores, efficiency=efficiency, overhead=overhead)
+    timeline = simulate(schedule, costs, cores=cores, efficiency=efficiency, overhead=overhead,
+                        validated=True)
     return Candidate(name, m, v, recompute, placement.bounds, timeline.makespan, tuple(memory))
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, p: int, m: int, v: int) -> tuple[Schedule, tuple[int, ...]]:
+    """A schedule (validated by make_schedule) and its peak in-flight micro-batches per stage."""
+    schedule = make_schedule(name, p, m, virtual_stages=v)
+    timeline = simulate(schedule, [StageCosts(1.0, 2.0)] * schedule.num_stages, validated=True)
+    return schedule, tuple(max(1, timeline.peak_inflight(s)) for s in range(schedule.num_stages))
 
 
 def _stage_costs(table: BlockTable, placement: Partition, specs: tuple[DeviceSpec, ...],

@@ -257,6 +257,7 @@ def simulate(
     dataflow: Dataflow | None = None,
     transfers: Transfers | None = None,
     overhead: float = 0.0,
+    validated: bool = False,
 ) -> Timeline:
     """Predict when every action of a valid ``schedule`` runs; ``costs[s]`` is stage s's
     compute time.
@@ -265,7 +266,8 @@ def simulate(
     limit); ``efficiency``: their speed when several run at once; ``dataflow``: the program's
     links (see `validate`); ``transfers``: seconds per message; ``overhead``: the fixed seconds
     every F, B, I and W action and every message between devices costs on top (dispatch, Python,
-    launch, message latency); see the module docstring.
+    launch, message latency); ``validated``: the schedule was validated already (by
+    `make_schedule`), skip that (the planning search simulates many); see the module docstring.
     """
     if not 0 <= overhead < float("inf"):
         raise ScheduleError(f"simulate: overhead must be finite and >= 0, got {overhead}")
@@ -274,7 +276,8 @@ def simulate(
             f"simulate: got {len(costs)} StageCosts for {schedule.num_stages} stages; give one "
             f"per stage (e.g. [costs] * {schedule.num_stages})"
         )
-    validate(schedule, dataflow)
+    if not validated:
+        validate(schedule, dataflow)
     deps = dependencies(schedule, dataflow)
     home = schedule.stage_to_device
 
