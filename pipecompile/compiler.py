@@ -141,14 +141,17 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
     plan = replace(plan, device_model=device_model(o.devices[0], o.ranks),
                    overhead=o.ranks.rate(action_overhead(o.devices[0].name)))
     if not o.auto:
-        return plan, "nothing searched: schedule, micro-batches, virtual stages and checkpoint given"
+        return plan, ("nothing searched: schedule, micro-batches, virtual stages and "
+                      "checkpoint were given")
+    fewest = len(o.devices) * (1 if "virtual_stages" in o.auto else o.virtual_stages)
+    _enough_blocks(_coarsest(captured, o.granularity, fewest), fewest, o.granularity)
     linears: dict[int, LinearGraph | None] = {}
     tables: dict[tuple[str, int], CostTable] = {}
 
     def costs_for(m: int, stages: int) -> BlockTable | None:
         if stages not in linears:
-            linear = _coarsest(captured, o.granularity, stages)
-            linears[stages] = linear if linear.num_blocks >= stages else None
+            coarsest = _coarsest(captured, o.granularity, stages)
+            linears[stages] = coarsest if coarsest.num_blocks >= stages else None
         linear = linears[stages]
         if linear is None:
             return None
@@ -168,7 +171,7 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
                         else (o.virtual_stages,)),
         checkpoint=None if "checkpoint" in o.auto else bool(o.checkpoint))
     found = search_plans(space, o.devices, costs_for, overhead=plan.overhead,
-                         split_ratio=1.0 if o.profile else SPLIT_BACKWARD_RATIO,
+                         split_ratio=SPLIT_BACKWARD_RATIO,  # profiled blocks: I + W = B
                          cores=shared_cores(o.devices, o.ranks),
                          searched=tuple(sorted(o.auto)))
     best = found.best
@@ -203,16 +206,20 @@ def _coarsest(captured: CapturedModel, granularity: str | None, stages: int) -> 
     return linear
 
 
+def _enough_blocks(linear: LinearGraph, stages: int, granularity: str | None) -> None:
+    if linear.num_blocks < stages:
+        raise PartitionError(
+            f"the model has only {linear.num_blocks} blocks at granularity "
+            f"{linear.granularity!r}, fewer than the {stages} stages asked for; use at "
+            f"most {linear.num_blocks} devices"
+            + ("" if granularity is None else " or a finer granularity"))
+
+
 def _linearize(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
     linear = plan.linear or _coarsest(need(plan.captured, "capture"), o.granularity,
                                       o.num_stages)
-    if linear.num_blocks < o.num_stages:
-        raise PartitionError(
-            f"the model has only {linear.num_blocks} blocks at granularity "
-            f"{linear.granularity!r}, fewer than the {o.num_stages} stages asked for; use at "
-            f"most {linear.num_blocks} devices"
-            + ("" if o.granularity is None else " or a finer granularity"))
+    _enough_blocks(linear, o.num_stages, o.granularity)
     widest = max((len(b) for b in linear.boundaries), default=0)
     return replace(plan, linear=linear), (
         f"{linear.num_blocks} blocks ({linear.granularity}), max boundary {widest} values")

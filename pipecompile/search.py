@@ -146,7 +146,9 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     ranked = sorted(found, key=lambda c: (not c.fits, c.step if c.fits else c.needed, order[id(c)]))
     best = ranked[0]
     if not best.fits:
-        raise _no_fit(best, p)
+        table = costs_for(best.microbatches, p * best.virtual_stages)
+        assert table is not None, "the candidate was costed"
+        raise _no_fit(best, table, devices, space.checkpoint, split_ratio)
     table = costs_for(best.microbatches, p * best.virtual_stages)
     assert table is not None, "the winner was costed"
     speed = sum(d.speed for d in devices)
@@ -159,6 +161,21 @@ def search(space: Space, devices: Sequence[DeviceSpec],
 # -- one candidate ------------------------------------------------------------------------------
 
 
+def _problem(schedule: Schedule, peaks: tuple[int, ...], table: BlockTable,
+             specs: tuple[DeviceSpec, ...], checkpoint: bool | None, split_ratio: float
+             ) -> tuple[PartitionProblem, float]:
+    """The placement problem of one candidate, and its (I + W) / B ratio."""
+    split = any(a.kind is Kind.I for row in schedule.actions for a in row)
+    ratio = split_ratio if split else 1.0
+    times = tuple(f + ratio * (i + w) for f, i, w in
+                  zip(table.forward, table.backward_input, table.backward_weight))
+    modes = None if checkpoint is False else (checkpoint,) * schedule.num_stages
+    return PartitionProblem(
+        block_times=times, cut_bytes=table.cut_bytes, static_bytes=table.static_bytes,
+        activation_bytes=table.activation_bytes, devices=specs, inflight=peaks,
+        forward_times=table.forward if modes else None, recompute=modes), ratio
+
+
 def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[DeviceSpec, ...],
                checkpoint: bool | None, *, overhead: float, split_ratio: float,
                cores: int | None, efficiency: float) -> Candidate:
@@ -169,15 +186,7 @@ def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[Devi
                          reason=f"not valid: {str(error).split(';')[0]}")
     stages = schedule.num_stages
     specs = tuple(devices[d] for d in schedule.stage_to_device)
-    split = any(a.kind is Kind.I for row in schedule.actions for a in row)
-    ratio = split_ratio if split else 1.0
-    times = tuple(f + ratio * (i + w) for f, i, w in
-                  zip(table.forward, table.backward_input, table.backward_weight))
-    modes = None if checkpoint is False else (checkpoint,) * stages
-    problem = PartitionProblem(
-        block_times=times, cut_bytes=table.cut_bytes, static_bytes=table.static_bytes,
-        activation_bytes=table.activation_bytes, devices=specs, inflight=peaks,
-        forward_times=table.forward if modes else None, recompute=modes)
+    problem, ratio = _problem(schedule, peaks, table, specs, checkpoint, split_ratio)
     try:
         placement = partition(problem)
     except PartitionMemoryError as error:
@@ -242,12 +251,37 @@ def _label(c: Candidate, best: Candidate) -> Candidate:
                    if c.step > best.step else "tie (later in order)")
 
 
-def _no_fit(smallest: Candidate, p: int) -> PartitionMemoryError:
-    what = (f"{smallest.schedule}, {smallest.microbatches} micro-batches"
-            + (f", {smallest.virtual_stages} virtual stages" if smallest.virtual_stages > 1 else ""))
-    return PartitionMemoryError(
-        f"no plan fits in memory on {p} device{'s' * (p != 1)}: the smallest ({what}) "
-        f"{smallest.reason or 'does not fit'}. To fix: use more devices or devices with at least "
-        f"{format_bytes(smallest.needed)}, allow recomputation (checkpoint='auto' or True), or "
-        f"use smaller micro-batches (more micro-batches or a smaller batch).",
-        memory_needed=smallest.needed, devices_needed=None)
+def _no_fit(smallest: Candidate, table: BlockTable, devices: tuple[DeviceSpec, ...],
+            checkpoint: bool | None, split_ratio: float) -> PartitionMemoryError:
+    """The error when nothing fits: the smallest plan's need per device, in the partitioner's
+    words when its placement failed (with the fewest devices that would fit), and the fixes."""
+    p, m, v = len(devices), smallest.microbatches, smallest.virtual_stages
+    what = (f"{smallest.schedule}, {m} micro-batches"
+            + (f", {v} virtual stages" if v > 1 else ""))
+    fixes = ("allow recomputation (checkpoint='auto' or True)" if checkpoint is False
+             else "recomputation on every stage does not suffice")
+    head = f"no plan fits in memory on {p} device{'s' * (p != 1)}: the smallest ({what})"
+    tail = (f" Also: {fixes}; or use smaller micro-batches (more micro-batches or a smaller "
+            f"batch).")
+    if smallest.memory:  # placed, but virtual stages overfill their device
+        return PartitionMemoryError(
+            f"{head} {smallest.reason}. To fix: use more devices or devices with at least "
+            f"{format_bytes(smallest.needed)}." + tail,
+            memory_needed=smallest.needed, devices_needed=None)
+    schedule, peaks = _schedule(smallest.schedule, p, m, v)
+    specs = tuple(devices[d] for d in schedule.stage_to_device)
+    problem, _ = _problem(schedule, peaks, table, specs, checkpoint, split_ratio)
+
+    def inflight_for(q: int) -> tuple[int, ...]:
+        try:
+            return _schedule(smallest.schedule, q // v, m, v)[1]
+        except PipecompileError:  # e.g. interleaving constraints: assume the worst
+            return (m,) * q
+
+    try:
+        partition(problem, inflight_for=inflight_for)
+    except PartitionMemoryError as error:
+        return PartitionMemoryError(f"{head}: {error}" + tail,
+                                    memory_needed=error.memory_needed,
+                                    devices_needed=error.devices_needed)
+    raise AssertionError("the smallest candidate did not fit when searched")

@@ -75,9 +75,10 @@ def test_no_plan_fits_names_the_need_and_the_fixes():
     message = str(error.value)
     assert "no plan fits in memory on 2 devices" in message
     assert "3.82 MiB" in message  # the smallest plan: 4 blocks of 1 MB static on a device
-    assert "more devices" in message and "recomputation" in message
+    assert "use 8 devices (the fewest that fit)" in message
+    assert "recomputation on every stage does not suffice" in message
     assert "smaller micro-batches" in message
-    assert error.value.memory_needed == 4e6
+    assert error.value.memory_needed == 4e6 and error.value.devices_needed == 8
 
 
 def test_search_is_deterministic_and_breaks_ties_in_order():

@@ -309,7 +309,10 @@ def _devices_needed(problem: PartitionProblem, inflight_for: Callable[[int], tup
     last = problem.devices[-1]
     for q in range(problem.num_stages + 1, problem.num_blocks + 1):
         devices = problem.devices + (last,) * (q - problem.num_stages)
-        if _fits(replace(problem, devices=devices, inflight=tuple(inflight_for(q)))):
+        modes = problem.recompute and problem.recompute + (problem.recompute[-1],) * (
+            q - problem.num_stages)
+        if _fits(replace(problem, devices=devices, inflight=tuple(inflight_for(q)),
+                         recompute=modes or None)):
             return q
     return None
 
