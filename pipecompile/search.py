@@ -37,8 +37,8 @@ SYNC_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 #: uses the real stages' measured I and W). Measured on this project's 2-core CPU (torch 2.13,
 #: fp32) through StageWorker: fused backward vs backward_input + backward_weight of a
 #: LayerNorm-Linear-GELU-Linear block (d = 256, 512, 768, hidden 4d, 256/128/64 rows), fastest
-#: and 10th-percentile of 150 interleaved runs, twice: 1.07 to 1.23 in 11 of 12 readings (one 0.84 under
-#: load). The split walks the autograd graph twice.
+#: and 10th-percentile of 150 interleaved runs, twice: 1.07 to 1.23 in 11 of 12 readings (one
+#: 0.84 under load). The split walks the autograd graph twice.
 SPLIT_BACKWARD_RATIO = 1.15
 
 
