@@ -29,7 +29,8 @@ import torch
 from .capture import capture as capture_model, seed_captured
 from .errors import PartitionError
 from .ir import CapturedModel, CostTable, LinearGraph
-from .options import Example, check_async_ties, example_microbatch_size, resolve_options
+from .options import (CompileOptions, Example, check_async_ties, example_microbatch_size,
+                      resolve_options)
 from .passes.annotate import optimizer_state_factor
 from .passes.calibrate import calibrate_blocks, fit_calibration
 from .passes.linearize import GRANULARITIES, linearize
@@ -190,7 +191,7 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
         + ("" if captured.dynamic_batch else "; static batch: micro-batches fixed") + ")")
 
 
-def _split_point_stages(o) -> tuple[int, ...] | None:
+def _split_point_stages(o: CompileOptions) -> tuple[int, ...] | None:
     """With split_points the stage count is given: only the matching virtual stage count."""
     if o.split_points is None:
         return None
