@@ -11,8 +11,9 @@ example_inputs, example_kwargs, devices=..., microbatches=..., schedule=...)`.
 
 `inspect` prints the stage table, each cut's boundary tensors (name, shape, dtype, bytes per
 micro-batch) and, with --code, each stage's graph code. `plan` prints the schedule as an action
-grid, the predicted step time, bubble and peak in-flight micro-batches per stage; --gantt draws
-the predicted timeline. `export` writes ONNX files and a manifest (--onnx) and/or the saved
+grid, the predicted step time, bubble and peak in-flight micro-batches per stage, and the plans
+the search compared (--schedule and --microbatches default to "auto"); --gantt draws the
+predicted timeline. `export` writes ONNX files and a manifest (--onnx) and/or the saved
 program (--save, read back by `pipecompile.load`). --json prints one JSON object on stdout
 instead of text. Progress goes to stderr. A bad FILE, FACTORY or option prints a one-line error
 on stderr and exits with status 2.
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .errors import PipecompileError
-from .report import format_bytes
+from .report import explain_search, format_bytes
 from .runtime.schedules import SCHEDULE_NAMES
 
 __all__ = ["main"]
@@ -105,6 +106,16 @@ def _plan(args: argparse.Namespace) -> tuple[dict, str]:
                            "stage_to_device": list(schedule.stage_to_device),
                            "actions": [[str(a) for a in row] for row in schedule.actions]},
               **_predicted_json(pipe)}
+    search = pipe.plan.search
+    if search is not None:
+        result["search"] = {
+            "searched": list(search.searched), "lower_bound_s": search.lower_bound,
+            "candidates": [{"schedule": c.schedule, "microbatches": c.microbatches,
+                            "virtual_stages": c.virtual_stages,
+                            "recompute": list(c.recomputed),
+                            "step_time_s": c.step if c.fits else None,
+                            "memory": list(c.memory), "verdict": c.reason or "chosen"}
+                           for c in search.candidates]}
     lines = [str(schedule), ""]
     if pipe.predicted is not None:
         lines += [f"predicted step time  {pipe.predicted.makespan * 1e3:.3f} ms",
@@ -115,6 +126,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict, str]:
         log.info("drawing the predicted timeline")
         result["gantt"] = pipe.plot_timeline(args.gantt)
         lines.append(f"Gantt chart written to {args.gantt}")
+    lines += ["", explain_search(search)]
     return result, "\n".join(lines)
 
 
@@ -265,6 +277,15 @@ def _progress_on_stderr():
         logger.propagate = saved[1]
 
 
+def _count_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count or 'auto'") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipecompile", description="Compile a PyTorch model into a pipeline and inspect, "
@@ -274,9 +295,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("target", metavar="FILE.py:FACTORY",
                         help="a function returning (model, inputs) or (model, inputs, kwargs)")
     common.add_argument("--devices", type=int, default=2, help="number of devices (default 2)")
-    common.add_argument("--microbatches", type=int, default=4, help="default 4")
-    common.add_argument("--schedule", default="gpipe",
-                        help=f"{', '.join(SCHEDULE_NAMES)} (default gpipe)")
+    common.add_argument("--microbatches", type=_count_or_auto, default="auto",
+                        help="a count or auto (default: auto, chosen by the planning search)")
+    common.add_argument("--schedule", default="auto",
+                        help=f"auto, {', '.join(SCHEDULE_NAMES)} (default auto)")
     common.add_argument("--capture", default="export", choices=("export", "fx"))
     common.add_argument("--json", action="store_true", help="print one JSON object")
     inspect_ = commands.add_parser("inspect", parents=[common],

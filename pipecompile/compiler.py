@@ -2,6 +2,8 @@
 
     options   resolve_options: the keyword arguments checked once (options.py)
     capture   the model as a flat fx graph                              -> plan.captured
+    search    the "auto" options: schedule, micro-batches, virtual stages,
+              recomputation per stage, by predicted step time (search.py) -> plan.search
     schedule  the action lists per device and peak in-flight counts      -> plan.schedule
     linearize blocks in order, as coarse as still gives every stage one  -> plan.linear
     annotate  block costs (analytic, or measured with profile=True)      -> plan.costs
@@ -27,7 +29,9 @@ import torch
 from .capture import capture as capture_model, seed_captured
 from .deferred import Planner
 from .errors import ConfigError, PartitionError
-from .options import Example, check_async_ties, example_microbatch_size, resolve_options
+from .ir import CapturedModel, CostTable, LinearGraph
+from .options import (CompileOptions, Example, check_async_ties, example_microbatch_size,
+                      resolve_options)
 from .passes.annotate import optimizer_state_factor
 from .passes.calibrate import calibrate_blocks, fit_calibration
 from .passes.linearize import GRANULARITIES, linearize
@@ -35,7 +39,10 @@ from .passes.partition import DeviceSpec
 from .passes.split import split
 from .pipeline import Pipeline
 from .plan import Pass, Plan, need, run_passes
-from .planning import Choice, CostModel, Target, cost, device_model, inflight, place, refine
+from .planning import (Choice, CostModel, Target, action_overhead, cost, device_model, inflight,
+                       place, refine)
+from .search import SPLIT_BACKWARD_RATIO, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
+from .search import search as search_plans
 from .report import format_count
 from .runtime.lowering import relower
 from .runtime.messages import Dataflow, message_bytes, transfer_seconds
@@ -52,19 +59,19 @@ def compile(  # noqa: A001 - the public name of the design
     example_kwargs: dict[str, Any] | None = None,
     *,
     devices: int | Sequence[str | torch.device | DeviceSpec] = 1,
-    microbatches: int = 4,
-    schedule: str = "gpipe",
+    microbatches: int | str = "auto",
+    schedule: str = "auto",
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     example_target: Any = None,
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
     split_points: Sequence[str] | None = None,
     capture: str = "export",
     granularity: str | None = None,
-    virtual_stages: int | None = None,
+    virtual_stages: int | str | None = "auto",
     profile: bool = False,
     memory_limit: float | Sequence[float] | None = None,
     bandwidth: float | None = None,
-    checkpoint: bool = False,
+    checkpoint: bool | str = "auto",
     vertical_sync: bool = False,
     data_parallel: int = 1,
     timeout: float = 300.0,
@@ -85,6 +92,12 @@ def compile(  # noqa: A001 - the public name of the design
     `rng="per-microbatch"` draws every random op from a stream of (`rng_seed`, step,
     micro-batch, op), the same on any stage count and schedule; `verbose=True` shows torch's
     own output while capturing.
+
+    `schedule`, `microbatches`, `virtual_stages` and `checkpoint` default to "auto": the search
+    pass costs every combination (synchronous schedules, micro-batch counts dividing the batch,
+    recomputation only on the stages whose memory needs it) and keeps the fastest predicted
+    plan that fits; a value given explicitly is kept as given. `pipe.explain()` shows the
+    candidates.
 
     Under torch.distributed (an initialised process group, or torchrun's environment) the same
     call runs on every rank: `devices` is the number of pipeline ranks and `data_parallel` the
@@ -135,18 +148,92 @@ def _schedule(plan: Plan, example: Example) -> tuple[Plan, str]:
         f"devices, peak in-flight micro-batches {list(peaks)}")
 
 
-def _linearize(plan: Plan, example: Example) -> tuple[Plan, str]:
+def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
+    """Choose the "auto" options by predicted step time (search.py); record the candidates."""
     o = plan.options
-    for level in [o.granularity] if o.granularity else list(GRANULARITIES):
-        linear = linearize(need(plan.captured, "capture"), granularity=level)
-        if linear.num_blocks >= o.num_stages:  # the coarsest that gives every stage a block
+    captured = need(plan.captured, "capture")
+    plan = replace(plan, device_model=device_model(o.devices[0], o.ranks),
+                   overhead=o.ranks.rate(action_overhead(o.devices[0].name)))
+    if not o.auto:
+        return plan, ("nothing searched: schedule, micro-batches, virtual stages and "
+                      "checkpoint were given")
+    fewest = len(o.devices) * (1 if "virtual_stages" in o.auto else o.virtual_stages)
+    _enough_blocks(_coarsest(captured, o.granularity, fewest), fewest, o.granularity)
+    linears: dict[int, LinearGraph | None] = {}
+    tables: dict[tuple[str, int], CostTable] = {}
+
+    def costs_for(m: int, stages: int) -> BlockTable | None:
+        if stages not in linears:
+            coarsest = _coarsest(captured, o.granularity, stages)
+            linears[stages] = coarsest if coarsest.num_blocks >= stages else None
+        linear = linears[stages]
+        if linear is None:
+            return None
+        size = captured.microbatch_size(m)
+        if (linear.granularity, size) not in tables:
+            model = replace(_cost_model(plan, example), microbatch_size=size, microbatches=m)
+            like = next((t for (g, _), t in tables.items() if g == linear.granularity), None)
+            tables[linear.granularity, size] = cost(linear, model, example, o.ranks, like)
+        return BlockTable.of(tables[linear.granularity, size])
+
+    choices = microbatch_choices(example.batch)
+    space = Space(
+        schedules=SYNC_SCHEDULES if "schedule" in o.auto else (o.schedule,),
+        microbatches=(choices if "microbatches" in o.auto and captured.dynamic_batch
+                      else (o.microbatches,)),
+        virtual_stages=(_split_point_stages(o) if "virtual_stages" in o.auto
+                        else (o.virtual_stages,)),
+        checkpoint=None if "checkpoint" in o.auto else bool(o.checkpoint))
+    found = search_plans(space, o.devices, costs_for, overhead=plan.overhead,
+                         split_ratio=SPLIT_BACKWARD_RATIO,  # profiled blocks: I + W = B
+                         cores=shared_cores(o.devices, o.ranks),
+                         searched=tuple(sorted(o.auto)))
+    best = found.best
+    options = replace(o, schedule=best.schedule, microbatches=best.microbatches,
+                      virtual_stages=best.virtual_stages,
+                      checkpoint=best.recompute if "checkpoint" in o.auto else o.checkpoint)
+    fits = sum(c.fits for c in found.candidates)
+    stages = len(o.devices) * best.virtual_stages  # the annotate pass reuses the winner's costs
+    linear = linears[stages]
+    plan = replace(plan, linear=linear, costs=tables[need(linear, "search").granularity,
+                                                     captured.microbatch_size(best.microbatches)])
+    return replace(plan, options=options, search=found), (
+        f"{best.schedule}, {best.microbatches} micro-batches, {best.virtual_stages} virtual "
+        f"stage(s), recompute stages {list(best.recomputed)}: predicted step "
+        f"{best.step * 1e3:.3f} ms ({len(found.candidates)} candidates, {fits} fit"
+        + ("" if captured.dynamic_batch else "; static batch: micro-batches fixed") + ")")
+
+
+def _split_point_stages(o: CompileOptions) -> tuple[int, ...] | None:
+    """With split_points the stage count is given: only the matching virtual stage count."""
+    if o.split_points is None:
+        return None
+    return ((len(o.split_points) + 1) // len(o.devices),)
+
+
+def _coarsest(captured: CapturedModel, granularity: str | None, stages: int) -> LinearGraph:
+    """The coarsest linearization with a block for every stage (or the finest tried)."""
+    for level in [granularity] if granularity else list(GRANULARITIES):
+        linear = linearize(captured, granularity=level)
+        if linear.num_blocks >= stages:
             break
-    if linear.num_blocks < o.num_stages:
+    return linear
+
+
+def _enough_blocks(linear: LinearGraph, stages: int, granularity: str | None) -> None:
+    if linear.num_blocks < stages:
         raise PartitionError(
             f"the model has only {linear.num_blocks} blocks at granularity "
-            f"{linear.granularity!r}, fewer than the {o.num_stages} stages asked for; use at "
+            f"{linear.granularity!r}, fewer than the {stages} stages asked for; use at "
             f"most {linear.num_blocks} devices"
-            + ("" if o.granularity is None else " or a finer granularity"))
+            + ("" if granularity is None else " or a finer granularity"))
+
+
+def _linearize(plan: Plan, example: Example) -> tuple[Plan, str]:
+    o = plan.options
+    linear = plan.linear or _coarsest(need(plan.captured, "capture"), o.granularity,
+                                      o.num_stages)
+    _enough_blocks(linear, o.num_stages, o.granularity)
     widest = max((len(b) for b in linear.boundaries), default=0)
     return replace(plan, linear=linear), (
         f"{linear.num_blocks} blocks ({linear.granularity}), max boundary {widest} values")
@@ -154,8 +241,8 @@ def _linearize(plan: Plan, example: Example) -> tuple[Plan, str]:
 
 def _annotate(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
-    plan = replace(plan, device_model=device_model(o.devices[0], o.ranks))
-    costs = cost(need(plan.linear, "linearize"), _cost_model(plan, example), example, o.ranks)
+    costs = plan.costs or cost(need(plan.linear, "linearize"), _cost_model(plan, example),
+                               example, o.ranks)
     total = sum(b.forward_flops for b in costs.blocks)
     return replace(plan, costs=costs), (
         f"{format_count(total)}FLOP forward per micro-batch of "
@@ -165,9 +252,13 @@ def _annotate(plan: Plan, example: Example) -> tuple[Plan, str]:
 def _partition(plan: Plan, example: Example) -> tuple[Plan, str]:
     placement = place(need(plan.linear, "linearize"), need(plan.costs, "annotate"),
                       _target(plan))
-    how = "split_points" if plan.options.split_points is not None else "optimal DP"
-    return replace(plan, placement=placement), (
-        f"{how}: bounds {placement.bounds}, bottleneck {placement.bottleneck * 1e3:.3f} ms/mb")
+    o = plan.options
+    how = "split_points" if o.split_points is not None else "optimal DP"
+    checkpoint = placement.recompute or tuple(o.stage_checkpoint(s) for s in range(o.num_stages))
+    recomputed = [s for s, r in enumerate(checkpoint) if r]
+    return replace(plan, placement=placement, options=replace(o, checkpoint=checkpoint)), (
+        f"{how}: bounds {placement.bounds}, bottleneck {placement.bottleneck * 1e3:.3f} ms/mb"
+        + (f", recompute stages {recomputed}" if recomputed else ""))
 
 
 def _calibrate(plan: Plan, example: Example) -> tuple[Plan, str] | None:
@@ -220,7 +311,8 @@ def _split(plan: Plan, example: Example) -> tuple[Plan, str]:
         check_async_ties(program, o.schedule)
     specs = plan.stage_specs
     stage_costs = tuple(simulator_costs(s, costs, specs[s.index],
-                                        measured[s.index] if measured else None)
+                                        measured[s.index] if measured else None,
+                                        recompute=o.stage_checkpoint(s.index))
                         for s in program.stages)
     # the schedule that runs moves the program's messages: relower it with the real wiring
     schedule = relower(schedule, Dataflow.of(program))
@@ -246,8 +338,8 @@ def _threads(plan: Plan, example: Example) -> tuple[Plan, str] | None:
 def _simulate(plan: Plan, example: Example) -> tuple[Plan, str]:
     schedule = need(plan.schedule, "schedule")
     cores = shared_cores(plan.stage_specs, plan.options.ranks)
-    predicted = simulate(schedule, plan.stage_costs, cores=cores,
-                         efficiency=plan.efficiency, transfers=plan.transfers)
+    predicted = simulate(schedule, plan.stage_costs, cores=cores, efficiency=plan.efficiency,
+                         transfers=plan.transfers, overhead=plan.overhead)
     return replace(plan, cores=cores, predicted=predicted), (
         f"{schedule.name}: predicted step {predicted.makespan * 1e3:.3f} ms, bubble "
         f"{predicted.bubble_fraction:.1%}")
@@ -260,7 +352,7 @@ def _agree(plan: Plan, example: Example) -> tuple[Plan, str] | None:
 
 
 PASSES: tuple[tuple[str, Pass], ...] = (
-    ("capture", _capture), ("schedule", _schedule), ("linearize", _linearize),
+    ("capture", _capture), ("search", _search), ("schedule", _schedule), ("linearize", _linearize),
     ("annotate", _annotate), ("partition", _partition), ("calibrate", _calibrate),
     ("refine", _refine), ("split", _split), ("threads", _threads), ("simulate", _simulate),
     ("plan check", _agree),
@@ -281,9 +373,11 @@ def _cost_model(plan: Plan, example: Example) -> CostModel:
 
 def _target(plan: Plan) -> Target:
     o = plan.options
+    recompute = (None if o.checkpoint is False
+                 else tuple(o.stage_checkpoint(s) for s in range(o.num_stages)))
     return Target(stage_specs=plan.stage_specs, inflight=plan.inflight, schedule=o.schedule,
                   microbatches=o.microbatches, virtual_stages=o.virtual_stages,
-                  split_points=o.split_points)
+                  split_points=o.split_points, recompute=recompute)
 
 
 def _stage_devices(plan: Plan, example: Example) -> list[torch.device]:

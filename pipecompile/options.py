@@ -2,7 +2,9 @@
 
     Example         the model and one example batch (inputs, keyword inputs, target)
     CompileOptions  every keyword option of `pipecompile.compile`, checked and resolved: devices
-                    as `DeviceSpec`s, the virtual stage count, the ranks of a distributed run
+                    as `DeviceSpec`s, the virtual stage count, the ranks of a distributed run;
+                    the options given as "auto" are named in `auto` and hold placeholders until
+                    the search pass (search.py) replaces them with its choice
 
 `resolve_options` raises a `ConfigError` naming the bad value and what to pass instead; every
 pass after it trusts the options.
@@ -29,7 +31,9 @@ if TYPE_CHECKING:
     from .passes.split import StagedProgram
 
 __all__ = ["Example", "CompileOptions", "resolve_options", "example_microbatch_size",
-           "check_async_ties"]
+           "check_async_ties", "AUTO"]
+
+AUTO = "auto"  # the value that lets the search pass choose an option
 
 _RANK_BANDWIDTH = 3e9  # bytes/s between ranks when not told: gloo on loopback
 
@@ -70,7 +74,7 @@ class CompileOptions:
     granularity: str | None = None
     virtual_stages: int = 1  # resolved: 2 for interleaved-1f1b unless given
     profile: bool = False
-    checkpoint: bool = False
+    checkpoint: bool | tuple[bool, ...] = False  # all stages, or per stage once searched
     vertical_sync: bool = False
     data_parallel: int = 1
     timeout: float = 300.0
@@ -78,6 +82,13 @@ class CompileOptions:
     rng: str = "global"  # "per-microbatch": random streams from (seed, step, micro-batch, op)
     rng_seed: int = 0
     ranks: Ranks = Ranks()
+    auto: frozenset[str] = frozenset()  # options the search pass chooses (placeholders until then)
+
+    def stage_checkpoint(self, stage: int) -> bool:
+        """Whether `stage` recomputes its forward in backward (activation checkpointing)."""
+        if isinstance(self.checkpoint, tuple):
+            return self.checkpoint[stage]
+        return bool(self.checkpoint)
 
     @property
     def num_stages(self) -> int:
@@ -91,7 +102,8 @@ class CompileOptions:
 
 def resolve_options(
     example: Example | None, *, devices: int | Sequence[str | torch.device | DeviceSpec],
-    microbatches: int, schedule: str, virtual_stages: int | None,
+    microbatches: int | str, schedule: str, virtual_stages: int | str | None,
+    checkpoint: bool | str,
     memory_limit: float | Sequence[float] | None, bandwidth: float | None,
     data_parallel: int, timeout: float, split_points: Sequence[str] | None, **rest: Any,
 ) -> CompileOptions:
@@ -109,11 +121,27 @@ def resolve_options(
     if topology is not None:
         devices = [str(local_device())] * count
         bandwidth = bandwidth or _RANK_BANDWIDTH
-    if schedule not in SCHEDULE_NAMES:
+    auto = _auto(schedule, microbatches, virtual_stages, checkpoint)
+    if schedule not in SCHEDULE_NAMES and schedule != AUTO:
         raise ConfigError(
-            f"schedule={schedule!r} is not supported; use one of {', '.join(SCHEDULE_NAMES)}")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ConfigError(f"microbatches must be a positive int, got {microbatches!r}")
+            f"schedule={schedule!r} is not supported; use 'auto' or one of "
+            f"{', '.join(SCHEDULE_NAMES)}")
+    if microbatches != AUTO and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
+                                 or microbatches < 1):
+        raise ConfigError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
+    if virtual_stages not in (None, AUTO) and (isinstance(virtual_stages, bool) or not isinstance(
+            virtual_stages, int) or virtual_stages < 1):
+        raise ConfigError(
+            f"virtual_stages must be a positive int or 'auto', got {virtual_stages!r}")
+    if checkpoint not in (True, False, AUTO):
+        raise ConfigError(f"checkpoint must be True, False or 'auto', got {checkpoint!r}")
+    if "microbatches" in auto:  # a placeholder: a static capture is made at batch / it
+        batch = example.batch if example is not None else 4
+        microbatches = max(m for m in range(1, min(4, batch) + 1) if batch % m == 0)
+    assert isinstance(microbatches, int)
+    schedule = "gpipe" if schedule == AUTO else schedule
+    if not isinstance(virtual_stages, int):
+        virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
     if rest.get("rng", "global") not in RNG_MODES:
         raise ConfigError(f"rng={rest['rng']!r} is not a random-stream mode; use one of "
                           f"{', '.join(RNG_MODES)}")
@@ -121,14 +149,25 @@ def resolve_options(
         devices=tuple(_device_specs(devices, memory_limit, bandwidth)),
         microbatches=microbatches, schedule=schedule,
         split_points=None if split_points is None else tuple(split_points),
-        virtual_stages=virtual_stages or (2 if schedule == "interleaved-1f1b" else 1),
-        data_parallel=data_parallel, timeout=timeout, ranks=Ranks(topology), **rest)
+        virtual_stages=virtual_stages, checkpoint=checkpoint is True,
+        data_parallel=data_parallel, timeout=timeout, ranks=Ranks(topology), auto=auto, **rest)
     _check_async(options)
     if example is not None and example.batch < microbatches:
         raise ConfigError(
             f"the example batch has {example.batch} samples, fewer than microbatches="
             f"{microbatches}; use a batch of at least {microbatches} or fewer micro-batches")
     return options
+
+
+def _auto(schedule: Any, microbatches: Any, virtual_stages: Any, checkpoint: Any
+          ) -> frozenset[str]:
+    """The options the search pass chooses: those given as "auto" (virtual stages only along
+    with the schedule: an explicit schedule implies its own)."""
+    auto = {name for name, value in (("schedule", schedule), ("microbatches", microbatches),
+                                     ("checkpoint", checkpoint)) if value == AUTO}
+    if schedule == AUTO and virtual_stages in (None, AUTO):
+        auto.add("virtual_stages")
+    return frozenset(auto)
 
 
 def example_microbatch_size(example: Example, options: CompileOptions) -> int:

@@ -75,7 +75,9 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
         _save_tensors(unused, out / "unused.safetensors")
     data = {
         "format": FORMAT, "version": VERSION,
-        "microbatches": options.microbatches, "checkpoint": options.checkpoint,
+        "microbatches": options.microbatches,
+        "checkpoint": (list(options.checkpoint) if isinstance(options.checkpoint, tuple)
+                       else options.checkpoint),  # per stage, or one flag for all
         "timeout": float(options.timeout), "vertical_sync": options.vertical_sync,
         "schedule": "schedule.json", "bounds": list(program.bounds), "stages": stages,
         "producer": dict(program.producer),
@@ -126,7 +128,10 @@ def load_plan(
         devices=tuple(DeviceSpec(name=str(stage_devices[schedule.stage_to_device.index(d)]))
                       for d in range(schedule.num_devices)),
         microbatches=data["microbatches"], schedule=schedule.name, loss_fn=loss_fn,
-        optimizer=optimizer, checkpoint=data["checkpoint"], timeout=data["timeout"],
+        optimizer=optimizer, checkpoint=(tuple(map(bool, data["checkpoint"]))
+                                          if isinstance(data["checkpoint"], list)
+                                          else bool(data["checkpoint"])),
+        timeout=data["timeout"],
         vertical_sync=data.get("vertical_sync", False),
         virtual_stages=schedule.num_stages // schedule.num_devices,
         capture=program.captured.method, granularity=program.linear.granularity)

@@ -30,7 +30,7 @@ from .mirror import mirror
 from .passes.split import Stage, StagedProgram
 from .persist import load_plan, save_plan
 from .plan import PassRecord, Plan
-from .report import explain_passes, stage_table
+from .report import explain_passes, explain_search, stage_table
 from .runtime.actions import Schedule
 from .runtime.assemble import Runtime, assemble
 from .runtime.distributed import Topology
@@ -394,8 +394,9 @@ class Pipeline(torch.nn.Module):
                            predicted=self.predicted)
 
     def explain(self) -> str:
-        """The passes the compiler ran, how long each took and what it produced."""
-        return explain_passes(self.passes)
+        """The passes the compiler ran, how long each took and what it produced; the plan the
+        search chose and its best candidates."""
+        return explain_passes(self.passes) + "\n\n" + explain_search(self.plan.search)
 
     def export_onnx(self, directory: str) -> str:
         """Write one ONNX file per stage (eval mode) and manifest.json; returns its path."""

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .passes.split import StagedProgram
     from .runtime.actions import Schedule
     from .runtime.simulate import StageCosts, Timeline
+    from .search import SearchResult
 
 __all__ = ["PassRecord", "Plan", "Pass", "need", "run_passes"]
 
@@ -55,6 +56,8 @@ class Plan:
 
     options: CompileOptions
     captured: "CapturedModel | None" = None
+    search: "SearchResult | None" = None  # the candidates the search pass costed (None: none)
+    overhead: float = 0.0  # fixed seconds per action and message (planning.action_overhead)
     schedule: "Schedule | None" = None
     inflight: tuple[int, ...] = ()
     device_model: "DeviceModel | None" = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -22,11 +22,13 @@ import torch
 from .errors import ConfigError
 from .ir import CapturedModel, CostTable, LinearGraph
 from .options import Example
+from .ir import evaluate as evaluate_expr
 from .passes.annotate import DeviceModel, annotate
+from .passes.annotate import _numeric as numeric_cost  # one block's costs at given sizes
 from .passes.calibrate import Calibration, calibrate_blocks
 from .passes.linearize import GRANULARITIES, linearize
-from .passes.partition import (DeviceSpec, Partition, PartitionProblem, evaluate, lower_bound,
-                               partition)
+from .passes.partition import (DeviceSpec, Partition, PartitionMemoryError, PartitionProblem,
+                               evaluate, lower_bound, partition)
 from .passes.profile import profile_blocks
 from .ranks import Ranks
 from .runtime.actions import Schedule
@@ -34,7 +36,7 @@ from .runtime.schedules import make_schedule
 from .runtime.simulate import StageCosts, simulate
 
 __all__ = ["CostModel", "Target", "Choice", "cost", "place", "refine", "device_model",
-           "matmul_rate", "inflight"]
+           "matmul_rate", "action_overhead", "inflight"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class Target:
     microbatches: int
     virtual_stages: int
     split_points: tuple[str, ...] | None = None
+    recompute: tuple[bool | None, ...] | None = None  # per stage (see PartitionProblem)
 
     @property
     def num_stages(self) -> int:
@@ -75,8 +78,17 @@ class Choice:
     placement: Partition
 
 
-def cost(linear: LinearGraph, model: CostModel, example: Example, ranks: Ranks) -> CostTable:
-    """The cost table of `linear`'s blocks (measured with profiling, agreed, calibrated)."""
+def cost(linear: LinearGraph, model: CostModel, example: Example, ranks: Ranks,
+         like: CostTable | None = None) -> CostTable:
+    """The cost table of `linear`'s blocks (measured with profiling, agreed, calibrated).
+    `like`: a table of the same blocks at another micro-batch size, whose symbolic costs are
+    evaluated again instead of derived anew (the search costs many sizes)."""
+    if like is not None and not model.profile and len(like.blocks) == linear.num_blocks:
+        sizes = linear.captured.sizes_at(model.microbatch_size)
+        costs = replace(like, sizes=sizes, cut_bytes=tuple(evaluate_expr(e, sizes)
+                                                           for e in like.cut_bytes_symbolic),
+                        blocks=tuple(numeric_cost(c, sizes, model.device) for c in like.symbolic))
+        return costs if model.calibration is None else calibrate_blocks(costs, model.calibration)
     costs = annotate(linear, microbatch_size=model.microbatch_size, device=model.device,
                      optimizer_factor=model.optimizer_factor)
     if model.profile:
@@ -114,7 +126,10 @@ def refine(captured: CapturedModel, current: Choice, *, model: CostModel, target
         if finer.num_blocks < target.num_stages or finer.num_blocks == current.linear.num_blocks:
             continue
         finer_costs = cost(finer, model, example, ranks)
-        candidate = Choice(finer, finer_costs, place(finer, finer_costs, target))
+        try:
+            candidate = Choice(finer, finer_costs, place(finer, finer_costs, target))
+        except PartitionMemoryError:  # the stages' recomputation was chosen for coarser blocks
+            break
         if candidate.placement.bottleneck > 0.9 * current.placement.bottleneck:
             break
         current = best = candidate
@@ -142,6 +157,37 @@ def matmul_rate(device: str, n: int = 512, repeats: int = 5) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 2 * n**3 / sorted(times[1:])[repeats // 2]
+
+
+@functools.lru_cache(maxsize=None)
+def action_overhead(device: str, repeats: int = 21) -> float:
+    """Fixed seconds of one pipeline action on `device`: a tiny stage's forward and backward
+    through `StageWorker` (dispatch, Python, autograd set-up), halved; the median of a few runs
+    (~5 ms of compile time). On a small model it is most of an action's time."""
+    from .runtime.stage_worker import StageWorker
+
+    class _Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+            return (self.linear(x),)
+
+    module = _Tiny().to(device)
+    worker = StageWorker(0, module, ("x",), ("y",), frozenset({"x"}))
+    x, grad = torch.randn(2, 4, device=device), {"y": torch.ones(2, 4, device=device)}
+    times = []
+    for k in range(repeats + 1):
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        worker.forward(k, {"x": x})
+        worker.backward(k, grad)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[repeats // 2] / 2
 
 
 def inflight(schedule: Schedule) -> tuple[int, ...]:
@@ -180,6 +226,9 @@ def _problem(costs: CostTable, target: Target) -> PartitionProblem:
         activation_bytes=tuple(b.activation_bytes for b in costs.blocks),
         devices=target.stage_specs,
         inflight=target.inflight,
+        forward_times=(None if target.recompute is None
+                       else tuple(b.forward_time for b in costs.blocks)),
+        recompute=target.recompute,
     )
 
 

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from .passes.split import StagedProgram
+    from .search import SearchResult
     from .plan import PassRecord
     from .runtime.actions import Schedule
     from .runtime.simulate import Timeline
 
-__all__ = ["stage_table", "explain_passes", "format_count", "format_bytes"]
+__all__ = ["stage_table", "explain_passes", "explain_search", "format_count", "format_bytes"]
 
 
 def format_count(x: float, unit: str = "") -> str:
@@ -74,4 +75,33 @@ def explain_passes(records: Sequence["PassRecord"]) -> str:
     lines = ["pass          time     result"]
     for r in records:
         lines.append(f"{r.name:<12} {r.seconds * 1e3:7.1f} ms  {r.summary}")
+    return "\n".join(lines)
+
+
+def explain_search(search: "SearchResult | None", *, top: int = 8) -> str:
+    """The plan the search chose, its best `top` candidates and why the others lost, and the
+    winner's gap to a lower bound (all compute spread over the devices: no bubble, no overhead)."""
+    if search is None:
+        return ("plan: nothing searched (schedule, micro-batches, virtual stages and checkpoint "
+                "were all given explicitly, or the plan was loaded)")
+    best = search.best
+    gap = best.step / search.lower_bound - 1 if search.lower_bound > 0 else 0.0
+    lines = [f"plan: {best.schedule}, {best.microbatches} micro-batches, {best.virtual_stages} "
+             f"virtual stage(s), recompute stages {list(best.recomputed) or 'none'}; predicted "
+             f"step {best.step * 1e3:.3f} ms, {gap:.1%} above the lower bound "
+             f"{search.lower_bound * 1e3:.3f} ms (compute / devices, no bubble, no overhead)",
+             f"searched {', '.join(search.searched)}: {len(search.candidates)} candidates"
+             + (f", the best {top}:" if len(search.candidates) > top else ":")]
+    rows = [("schedule", "m", "v", "recompute", "step ms", "peak memory per device", "verdict")]
+    for c in search.candidates[:top]:
+        rows.append((c.schedule, str(c.microbatches), str(c.virtual_stages),
+                     ",".join(map(str, c.recomputed)) or "-",
+                     f"{c.step * 1e3:.3f}" if c.fits else "-",
+                     " ".join(format_bytes(m) for m in c.memory) or "-",
+                     c.reason or "chosen"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for k, row in enumerate(rows):
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if k == 0:
+            lines.append("  " + "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from .runtime.microbatch import split_microbatches
 from .runtime.messages import gradient_values
 from .runtime.simulate import StageCosts
 from .runtime.stage_worker import LossSpec
+from .search import SPLIT_BACKWARD_RATIO
 
 __all__ = ["with_stage_costs", "simulator_costs", "shared_cores", "measure", "efficiency"]
 
@@ -52,17 +53,20 @@ def with_stage_costs(program: StagedProgram, costs: CostTable, placement: Partit
 
 
 def simulator_costs(stage: Stage, costs: CostTable, spec: DeviceSpec,
-                    measured: StageTimes | None = None) -> StageCosts:
+                    measured: StageTimes | None = None, *, recompute: bool = False,
+                    split_ratio: float = SPLIT_BACKWARD_RATIO) -> StageCosts:
     """Simulator costs of a stage: measured (`profile=True`) or the sum of its blocks'. A stage
     that receives no gradient-carrying input (the first) has nothing to do in I: its whole
-    backward is weight gradients."""
+    backward is weight gradients. A stage that `recompute`s runs its forward again in B (or I);
+    analytic I and W together cost `split_ratio` times B (see search.SPLIT_BACKWARD_RATIO)."""
     assert stage.cost is not None, "with_stage_costs runs first"
     first = stage.blocks[0]
     transfers = dict(send_forward=_transfer(stage.cost.send_bytes, spec),
                      send_backward=_transfer(costs.cut_bytes[first], spec))
     if measured is not None:
-        return StageCosts(forward=measured.forward, backward=measured.backward,
-                          backward_input=measured.backward_input,
+        again = measured.forward if recompute else 0.0
+        return StageCosts(forward=measured.forward, backward=measured.backward + again,
+                          backward_input=measured.backward_input + again,
                           backward_weight=measured.backward_weight, **transfers)
     blocks = [costs.blocks[b] for b in stage.blocks]
     if costs.cut_bytes[first] == 0:
@@ -70,8 +74,10 @@ def simulator_costs(stage: Stage, costs: CostTable, spec: DeviceSpec,
     else:
         i_time = sum(b.backward_input_time for b in blocks)
         w_time = sum(b.backward_weight_time for b in blocks)
-    return StageCosts(forward=stage.cost.forward_time, backward=stage.cost.backward_time,
-                      backward_input=i_time, backward_weight=w_time, **transfers)
+    again = stage.cost.forward_time if recompute else 0.0
+    return StageCosts(forward=stage.cost.forward_time, backward=stage.cost.backward_time + again,
+                      backward_input=split_ratio * i_time + again,
+                      backward_weight=split_ratio * w_time, **transfers)
 
 
 def shared_cores(specs: Sequence[DeviceSpec], ranks: Ranks) -> int | None:

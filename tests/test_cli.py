@@ -44,7 +44,8 @@ def test_inspect_json_with_code_and_drawing(tmp_path):
 
 @pytest.mark.slow
 def test_inspect_gpt2_text():
-    done = _run("inspect", "examples/factories.py:gpt2", "--devices", "4")
+    done = _run("inspect", "examples/factories.py:gpt2", "--devices", "4", "--schedule", "gpipe",
+                "--microbatches", "4")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert out.startswith("Pipeline: 4 stages, schedule gpipe, 4 micro-batches")
@@ -69,7 +70,9 @@ def test_plan_prints_the_schedule_and_draws_the_prediction(tmp_path, capsys):
     assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"
     status = main(["plan", f"{FACTORIES}:keyword_tuple", "--devices", "2", "--json"])
     result = json.loads(capsys.readouterr().out)
-    assert result["schedule"]["name"] == "gpipe" and len(result["peak_inflight"]) == 2
+    chosen = result["search"]["candidates"][0]  # --schedule and --microbatches are "auto"
+    assert chosen["verdict"] == "chosen"
+    assert result["schedule"]["name"] == chosen["schedule"] and len(result["peak_inflight"]) == 2
 
 
 def test_export_onnx_and_save_then_use_both(tmp_path):

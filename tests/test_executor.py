@@ -61,7 +61,8 @@ def test_single_thread_interleaving_gives_the_same_gradients():
     torch.manual_seed(0)
     case = CASES["gpt"]()
     reference = copy.deepcopy(case.model)
-    pipe = pc.compile(case.model, case.args, devices=4, schedule="1f1b", loss_fn=case.loss_fn)
+    pipe = pc.compile(case.model, case.args, devices=4, schedule="1f1b", microbatches=4,
+                      loss_fn=case.loss_fn)
     pipe.executor.threads = False
     pipe.step(*case.args, target=case.target)
     _, ref_grads = reference_step(reference, case.args, {}, case.target, case.loss_fn, 4)

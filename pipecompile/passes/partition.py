@@ -15,6 +15,15 @@ Cost model, per micro-batch, for stage j holding blocks [a, b):
                  (parameters, gradients and optimizer state, plus saved activations and the
                  received input of every in-flight micro-batch)
 
+A stage that recomputes (activation checkpointing) keeps only its input per in-flight
+micro-batch plus one micro-batch's activations, and runs its forward once more in backward:
+
+  stage_memory = sum(static_bytes[a:b]) + inflight_j * cut_bytes[a] + sum(activation_bytes[a:b])
+  stage_time  += sum(forward_times[a:b]) / speed_j
+
+`PartitionProblem.recompute` says per stage whether it must (True), must not (False) or may where
+memory needs it (None) recompute; the chosen flags come back in `Partition.recompute`.
+
 In a steady pipeline every stage advances at the pace of the slowest, so `partition` minimises
 the bottleneck max_j stage_time subject to stage_memory <= memory_j, by exact dynamic programming
 over cut positions (O(p n^2) with prefix sums). Among placements whose bottleneck is within a
@@ -95,9 +104,16 @@ class PartitionProblem:
     activation_bytes: tuple[float, ...]  # per block: saved activations per micro-batch; len n
     devices: tuple[DeviceSpec, ...]  # len p
     inflight: tuple[int, ...]  # len p: micro-batches whose activations stage j holds at peak
+    forward_times: tuple[float, ...] | None = None  # per block: what recomputation runs again
+    recompute: tuple[bool | None, ...] | None = None  # per stage (see the module doc); None: never
 
     def __post_init__(self) -> None:
         n, p = len(self.block_times), len(self.devices)
+        if self.recompute is not None:
+            if len(self.recompute) != p:
+                raise ConfigError(f"recompute has length {len(self.recompute)}; expected {p}")
+            if self.forward_times is None or len(self.forward_times) != n:
+                raise ConfigError(f"recompute needs forward_times with one entry per block ({n})")
         if n < 1 or p < 1:
             raise ConfigError(f"need at least one block and one device; got {n} blocks and "
                               f"{p} devices")
@@ -128,6 +144,7 @@ class Partition:
     bounds: tuple[int, ...]  # len p+1; stage j holds blocks [bounds[j], bounds[j+1])
     stage_times: tuple[float, ...]
     stage_memory: tuple[float, ...]
+    recompute: tuple[bool, ...] = ()  # per stage: whether it recomputes (empty: none does)
 
     @property
     def bottleneck(self) -> float:
@@ -149,15 +166,29 @@ def _prefix(xs: Sequence[float]) -> list[float]:
 # sums, so a placement the DP found feasible is feasible when re-evaluated, bit for bit.
 def stage_time(problem: PartitionProblem, j: int, a: int, b: int) -> float:
     """Seconds per micro-batch of stage j holding blocks [a, b) (see the module docstring)."""
-    t, d, cut = _prefix(problem.block_times), problem.devices[j], problem.cut_bytes
-    return (t[b] - t[a]) / d.speed + (cut[a] + cut[b]) / d.bandwidth
+    return _stage(problem, j, a, b)[0]
 
 
 def stage_memory(problem: PartitionProblem, j: int, a: int, b: int) -> float:
     """Peak bytes of stage j holding blocks [a, b) (see the module docstring)."""
-    s, act = _prefix(problem.static_bytes), _prefix(problem.activation_bytes)
-    cut = problem.cut_bytes
-    return (s[b] - s[a]) + problem.inflight[j] * ((act[b] - act[a]) + cut[a])
+    return _stage(problem, j, a, b)[1]
+
+
+def _stage(problem: PartitionProblem, j: int, a: int, b: int) -> tuple[float, float, bool]:
+    """(time, memory, recomputes) of stage j holding [a, b): without recomputation where that is
+    allowed and fits, else with it where allowed (memory over the limit if neither fits)."""
+    t, s, act = (_prefix(x) for x in (problem.block_times, problem.static_bytes,
+                                      problem.activation_bytes))
+    d, cut, k = problem.devices[j], problem.cut_bytes, problem.inflight[j]
+    time = (t[b] - t[a]) / d.speed + (cut[a] + cut[b]) / d.bandwidth
+    memory = (s[b] - s[a]) + k * ((act[b] - act[a]) + cut[a])
+    mode = None if problem.recompute is None else problem.recompute[j]
+    if problem.recompute is None or mode is False or (mode is None and memory <= d.memory):
+        return time, memory, False
+    assert problem.forward_times is not None, "checked in PartitionProblem"
+    f = _prefix(problem.forward_times)
+    return (((t[b] - t[a]) + (f[b] - f[a])) / d.speed + (cut[a] + cut[b]) / d.bandwidth,
+            (s[b] - s[a]) + k * cut[a] + (act[b] - act[a]), True)
 
 
 # (stage j, first block a, end b) -> cost of that stage; inf marks an infeasible stage.
@@ -215,21 +246,31 @@ def _min_max_then_even(n: int, p: int, cost: _Cost, floor: _Cost) -> tuple[int, 
 
 
 def _time_costs(problem: PartitionProblem) -> tuple[_Cost, _Cost]:
-    """Stage time where the stage fits in memory (inf otherwise), and its monotone floor."""
+    """Stage time where the stage fits in memory (inf otherwise), and its monotone floor.
+    Each stage recomputes only where allowed and needed (see `_stage`)."""
     t, s, act = (_prefix(x) for x in (problem.block_times, problem.static_bytes,
                                       problem.activation_bytes))
+    f = _prefix(problem.forward_times or (0.0,) * problem.num_blocks)
     cut, inflight = problem.cut_bytes, problem.inflight
     speed, bw, mem = zip(*((d.speed, d.bandwidth, d.memory) for d in problem.devices))
+    modes = problem.recompute or (False,) * problem.num_stages
+    plain = tuple(m is not True for m in modes)  # may run without recomputation
+    again = tuple(m is not False for m in modes)  # may recompute
 
     def cost(j: int, a: int, b: int) -> float:
-        if (s[b] - s[a]) + inflight[j] * ((act[b] - act[a]) + cut[a]) > mem[j]:
-            return math.inf
-        return (t[b] - t[a]) / speed[j] + (cut[a] + cut[b]) / bw[j]
+        static, acts = s[b] - s[a], act[b] - act[a]  # the expressions of _stage, bit for bit
+        if plain[j] and static + inflight[j] * (acts + cut[a]) <= mem[j]:
+            return (t[b] - t[a]) / speed[j] + (cut[a] + cut[b]) / bw[j]
+        if again[j] and static + inflight[j] * cut[a] + acts <= mem[j]:
+            return ((t[b] - t[a]) + (f[b] - f[a])) / speed[j] + (cut[a] + cut[b]) / bw[j]
+        return math.inf
 
     def floor(j: int, a: int, b: int) -> float:  # drops the cut terms, which are not monotone
-        if (s[b] - s[a]) + inflight[j] * (act[b] - act[a]) > mem[j]:
-            return math.inf
-        return (t[b] - t[a]) / speed[j]
+        static, acts = s[b] - s[a], act[b] - act[a]
+        if ((plain[j] and static + inflight[j] * acts <= mem[j])
+                or (again[j] and static + acts <= mem[j])):
+            return (t[b] - t[a]) / speed[j]
+        return math.inf
 
     return cost, floor
 
@@ -238,12 +279,15 @@ def _memory_needed(problem: PartitionProblem) -> float:
     """Smallest max_j stage_memory over all placements (times and device memory ignored)."""
     s, act = _prefix(problem.static_bytes), _prefix(problem.activation_bytes)
     cut, inflight = problem.cut_bytes, problem.inflight
+    again = tuple(m is not False for m in problem.recompute or (False,) * problem.num_stages)
 
     def cost(j: int, a: int, b: int) -> float:
+        if again[j]:  # recomputation never needs more memory
+            return (s[b] - s[a]) + inflight[j] * cut[a] + (act[b] - act[a])
         return (s[b] - s[a]) + inflight[j] * ((act[b] - act[a]) + cut[a])
 
     def floor(j: int, a: int, b: int) -> float:
-        return (s[b] - s[a]) + inflight[j] * (act[b] - act[a])
+        return (s[b] - s[a]) + (1 if again[j] else inflight[j]) * (act[b] - act[a])
 
     return _chain_dp(problem.num_blocks, problem.num_stages, cost, floor, additive=False)[0]
 
@@ -265,7 +309,10 @@ def _devices_needed(problem: PartitionProblem, inflight_for: Callable[[int], tup
     last = problem.devices[-1]
     for q in range(problem.num_stages + 1, problem.num_blocks + 1):
         devices = problem.devices + (last,) * (q - problem.num_stages)
-        if _fits(replace(problem, devices=devices, inflight=tuple(inflight_for(q)))):
+        modes = problem.recompute and problem.recompute + (problem.recompute[-1],) * (
+            q - problem.num_stages)
+        if _fits(replace(problem, devices=devices, inflight=tuple(inflight_for(q)),
+                         recompute=modes or None)):
             return q
     return None
 
@@ -318,10 +365,10 @@ def evaluate(problem: PartitionProblem, bounds: Sequence[int]) -> Partition:
             or any(a >= b for a, b in zip(bounds, bounds[1:]))):
         raise ConfigError(f"bounds {bounds} must be {p + 1} strictly increasing cut positions "
                           f"from 0 to {n}; see uniform_bounds({n}, {p}) for an example")
-    stages = list(enumerate(zip(bounds, bounds[1:])))
-    return Partition(bounds=bounds,
-                     stage_times=tuple(stage_time(problem, j, a, b) for j, (a, b) in stages),
-                     stage_memory=tuple(stage_memory(problem, j, a, b) for j, (a, b) in stages))
+    stages = [_stage(problem, j, a, b) for j, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    return Partition(bounds=bounds, stage_times=tuple(t for t, _, _ in stages),
+                     stage_memory=tuple(m for _, m, _ in stages),
+                     recompute=tuple(r for _, _, r in stages) if problem.recompute else ())
 
 
 def uniform_bounds(n: int, p: int) -> tuple[int, ...]:

@@ -334,7 +334,8 @@ def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOption
         workers[s.index] = StageWorker(
             s.index, s.module, s.inputs, s.outputs,
             frozenset(n for n in s.inputs if n in grad_values),
-            loss if s.index == last else None, options.checkpoint, versions=versions)
+            loss if s.index == last else None, options.stage_checkpoint(s.index),
+            versions=versions)
     return workers
 
 

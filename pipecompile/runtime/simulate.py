@@ -235,14 +235,16 @@ class Timeline:
             ) from None
 
 
-def _duration(action: Action, cost: StageCosts, step_time: float) -> float:
-    return {
+def _duration(action: Action, cost: StageCosts, step_time: float, overhead: float = 0.0) -> float:
+    if action.kind is Kind.STEP:
+        return step_time
+    work = {
         Kind.F: cost.forward,
         Kind.B: cost.backward,
         Kind.I: cost.input_time,
         Kind.W: cost.weight_time,
-        Kind.STEP: step_time,
-    }.get(action.kind, 0.0)
+    }.get(action.kind)
+    return 0.0 if work is None else work + overhead
 
 
 def simulate(
@@ -254,20 +256,28 @@ def simulate(
     efficiency: float = 1.0,
     dataflow: Dataflow | None = None,
     transfers: Transfers | None = None,
+    overhead: float = 0.0,
+    validated: bool = False,
 ) -> Timeline:
     """Predict when every action of a valid ``schedule`` runs; ``costs[s]`` is stage s's
     compute time.
 
     ``cores``: how many compute actions the devices can run at full speed at once (None: no
     limit); ``efficiency``: their speed when several run at once; ``dataflow``: the program's
-    links (see `validate`); ``transfers``: seconds per message; see the module docstring.
+    links (see `validate`); ``transfers``: seconds per message; ``overhead``: the fixed seconds
+    every F, B, I and W action and every message between devices costs on top (dispatch, Python,
+    launch, message latency); ``validated``: the schedule was validated already (by
+    `make_schedule`), skip that (the planning search simulates many); see the module docstring.
     """
+    if not 0 <= overhead < float("inf"):
+        raise ScheduleError(f"simulate: overhead must be finite and >= 0, got {overhead}")
     if len(costs) != schedule.num_stages:
         raise ScheduleError(
             f"simulate: got {len(costs)} StageCosts for {schedule.num_stages} stages; give one "
             f"per stage (e.g. [costs] * {schedule.num_stages})"
         )
-    validate(schedule, dataflow)
+    if not validated:
+        validate(schedule, dataflow)
     deps = dependencies(schedule, dataflow)
     home = schedule.stage_to_device
 
@@ -277,18 +287,19 @@ def simulate(
         forward = dep.kind in (Kind.F, Kind.SEND_F)
         if transfers is None:
             cost = costs[dep.stage]
-            return cost.send_forward if forward else cost.send_backward
+            return overhead + (cost.send_forward if forward else cost.send_backward)
         key = (dep.stage, action.stage, "F" if forward else "B")
-        return transfers(*key) if callable(transfers) else transfers.get(key, 0.0)
+        return overhead + (transfers(*key) if callable(transfers) else transfers.get(key, 0.0))
 
     if cores is not None and cores < 1:
         raise ScheduleError(f"simulate: cores must be >= 1 or None, got {cores}")
     if not 0 < efficiency <= 1:
         raise ScheduleError(f"simulate: efficiency must be in (0, 1], got {efficiency}")
     if cores is not None and (cores < schedule.num_devices or efficiency < 1):
-        timeline = _simulate_shared(schedule, costs, deps, latency, step_time, cores, efficiency)
+        timeline = _simulate_shared(schedule, costs, deps, latency, step_time, cores, efficiency,
+                                    overhead)
     else:
-        timeline = _simulate_free(schedule, costs, deps, latency, step_time)
+        timeline = _simulate_free(schedule, costs, deps, latency, step_time, overhead)
     return Timeline(timeline.events, timeline.num_devices, _transfers(timeline, deps, latency))
 
 
@@ -309,7 +320,8 @@ def _transfers(timeline: Timeline, deps, latency) -> tuple[Transfer, ...]:
     return tuple(sorted(found, key=lambda t: (t.start, t.src, t.dst)))
 
 
-def _simulate_free(schedule, costs, deps, latency, step_time: float) -> Timeline:
+def _simulate_free(schedule, costs, deps, latency, step_time: float,
+                   overhead: float) -> Timeline:
     """`simulate` when every device has its own hardware."""
     end: dict[Action, float] = {}
     free = [0.0] * schedule.num_devices
@@ -326,7 +338,7 @@ def _simulate_free(schedule, costs, deps, latency, step_time: float) -> Timeline
                     start, finish = free[device], max(free[device], ready)
                 else:
                     start = max(free[device], ready)
-                    finish = start + _duration(action, costs[action.stage], step_time)
+                    finish = start + _duration(action, costs[action.stage], step_time, overhead)
                 events[device].append(Event(device, action, start, finish))
                 end[action] = free[device] = finish
                 pcs[device] += 1
@@ -335,7 +347,7 @@ def _simulate_free(schedule, costs, deps, latency, step_time: float) -> Timeline
 
 
 def _simulate_shared(schedule, costs, deps, latency, step_time: float, cores: int,
-                     efficiency: float) -> Timeline:
+                     efficiency: float, overhead: float) -> Timeline:
     """`simulate` when the devices share ``cores``: an event-driven fluid simulation.
 
     Between two events (an action finishing, a transfer arriving) the k running compute actions
@@ -376,7 +388,7 @@ def _simulate_shared(schedule, costs, deps, latency, step_time: float, cores: in
                     finish(device, action, free[device], max(free[device], ready))
                     progress = True
                     continue
-                work = _duration(action, costs[action.stage], step_time)
+                work = _duration(action, costs[action.stage], step_time, overhead)
                 if work <= 0:
                     finish(device, action, now, now)
                     progress = True

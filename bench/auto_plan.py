@@ -1,0 +1,107 @@
+"""The planning search against hand-picked configurations, measured in the same run.
+
+For each model, device count and memory limit (none, and 70 % of the unlimited auto plan's
+fullest device) this compiles the auto plan and a grid of hand-picked ones (4 synchronous
+schedules x m in 2, 4, 8, 16), measures each one's step time (median of a few steps after a
+warm-up, in one process with a worker thread per device), and prints the auto plan's rank among
+them, its ratio to the best measured and to gpipe with m=4 (the old default).
+
+    python bench/auto_plan.py            # a deep-narrow and a wide GPT, 2 and 4 devices
+    python bench/auto_plan.py --quick    # GPT only, 2 devices, m in 2, 4, 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import _common
+import torch
+
+import pipecompile as pc
+from pipecompile import zoo
+from pipecompile.errors import PipecompileError
+from pipecompile.passes.partition import PartitionMemoryError
+from pipecompile.report import format_bytes
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+def _gpt(quick: bool):
+    dim, layers, seq, batch = (64, 4, 32, 16) if quick else (128, 8, 64, 16)
+    model = zoo.GPT(vocab=512, dim=dim, layers=layers, heads=4, seq=seq)
+    x, y = torch.randint(0, 512, (batch, seq)), torch.randint(0, 512, (batch, seq))
+    return f"GPT d={dim} L={layers} batch {batch}x{seq}", model, x, y, zoo.lm_loss
+
+
+def _wide_gpt(quick: bool):
+    model = zoo.GPT(vocab=256, dim=256, layers=4, heads=4, seq=32)
+    x, y = torch.randint(0, 256, (32, 32)), torch.randint(0, 256, (32, 32))
+    return "GPT d=256 L=4 batch 32x32", model, x, y, zoo.lm_loss
+
+
+def _measure(pipe, x, y, steps: int) -> float:
+    times = []
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        pipe.step(x, target=y)
+        if i:  # the first step warms up
+            times.append(time.perf_counter() - start)
+    return _common.med(times)
+
+
+def _run(name, model, x, y, loss_fn, devices: int, limit, ms, steps: int) -> float | None:
+    """Print one table; returns the auto plan's fullest device (bytes) for the limit case."""
+    auto = pc.compile(model, (x,), devices=devices, loss_fn=loss_fn, memory_limit=limit)
+    best = auto.plan.search.best
+    rows = [("auto: " + f"{best.schedule} m={best.microbatches} v={best.virtual_stages} "
+             f"recompute {list(best.recomputed) or '-'}", _measure(auto, x, y, steps),
+             auto.predicted.makespan)]
+    for schedule in SCHEDULES:
+        for m in ms:
+            try:
+                pipe = pc.compile(model, (x,), devices=devices, loss_fn=loss_fn,
+                                  schedule=schedule, microbatches=m, memory_limit=limit)
+            except PartitionMemoryError:
+                rows.append((f"{schedule} m={m}", None, None))
+                continue
+            except PipecompileError as error:  # e.g. interleaving constraints
+                rows.append((f"{schedule} m={m} ({str(error)[:40]})", None, None))
+                continue
+            rows.append((f"{schedule} m={m}", _measure(pipe, x, y, steps),
+                         pipe.predicted.makespan))
+    measured = sorted(r[1] for r in rows if r[1] is not None)
+    auto_time = rows[0][1]
+    gpipe4 = next((r[1] for r in rows if r[0] == "gpipe m=4"), None)
+    print(f"\n{name}, {devices} devices, memory limit "
+          f"{'none' if limit is None else format_bytes(limit)} "
+          f"(load {_common.loadavg()})")
+    print(_common.table([(label, "-" if t is None else _common.fmt_ms(t),
+                          "-" if p is None else _common.fmt_ms(p)) for label, t, p in rows],
+                        ["plan", "measured ms", "predicted ms"]))
+    print(f"auto plan: rank {measured.index(auto_time) + 1} of {len(measured)}, "
+          f"{auto_time / measured[0]:.2f}x the best measured"
+          + ("" if gpipe4 is None else f", {auto_time / gpipe4:.2f}x gpipe m=4"))
+    return max(best.memory)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    opts = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    print(_common.machine())
+    models = [_gpt] if opts.quick else [_gpt, _wide_gpt]
+    ms = (2, 4, 8) if opts.quick else (2, 4, 8, 16)
+    for make in models:
+        name, model, x, y, loss_fn = make(opts.quick)
+        for devices in (2,) if opts.quick else (2, 4):
+            fullest = _run(name, model, x, y, loss_fn, devices, None, ms, 3 if opts.quick else 5)
+            if fullest is not None:
+                _run(name, model, x, y, loss_fn, devices, 0.7 * fullest, ms,
+                     3 if opts.quick else 5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The planning search (pipecompile/search.py) on synthetic cost tables, and compile's "auto"
+defaults end to end: exact training, per-stage recomputation, explain(), the CLI, save/load."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+import pipecompile as pc
+from pipecompile.cli import main
+from pipecompile.passes.partition import DeviceSpec, PartitionMemoryError
+from pipecompile.pipeline import Pipeline
+from pipecompile.search import SYNC_SCHEDULES, BlockTable, Space, microbatch_choices, search
+from tests.models import gpt
+from tests.reference import assert_grads_equal, reference_step
+from tests.test_cli import FACTORIES
+
+BATCH = 16
+
+
+def _table(n=8, *, forward=1e-3, static=0.0, activation=0.0, cut=0.0, m=1) -> BlockTable:
+    """n equal blocks; times and activations per micro-batch of BATCH / m samples."""
+    return BlockTable(forward=(forward / m,) * n, backward_input=(forward / m,) * n,
+                      backward_weight=(forward / m,) * n, static_bytes=(static,) * n,
+                      activation_bytes=(activation / m,) * n,
+                      cut_bytes=(0.0,) + (cut / m,) * (n - 1) + (0.0,))
+
+
+def _search(space, devices=2, *, table=None, **options):
+    return search(space, [DeviceSpec()] * devices,
+                  lambda m, stages: _table(m=m, **(table or {})), **options)
+
+
+def test_microbatch_choices_divide_the_batch_and_are_capped():
+    assert microbatch_choices(16) == (1, 2, 4, 8, 16)
+    assert microbatch_choices(12) == (1, 2, 3, 4, 6, 12)
+    assert microbatch_choices(720) == (1, 2, 4, 8, 16, 30)  # powers of two and the largest
+
+
+def test_a_large_fixed_cost_per_action_makes_fewer_microbatches_win():
+    space = Space(SYNC_SCHEDULES, microbatch_choices(BATCH))
+    slow_dispatch = _search(space, overhead=10e-3)
+    assert slow_dispatch.best.microbatches == 1
+    free_dispatch = _search(space, overhead=0.0)
+    assert free_dispatch.best.microbatches == 16
+    assert free_dispatch.best.step < slow_dispatch.best.step
+    assert free_dispatch.lower_bound == pytest.approx(16 * 8 * 3e-3 / 16 / 2)
+
+
+def test_memory_limit_recomputes_exactly_the_stages_that_need_it():
+    # 1F1B on 2 devices, 4 micro-batches: stage 0 holds 2 in flight, stage 1 holds 1. Four
+    # blocks of 1 MB activations each: balanced, stage 0 needs 4 MB (2 with recomputation),
+    # stage 1 needs 2 MB; a 3 MB limit makes recomputing stage 0 the fastest plan that fits.
+    space = Space(("1f1b",), (4,), (1,), checkpoint=None)
+    table = _table(4, activation=4e6, m=4)  # 1 MB per block and micro-batch of 4 samples
+    unlimited = search(space, [DeviceSpec()] * 2, lambda m, s: table)
+    assert unlimited.best.recompute == (False, False)
+    limited = search(space, [DeviceSpec(memory=3e6)] * 2, lambda m, s: table)
+    assert limited.best.recompute == (True, False)
+    assert limited.best.bounds == (0, 2, 4)
+    assert limited.best.memory == (2e6, 2e6)
+    assert limited.best.step > unlimited.best.step  # the forward runs again
+    never = search(replace(space, checkpoint=False), [DeviceSpec(memory=3e6)] * 2,
+                   lambda m, s: table)
+    assert never.best.recompute == (False, False) and never.best.bounds == (0, 1, 4)
+
+
+def test_no_plan_fits_names_the_need_and_the_fixes():
+    space = Space(SYNC_SCHEDULES, (1, 2, 4), checkpoint=None)
+    with pytest.raises(PartitionMemoryError) as error:
+        search(space, [DeviceSpec(memory=1e6)] * 2, lambda m, s: _table(static=1e6))
+    message = str(error.value)
+    assert "no plan fits in memory on 2 devices" in message
+    assert "3.82 MiB" in message  # the smallest plan: 4 blocks of 1 MB static on a device
+    assert "use 8 devices (the fewest that fit)" in message
+    assert "recomputation on every stage does not suffice" in message
+    assert "smaller micro-batches" in message
+    assert error.value.memory_needed == 4e6 and error.value.devices_needed == 8
+
+
+def test_search_is_deterministic_and_breaks_ties_in_order():
+    space = Space(SYNC_SCHEDULES, microbatch_choices(BATCH), checkpoint=None)
+    first, second = _search(space, overhead=1e-3), _search(space, overhead=1e-3)
+    assert first == second
+    # one micro-batch: gpipe and 1F1B are the same timeline; gpipe is listed first
+    tie = _search(Space(("1f1b", "gpipe"), (1,)), overhead=1e-3)
+    assert [c.schedule for c in tie.candidates] == ["1f1b", "gpipe"]
+    assert tie.candidates[1].reason == "tie (later in order)"
+
+
+def test_explicit_values_are_the_only_ones_costed():
+    result = _search(Space(("zb-h1",), (4,)), overhead=1e-4)
+    assert [(c.schedule, c.microbatches) for c in result.candidates] == [("zb-h1", 4)]
+
+
+def _compile_gpt(**options):
+    torch.manual_seed(0)
+    case = gpt()
+    reference = copy.deepcopy(case.model)
+    pipe = pc.compile(case.model, case.args, devices=2, loss_fn=case.loss_fn, **options)
+    return case, reference, pipe
+
+
+def _assert_trains_like_unsplit(case, reference, pipe):
+    loss = pipe.step(*case.args, target=case.target)
+    ref_loss, ref_grads = reference_step(reference, case.args, {}, case.target, case.loss_fn,
+                                         pipe.microbatches)
+    assert torch.allclose(loss, ref_loss, rtol=1e-12, atol=0), (loss, ref_loss)
+    assert len(assert_grads_equal(pipe, ref_grads)) == len(ref_grads)
+
+
+def test_compile_with_only_defaults_searches_and_trains_like_the_unsplit_model():
+    case, reference, pipe = _compile_gpt()
+    search_ = pipe.plan.search
+    assert search_ is not None
+    assert search_.searched == ("checkpoint", "microbatches", "schedule", "virtual_stages")
+    best = search_.best
+    options = pipe.plan.options
+    assert (options.schedule, options.microbatches, options.virtual_stages) == (
+        best.schedule, best.microbatches, best.virtual_stages)
+    assert options.checkpoint == best.recompute == (False,) * len(pipe.stages)
+    assert pipe.predicted.makespan == pytest.approx(best.step, rel=1e-9)
+    _assert_trains_like_unsplit(case, reference, pipe)
+
+
+def test_explicit_schedule_searches_only_the_microbatches():
+    _, _, pipe = _compile_gpt(schedule="1f1b")
+    assert {c.schedule for c in pipe.plan.search.candidates} == {"1f1b"}
+    assert {c.microbatches for c in pipe.plan.search.candidates} == {1, 2, 4, 8}
+    assert pipe.plan.search.searched == ("checkpoint", "microbatches")
+
+
+def test_one_stage_recomputes_and_the_other_not_exactly(tmp_path):
+    case, reference, pipe = _compile_gpt(schedule="1f1b", microbatches=4, checkpoint=False)
+    plan = pipe.plan
+    mixed = Pipeline(replace(plan, options=replace(plan.options, checkpoint=(True, False))))
+    assert [w.checkpoint for w in mixed.runtime.workers.values()] == [True, False]
+    _assert_trains_like_unsplit(case, reference, mixed)
+    loaded = pc.load(mixed.save(tmp_path / "saved"), loss_fn=case.loss_fn)
+    assert loaded.plan.options.checkpoint == (True, False)
+    assert [w.checkpoint for w in loaded.runtime.workers.values()] == [True, False]
+
+
+def test_memory_limit_makes_compile_recompute_only_where_needed():
+    _, _, free = _compile_gpt(schedule="1f1b", microbatches=4)
+    assert free.plan.options.checkpoint == (False, False)
+    stage0 = free.stages[0].cost.memory
+    # just below stage 0's need: it holds 2 micro-batches in flight, stage 1 only one
+    case, reference, pipe = _compile_gpt(schedule="1f1b", microbatches=4,
+                                         memory_limit=stage0 * 0.999)
+    assert pipe.plan.options.checkpoint == (True, False)
+    assert "recompute stages [0]" in pipe.explain()
+    _assert_trains_like_unsplit(case, reference, pipe)
+
+
+def test_explain_shows_the_candidates_or_that_nothing_was_searched():
+    _, _, pipe = _compile_gpt()
+    text = pipe.explain()
+    assert "search " in text and "plan: " in text and "above the lower bound" in text
+    assert "chosen" in text and "slower (+" in text
+    _, _, given = _compile_gpt(schedule="gpipe", microbatches=2, checkpoint=False)
+    assert "nothing searched" in given.explain()
+
+
+def test_cli_plan_prints_the_candidate_table(capsys):
+    status = main(["plan", f"{FACTORIES}:keyword_tuple", "--devices", "2"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "plan: " in out and "verdict" in out and "chosen" in out
