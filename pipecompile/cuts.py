@@ -68,7 +68,7 @@ def cuts(program: StagedProgram, *, microbatches: int) -> tuple[Cut, ...]:
     """Every cut of `program` with its boundary values, sized for one micro-batch."""
     captured = program.captured
     sizes = captured.sizes_at(captured.microbatch_size(microbatches))
-    symbol = captured.batch_symbol
+    names = captured.size_names()
     blocks = program.linear.blocks
     result = []
     for j in range(program.num_stages - 1):
@@ -77,20 +77,18 @@ def cuts(program: StagedProgram, *, microbatches: int) -> tuple[Cut, ...]:
             readers = program.consumers.get(name, ())
             if producer <= j and any(r > j for r in readers):
                 values.append(_boundary_value(name, producer, readers, captured.values.get(name),
-                                              sizes, symbol))
+                                              sizes, names))
         last = program.stages[j].blocks[-1]
         result.append(Cut(j, last, blocks[last].name if last < len(blocks) else str(last),
                           tuple(values)))
     return tuple(result)
 
 
-def _boundary_value(name, producer, readers, info, sizes, symbol) -> BoundaryValue:
+def _boundary_value(name, producer, readers, info, sizes, names) -> BoundaryValue:
     if info is None:  # not recorded (should not happen): report what is known
         return BoundaryValue(name, (), (), "?", 0, producer, tuple(readers))
-    batch = sympy.Symbol("batch")
     shape = tuple(int(d) if isinstance(d, int) or sympy.sympify(d).is_Integer
-                  else str(sympy.sympify(d).subs(symbol, batch) if symbol is not None else d)
-                  for d in info.shape)
+                  else str(sympy.sympify(d).subs(names)) for d in info.shape)
     concrete = tuple(int(evaluate(d, sizes)) for d in info.shape)
     dtype = str(info.dtype).replace("torch.", "") if info.dtype is not None else "scalar"
     return BoundaryValue(name, shape, concrete, dtype, int(evaluate(info.nbytes, sizes)),

@@ -128,6 +128,16 @@ class CapturedModel:
                         sizes[dim] = int(size)
         return sizes
 
+    def size_names(self) -> dict[sympy.Symbol, sympy.Symbol]:
+        """A readable name for every size symbol: `batch`, or the input dimension it first
+        appears as (`input_ids.size(1)`, a sequence length)."""
+        names = {} if self.batch_symbol is None else {self.batch_symbol: sympy.Symbol("batch")}
+        for name in self.input_names:
+            for axis, dim in enumerate(self.values[name].shape):
+                if isinstance(dim, sympy.Symbol) and dim not in names:
+                    names[dim] = sympy.Symbol(f"{name}.size({axis})")
+        return names
+
     def sizes_at(self, batch: int) -> dict[sympy.Symbol, int]:
         """Every size symbol's value when the batch has `batch` samples: what turns a symbolic
         shape or cost into numbers (other symbols keep their example values)."""

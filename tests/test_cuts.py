@@ -21,7 +21,9 @@ def test_unet_long_skip_crosses_every_cut_to_its_reader():
         names = [v.name for v in cut.values]
         assert "relu" in names  # enc1's output, read by the last decoder
         skip = cut.values[names.index("relu")]
-        assert skip.shape == ("batch", 4, 8, 8) and skip.microbatch_shape == (2, 4, 8, 8)
+        # the image size is symbolic too: the U-Net runs any size its pooling allows
+        assert skip.shape == ("batch", 4, "x.size(2)", "x.size(3)")
+        assert skip.microbatch_shape == (2, 4, 8, 8)
         assert skip.nbytes == 2 * 4 * 8 * 8 * 8 and skip.dtype == "float64"
         assert skip.producer == 0 and skip.consumers == (2,)
         assert cut.nbytes == sum(v.nbytes for v in cut.values)

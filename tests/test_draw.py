@@ -38,7 +38,7 @@ def test_graphviz_source_has_a_cluster_per_stage_and_labelled_cuts(unet_pipe):
     cut_edges = [line for line in dot.splitlines() if "color=red" in line]
     assert len(cut_edges) == 2
     # the U-Net's long skip (enc1's output) crosses both cuts, to the last stage
-    assert all("relu: float64[batch, 4, 8, 8]" in line for line in cut_edges)
+    assert all("relu: float64[batch, 4, x.size(2), x.size(3)]" in line for line in cut_edges)
     n = len(unet_pipe.program.linear.blocks)
     assert len(re.findall(r"b\d+ -> b\d+", dot)) == n - 1
 
