@@ -160,34 +160,42 @@ def matmul_rate(device: str, n: int = 512, repeats: int = 5) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def action_overhead(device: str, repeats: int = 21) -> float:
-    """Fixed seconds of one pipeline action on `device`: a tiny stage's forward and backward
-    through `StageWorker` (dispatch, Python, autograd set-up), halved; the median of a few runs
-    (~5 ms of compile time). On a small model it is most of an action's time."""
-    from .runtime.stage_worker import StageWorker
+def action_overhead(device: str, repeats: int = 7) -> float:
+    """Fixed seconds of one pipeline action on `device`, as the runtime pays it: executor
+    dispatch, Python, autograd set-up, a device thread handing a message to another.
 
-    class _Tiny(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(4, 4)
+    Measured on a program whose compute is negligible: two tiny stages on two `device` workers
+    run by the real runtime (threads, mailbox, executor) with gpipe and m = 8. The median step
+    time over the simulator's makespan of that schedule when every action and message costs
+    one unit is the overhead the simulator then charges per action and message (about 0.3 s
+    of compile time, once per process). On a small model this is a large part of every
+    action's time, so fewer micro-batches win."""
+    from .capture import capture
+    from .options import CompileOptions
+    from .passes.split import split
+    from .runtime.assemble import LocalRuntime
+    from .runtime.microbatch import split_microbatches
 
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-            return (self.linear(x),)
-
-    module = _Tiny().to(device)
-    worker = StageWorker(0, module, ("x",), ("y",), frozenset({"x"}))
-    x, grad = torch.randn(2, 4, device=device), {"y": torch.ones(2, 4, device=device)}
+    m = 8
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    x = torch.randn(2 * m, 4)
+    linear = linearize(capture(model, (x,), method="fx"), granularity="layer")
+    devices = [torch.device(device)] * 2
+    program = split(linear, (0, 1, linear.num_blocks), devices)
+    schedule = make_schedule("gpipe", 2, m)
+    options = CompileOptions(devices=(DeviceSpec(device),) * 2, microbatches=m,
+                             schedule="gpipe", loss_fn=lambda out, y: (out - y).pow(2).mean())
+    runtime = LocalRuntime(program, schedule, options)
+    mbs = split_microbatches((x.to(device),), {}, torch.zeros(2 * m, 4, device=device), m)
     times = []
-    for k in range(repeats + 1):
-        if x.is_cuda:
-            torch.cuda.synchronize()
+    for _ in range(repeats + 1):
         start = time.perf_counter()
-        worker.forward(k, {"x": x})
-        worker.backward(k, grad)
-        if x.is_cuda:
+        runtime.run(schedule, mbs, batches=1)
+        if devices[0].type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return sorted(times[1:])[repeats // 2] / 2
+    units = simulate(schedule, [StageCosts(0.0, 0.0)] * 2, overhead=1.0).makespan
+    return sorted(times[1:])[repeats // 2] / units
 
 
 def inflight(schedule: Schedule) -> tuple[int, ...]:
