@@ -40,36 +40,43 @@ def _wide_gpt(quick: bool):
     return "GPT d=256 L=4 batch 32x32", model, x, y, zoo.lm_loss
 
 
-def _measure(pipe, x, y, steps: int) -> float:
-    times = []
-    for i in range(steps + 1):
-        start = time.perf_counter()
+def _measure(pipes: list, x, y, rounds: int) -> list[float]:
+    """Each pipeline's median step time over `rounds` rounds that alternate between them (one
+    warm-up step each first), so that the machine's load drifts over all of them alike."""
+    times: list[list[float]] = [[] for _ in pipes]
+    for pipe in pipes:
         pipe.step(x, target=y)
-        if i:  # the first step warms up
-            times.append(time.perf_counter() - start)
-    return _common.med(times)
+    for _ in range(rounds):
+        for k, pipe in enumerate(pipes):
+            start = time.perf_counter()
+            pipe.step(x, target=y)
+            times[k].append(time.perf_counter() - start)
+    return [_common.med(t) for t in times]
 
 
 def _run(name, model, x, y, loss_fn, devices: int, limit, ms, steps: int) -> float | None:
     """Print one table; returns the auto plan's fullest device (bytes) for the limit case."""
     auto = pc.compile(model, (x,), devices=devices, loss_fn=loss_fn, memory_limit=limit)
     best = auto.plan.search.best
-    rows = [("auto: " + f"{best.schedule} m={best.microbatches} v={best.virtual_stages} "
-             f"recompute {list(best.recomputed) or '-'}", _measure(auto, x, y, steps),
-             auto.predicted.makespan)]
+    labels = ["auto: " + f"{best.schedule} m={best.microbatches} v={best.virtual_stages} "
+              f"recompute {list(best.recomputed) or '-'}"]
+    pipes: list = [auto]
+    failed = []
     for schedule in SCHEDULES:
         for m in ms:
             try:
                 pipe = pc.compile(model, (x,), devices=devices, loss_fn=loss_fn,
                                   schedule=schedule, microbatches=m, memory_limit=limit)
             except PartitionMemoryError:
-                rows.append((f"{schedule} m={m}", None, None))
+                failed.append((f"{schedule} m={m}", None, None))
                 continue
             except PipecompileError as error:  # e.g. interleaving constraints
-                rows.append((f"{schedule} m={m} ({str(error)[:40]})", None, None))
+                failed.append((f"{schedule} m={m} ({str(error)[:40]})", None, None))
                 continue
-            rows.append((f"{schedule} m={m}", _measure(pipe, x, y, steps),
-                         pipe.predicted.makespan))
+            labels.append(f"{schedule} m={m}")
+            pipes.append(pipe)
+    rows = [(label, t, pipe.predicted.makespan)
+            for label, t, pipe in zip(labels, _measure(pipes, x, y, steps), pipes)] + failed
     measured = sorted(r[1] for r in rows if r[1] is not None)
     auto_time = rows[0][1]
     gpipe4 = next((r[1] for r in rows if r[0] == "gpipe m=4"), None)
@@ -78,7 +85,7 @@ def _run(name, model, x, y, loss_fn, devices: int, limit, ms, steps: int) -> flo
           f"(load {_common.loadavg()})")
     print(_common.table([(label, "-" if t is None else _common.fmt_ms(t),
                           "-" if p is None else _common.fmt_ms(p)) for label, t, p in rows],
-                        ["plan", "measured ms", "predicted ms"]))
+                        ["plan", "measured ms (median of alternating rounds)", "predicted ms"]))
     print(f"auto plan: rank {measured.index(auto_time) + 1} of {len(measured)}, "
           f"{auto_time / measured[0]:.2f}x the best measured"
           + ("" if gpipe4 is None else f", {auto_time / gpipe4:.2f}x gpipe m=4"))
@@ -97,10 +104,10 @@ def main() -> None:
     for make in models:
         name, model, x, y, loss_fn = make(opts.quick)
         for devices in (2,) if opts.quick else (2, 4):
-            fullest = _run(name, model, x, y, loss_fn, devices, None, ms, 3 if opts.quick else 5)
+            fullest = _run(name, model, x, y, loss_fn, devices, None, ms, 5 if opts.quick else 7)
             if fullest is not None:
                 _run(name, model, x, y, loss_fn, devices, 0.7 * fullest, ms,
-                     3 if opts.quick else 5)
+                     5 if opts.quick else 7)
 
 
 if __name__ == "__main__":
