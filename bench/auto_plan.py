@@ -2,8 +2,8 @@
 
 For each model, device count and memory limit (none, and 70 % of the unlimited auto plan's
 fullest device) this compiles the auto plan and a grid of hand-picked ones (4 synchronous
-schedules x m in 2, 4, 8, 16), measures each one's step time (median of a few steps after a
-warm-up, in one process with a worker thread per device), and prints the auto plan's rank among
+schedules x m in 2, 4, 8, 16), then measures every one's step time in alternating rounds (the
+median, after a warm-up step each; one process, a worker thread per device), and prints the auto plan's rank among
 them, its ratio to the best measured and to gpipe with m=4 (the old default).
 
     python bench/auto_plan.py            # a deep-narrow and a wide GPT, 2 and 4 devices
