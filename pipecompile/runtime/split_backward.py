@@ -47,35 +47,21 @@ def backward_input(
         return [], work if work.groups[0][0] and params else WeightWork()
     param_of = {get_gradient_edge(p).node: p for p in params}
     input_nodes = {get_gradient_edge(t).node for t in inputs}
-    reaches_input = _Reach(input_nodes)
+    graph = _Graph([r.grad_fn for r in roots if r.grad_fn is not None], input_nodes, param_of)
     work = WeightWork()
-    frontier: dict = {}
-    seen: set = set()
-    stack = []
     for root, grad in zip(roots, grads):
         node = root.grad_fn
-        if node is None:
-            continue
-        if reaches_input(node):
-            stack.append(node)
-        elif params:  # this output depends on parameters only: W takes it whole
-            # (all of them: autograd.grad skips the unreachable ones, no graph walk needed)
+        if node is not None and not graph.reach[node] and params:
+            # this output depends on parameters only: W takes it whole (all of them:
+            # autograd skips the unreachable ones, no graph walk needed)
             work.groups.append(([get_gradient_edge(root)], [grad], list(params)))
-    while stack:
-        node = stack.pop()
-        if node in seen:
+    frontier: dict = {}
+    for node, children in graph.children.items():
+        if not graph.reach[node]:
             continue
-        seen.add(node)
-        ps = []
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            if reaches_input(child):
-                stack.append(child)
-            else:
-                ps.extend(_params_below(child, param_of))
+        ps = [p for c in children if not graph.reach[c] for p in graph.params_below(c)]
         if ps:
-            frontier[node] = list({id(p): p for p in ps}.values()) + _input_edges(node, reaches_input)
+            frontier[node] = list({id(p): p for p in ps}.values()) + _input_edges(node, graph.reach)
 
     captured: dict = {}
     hooks = [n.register_prehook(lambda go, n=n: captured.__setitem__(n, go)) for n in frontier]
@@ -101,8 +87,13 @@ def backward_weight(work: WeightWork) -> None:
     `backward(inputs=params)` accumulates into `.grad` through autograd's AccumulateGrad, which
     locks the parameter: stages on one device that share a parameter (a weight used at both
     ends) run their W on different threads."""
+    run = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
     for edges, grads, params in work.groups:
-        torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
+        # The engine directly: `autograd.backward` re-checks every gradient's shape in Python
+        # (_make_grads), a quarter of W's time on small stages; I recorded these gradients from
+        # the engine itself, so they match already. Arguments: keep_graph, create_graph,
+        # inputs, allow_unreachable, accumulate_grad.
+        run(tuple(edges), tuple(grads), True, False, tuple(params), True, True)
 
 
 # Autograd nodes whose weight-only backward must also ask for the input gradient: torch 2.13's
@@ -111,7 +102,7 @@ def backward_weight(work: WeightWork) -> None:
 _WEIGHT_NEEDS_INPUT = {"NativeGroupNormBackward0"}
 
 
-def _input_edges(node, reaches_input) -> list[GradientEdge]:
+def _input_edges(node, reach: dict) -> list[GradientEdge]:
     """Extra W inputs that make `node` compute its input gradient too (discarded), where its
     weight-only backward is unsafe. Asking W for a GradientEdge leaves every .grad untouched."""
     if type(node).__name__ not in _WEIGHT_NEEDS_INPUT:
@@ -120,46 +111,42 @@ def _input_edges(node, reaches_input) -> list[GradientEdge]:
     if isinstance(saved, torch.Tensor) and saved.is_contiguous():
         return []
     return [GradientEdge(child, nr) for child, nr in node.next_functions
-            if child is not None and reaches_input(child)]
+            if child is not None and reach[child]]
 
 
-class _Reach:
-    """Memoised: does an autograd node lead to one of `targets`?"""
+class _Graph:
+    """One walk of the autograd graph below `roots`: every node's children, whether it leads to
+    one of `targets` (the stage inputs), and the parameters below a node that does not."""
 
-    def __init__(self, targets: set):
-        self.targets = targets
-        self.memo: dict = {}
-
-    def __call__(self, node) -> bool:
-        if node in self.memo:
-            return self.memo[node]
-        # Iterative DFS (graphs can be deep): post-order evaluation with an explicit stack.
-        stack = [(node, False)]
+    def __init__(self, roots: list, targets: set, param_of: dict):
+        self.children: dict = {}
+        self.reach: dict = {}
+        self.param_of = param_of
+        # Iterative post-order (graphs can be deep): a node is decided after its children.
+        stack = [(n, False) for n in roots]
         while stack:
-            current, expanded = stack.pop()
-            if current in self.memo and not expanded:
+            node, expanded = stack.pop()
+            if expanded:
+                self.reach[node] = node in targets or any(self.reach[c]
+                                                          for c in self.children[node])
                 continue
-            children = [c for c, _ in current.next_functions if c is not None]
-            if not expanded:
-                self.memo[current] = current in self.targets  # provisional (cycles impossible)
-                stack.append((current, True))
-                stack.extend((c, False) for c in children if c not in self.memo)
-            else:
-                self.memo[current] = current in self.targets or any(self.memo.get(c, False)
-                                                                     for c in children)
-        return self.memo[node]
+            if node in self.children:
+                continue
+            kids = [c for c, _ in node.next_functions if c is not None]
+            self.children[node] = kids
+            stack.append((node, True))
+            stack.extend((c, False) for c in kids if c not in self.children)
 
-
-def _params_below(node, param_of: dict) -> list[torch.Tensor]:
-    """Parameters whose AccumulateGrad nodes are reachable from `node`."""
-    found, stack, seen = [], [node], set()
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current in param_of:
-            found.append(param_of[current])
-            continue
-        stack.extend(c for c, _ in current.next_functions if c is not None)
-    return found
+    def params_below(self, node) -> list[torch.Tensor]:
+        """Parameters whose AccumulateGrad nodes are reachable from `node`."""
+        found, stack, seen = [], [node], set()
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            if current in self.param_of:
+                found.append(self.param_of[current])
+                continue
+            stack.extend(self.children[current])
+        return found
