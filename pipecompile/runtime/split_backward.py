@@ -87,7 +87,7 @@ def backward_weight(work: WeightWork) -> None:
     `backward(inputs=params)` accumulates into `.grad` through autograd's AccumulateGrad, which
     locks the parameter: stages on one device that share a parameter (a weight used at both
     ends) run their W on different threads."""
-    run = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
+    run = torch.autograd.Variable._execution_engine.run_backward
     for edges, grads, params in work.groups:
         # The engine directly: `autograd.backward` re-checks every gradient's shape in Python
         # (_make_grads), a quarter of W's time on small stages; I recorded these gradients from
