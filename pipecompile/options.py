@@ -68,7 +68,7 @@ class CompileOptions:
     split_points: tuple[str, ...] | None = None
     capture: str = "export"
     granularity: str | None = None
-    virtual_stages: int = 1  # resolved: 2 for interleaved-1f1b unless given
+    virtual_stages: int = 1  # resolved: 2 for interleaved-1f1b, zb-v, interleaved-zb unless given
     profile: bool = False
     checkpoint: bool = False
     vertical_sync: bool = False
@@ -121,7 +121,7 @@ def resolve_options(
         devices=tuple(_device_specs(devices, memory_limit, bandwidth)),
         microbatches=microbatches, schedule=schedule,
         split_points=None if split_points is None else tuple(split_points),
-        virtual_stages=virtual_stages or (2 if schedule == "interleaved-1f1b" else 1),
+        virtual_stages=virtual_stages or (2 if schedule in _TWO_STAGES_PER_DEVICE else 1),
         data_parallel=data_parallel, timeout=timeout, ranks=Ranks(topology), **rest)
     _check_async(options)
     if example is not None and example.batch < microbatches:
@@ -134,6 +134,9 @@ def resolve_options(
 def example_microbatch_size(example: Example, options: CompileOptions) -> int:
     """Samples per micro-batch of the example batch (the size a static capture is made at)."""
     return microbatch_size(example.batch, options.microbatches)
+
+
+_TWO_STAGES_PER_DEVICE = ("interleaved-1f1b", "zb-v", "interleaved-zb")  # their default v
 
 
 def _check_async(options: CompileOptions) -> None:

@@ -63,11 +63,18 @@ def backward_input(
         if ps:
             frontier[node] = list({id(p): p for p in ps}.values()) + _input_edges(node, graph.reach)
 
+    if _nested_use(frontier, graph):
+        # W of the outer use would also flow through I's chain into the inner one and count it
+        # twice: this stage's backward runs whole in I (exact; W has nothing left to do).
+        whole = torch.autograd.grad(list(roots), list(inputs), list(grads), retain_graph=True,
+                                    allow_unused=True)
+        torch.autograd.backward(list(roots), list(grads), inputs=list(params))
+        return list(whole), WeightWork()
     captured: dict = {}
     hooks = [n.register_prehook(lambda go, n=n: captured.__setitem__(n, go)) for n in frontier]
     try:
-        result = (torch.autograd.grad(list(roots), list(inputs), list(grads), retain_graph=True,
-                                      allow_unused=True) if inputs else [])
+        result = torch.autograd.grad(list(roots), list(inputs), list(grads), retain_graph=True,
+                                     allow_unused=True)
     finally:
         for h in hooks:
             h.remove()
@@ -94,6 +101,31 @@ def backward_weight(work: WeightWork) -> None:
         # the engine itself, so they match already. Arguments: keep_graph, create_graph,
         # inputs, allow_unreachable, accumulate_grad.
         run(tuple(edges), tuple(grads), True, False, tuple(params), True, True)
+
+
+def _nested_use(frontier: dict, graph: "_Graph") -> bool:
+    """Does a parameter feed two frontier nodes, one of which leads to the other (a weight
+    applied twice in a row, like ``tanh(x @ w) @ w``)? Such a W cannot start at the outer node
+    without running into the inner one; parallel uses (two branches) are fine."""
+    owners: dict = {}
+    for node, ps in frontier.items():
+        for p in ps:
+            if isinstance(p, torch.Tensor):
+                owners.setdefault(id(p), []).append(node)
+    for nodes in owners.values():
+        if len(nodes) < 2:
+            continue
+        others = set(nodes)
+        for start in nodes:
+            seen, stack = set(), [c for c in graph.children[start] if graph.reach[c]]
+            while stack:
+                node = stack.pop()
+                if node in others:
+                    return True
+                if node not in seen:
+                    seen.add(node)
+                    stack.extend(c for c in graph.children[node] if graph.reach[c])
+    return False
 
 
 # Autograd nodes whose weight-only backward must also ask for the input gradient: torch 2.13's
