@@ -89,7 +89,7 @@ def test_zb_v_needs_two_stages_per_device() -> None:
 @pytest.mark.parametrize("name", ["zb-v", "interleaved-zb"])
 def test_step_equals_unsplit_model_on_two_devices(name: str) -> None:
     torch.manual_seed(0)
-    case = CASES["gpt2"]()
+    case = CASES["gpt"]()  # the zoo GPT (float64); the gloo test runs HF GPT-2 with ties
     reference = copy.deepcopy(case.model)
     pipe = pc.compile(case.model, case.args, case.kwargs, devices=2, microbatches=4,
                       schedule=name, loss_fn=case.loss_fn)
