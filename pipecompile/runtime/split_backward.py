@@ -59,9 +59,9 @@ def backward_input(
     for node, children in graph.children.items():
         if not graph.reach[node]:
             continue
-        ps = [p for c in children if not graph.reach[c] for p in graph.params_below(c)]
+        ps = {k: p for c in children if not graph.reach[c] for k, p in graph.below[c].items()}
         if ps:
-            frontier[node] = list({id(p): p for p in ps}.values()) + _input_edges(node, graph.reach)
+            frontier[node] = list(ps.values()) + _input_edges(node, graph.reach)
 
     if _nested_use(frontier, graph):
         # W of the outer use would also flow through I's chain into the inner one and count it
@@ -153,14 +153,23 @@ class _Graph:
     def __init__(self, roots: list, targets: set, param_of: dict):
         self.children: dict = {}
         self.reach: dict = {}
-        self.param_of = param_of
+        self.below: dict = {}  # a node that does not reach a target -> {id: parameter} below
         # Iterative post-order (graphs can be deep): a node is decided after its children.
         stack = [(n, False) for n in roots]
         while stack:
             node, expanded = stack.pop()
             if expanded:
-                self.reach[node] = node in targets or any(self.reach[c]
-                                                          for c in self.children[node])
+                kids = self.children[node]
+                reach = node in targets or any(self.reach[c] for c in kids)
+                self.reach[node] = reach
+                if not reach:
+                    param = param_of.get(node)
+                    if param is not None:
+                        self.below[node] = {id(param): param}
+                    elif kids:
+                        self.below[node] = {k: v for c in kids for k, v in self.below[c].items()}
+                    else:
+                        self.below[node] = {}
                 continue
             if node in self.children:
                 continue
@@ -170,15 +179,6 @@ class _Graph:
             stack.extend((c, False) for c in kids if c not in self.children)
 
     def params_below(self, node) -> list[torch.Tensor]:
-        """Parameters whose AccumulateGrad nodes are reachable from `node`."""
-        found, stack, seen = [], [node], set()
-        while stack:
-            current = stack.pop()
-            if current in seen:
-                continue
-            seen.add(current)
-            if current in self.param_of:
-                found.append(self.param_of[current])
-                continue
-            stack.extend(self.children[current])
-        return found
+        """Parameters whose AccumulateGrad nodes are reachable from `node` (one that does not
+        lead to a target)."""
+        return list(self.below[node].values())
