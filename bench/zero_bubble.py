@@ -7,21 +7,27 @@ measured bubble on device threads (one process) at m = 8, medians of alternating
 
     python bench/zero_bubble.py ratio
     python bench/zero_bubble.py steps --devices 4
-    python bench/zero_bubble.py dist --ranks 2       # gloo ranks, one process per rank
+    python bench/zero_bubble.py ranks --devices 2    # gloo ranks, one process per rank
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
-import pipecompile as pc
-from pipecompile import zoo
-from pipecompile.runtime.split_backward import backward_input, backward_weight
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pipecompile as pc  # noqa: E402
+from pipecompile import zoo  # noqa: E402
+from pipecompile.runtime.split_backward import backward_input, backward_weight  # noqa: E402
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-v", "interleaved-zb"]
 
@@ -109,17 +115,66 @@ def steps(devices: int, rounds: int, m: int) -> None:
               f"{statistics.median(bubbles[name]):9.1%}")
 
 
+def _rank(rank: int, world: int, port: int, rounds: int, m: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, x, y = _model()
+    pipes = {name: pc.compile(model, (x,), devices=world, microbatches=m, schedule=name,
+                              loss_fn=zoo.lm_loss) for name in SCHEDULES}
+    times: dict = {n: [] for n in SCHEDULES}
+    idle: dict = {n: [] for n in SCHEDULES}
+    for r in range(rounds + 1):
+        for name, pipe in pipes.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipe.step(x, target=y)
+            step = time.perf_counter() - t0
+            if r:
+                busy = sum(e.end - e.start for e in pipe.timeline().events)
+                times[name].append(step)
+                idle[name].append(1 - busy / step)
+    queue.put((rank, {n: statistics.median(t) for n, t in times.items()},
+               {n: statistics.median(b) for n, b in idle.items()}))
+    dist.destroy_process_group()
+
+
+def ranks(world: int, rounds: int, m: int) -> None:
+    """Step time per schedule on `world` gloo ranks (one process each), alternating rounds."""
+    from tests.dist import free_port  # noqa: PLC0415 - the repository's helper
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, rounds, m, queue))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results = sorted(queue.get() for _ in procs)
+    for proc in procs:
+        proc.join()
+    print(f"GPT d=128 layers=8 batch 16x64, m={m}, {world} gloo ranks, 1 intra-op thread "
+          f"each, medians of {rounds} alternating rounds (step: the slowest rank's median)")
+    print(f"{'schedule':<16}{'step ms':>9}{'idle/rank':>12}")
+    for name in SCHEDULES:
+        step = max(t[name] for _, t, _ in results)
+        idle = statistics.mean(b[name] for _, _, b in results)
+        print(f"{name:<16}{step * 1e3:9.1f}{idle:12.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["ratio", "steps"])
+    parser.add_argument("what", choices=["ratio", "steps", "ranks"])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=4, help="device threads or ranks")
     parser.add_argument("--m", type=int, default=8)
     opts = parser.parse_args()
     if opts.what == "ratio":
         ratio(opts.rounds)
-    else:
+    elif opts.what == "steps":
         steps(opts.devices, opts.rounds, opts.m)
+    else:
+        ranks(opts.devices, opts.rounds, opts.m)
 
 
 if __name__ == "__main__":
