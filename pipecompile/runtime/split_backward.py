@@ -17,7 +17,7 @@ parameters behind each, so it runs just the weight-gradient kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -70,21 +70,20 @@ def backward_input(
                                     allow_unused=True)
         torch.autograd.backward(list(roots), list(grads), inputs=list(params))
         return list(whole), WeightWork()
-    captured: dict = {}
-    hooks = [n.register_prehook(lambda go, n=n: captured.__setitem__(n, go)) for n in frontier]
-    try:
-        result = torch.autograd.grad(list(roots), list(inputs), list(grads), retain_graph=True,
-                                     allow_unused=True)
-    finally:
-        for h in hooks:
-            h.remove()
+    # One autograd call: the inputs' gradients and, captured on the way, the gradient arriving
+    # at every input of every frontier node (what its W starts from); the engine runs the
+    # same nodes as for the inputs alone.
+    edges = [GradientEdge(node, i) for node in frontier for i in range(len(node._input_metadata))]
+    wanted: list[Any] = [*inputs, *edges]  # autograd takes tensors and edges together
+    result = torch.autograd.grad(list(roots), wanted, list(grads), retain_graph=True,
+                                 allow_unused=True, materialize_grads=False)
+    got = iter(zip(edges, result[len(inputs):]))
     for node, ps in frontier.items():
-        outs = captured.get(node)
-        if outs is None:
-            continue  # the node received no gradient: nothing flows to its parameters
-        keep = [(GradientEdge(node, i), g) for i, g in enumerate(outs) if g is not None]
-        if keep:
+        keep = [(edge, g) for _, (edge, g) in zip(range(len(node._input_metadata)), got)
+                if g is not None]
+        if keep:  # else the node received no gradient: nothing flows to its parameters
             work.groups.append(([e for e, _ in keep], [g for _, g in keep], ps))
+    result = result[: len(inputs)]
     return list(result), work
 
 
