@@ -73,9 +73,10 @@ def ratio(rounds: int) -> None:
         grad = torch.randn_like(module(x))
         fused, inputs, weights = [], [], []
         for r in range(rounds + 2):
+            module.zero_grad(set_to_none=True)  # both start from no .grad
             f = _fused(module, x, grad)
-            i, w = _split(module, x, grad)
             module.zero_grad(set_to_none=True)
+            i, w = _split(module, x, grad)
             if r >= 2:  # warm-up rounds
                 fused.append(f), inputs.append(i), weights.append(w)
         b, i, w = (statistics.median(v) for v in (fused, inputs, weights))
