@@ -5,15 +5,18 @@ list scheduler (`_greedy`) on unit costs F = I = W = 1: at every time step each 
 its ready actions, an I first (it is on the critical path), else an F while the device holds
 fewer than ``cap`` micro-batch chunks (F run, W not yet), else a W (deferred W's fill what
 would be bubbles). Ties go to the oldest micro-batch, then the later stage (nearer the loss).
-This is the construction of Qi et al. 2024 ("Pipeline Parallelism with Controllable Memory")
-in its simplest form; the order, not the unit timing, is what the runtime keeps.
+A greedy stand-in for the hand-built orders of Qi et al. 2024 ("Pipeline Parallelism with
+Controllable Memory"), not their exact lists; the order, not the unit timing, is what the
+runtime keeps.
 
     ZB-V, D devices, 2D stages in a V: stage s on device s for s < D, on 2D-1-s after, so the
     first and last stage share device 0 (the loss's gradient starts where the input entered).
     cap = 2D chunks per device: the activations of 1F1B's stage 0 (D micro-batches of a stage
-    twice the size). Simulated (F=I=W=1, D=2, m=4)::
+    twice the size). D=2, m=4 (kind, stage.micro-batch); simulated with F=I=W=1, each device
+    runs its 24 actions in 25 time units (bubble 1/25; 1F1B on 2 devices: 1/5)::
 
-      dev0  0012.32102ABcb3CDcdaBCDbAdBCD      (digits F, upper case I, lower case W)
+      dev0  F0.0 F0.1 F0.2 F3.0 I3.0 W3.0 F3.1 I0.0 I3.1 W0.0 F0.3 I0.1 W3.1 F3.2 I3.2 W0.1 ...
+      dev1  F1.0 F2.0 F1.1 F2.1 I2.0 I1.0 W2.0 F1.2 I2.1 I1.1 W1.0 F2.2 W2.1 F1.3 I2.2 I1.2 ...
 
     interleaved-zb: interleaved 1F1B's placement (stage s on s % D, v stages per device) and
     its memory: device d holds at most 2(D-d-1) + (v-1)·D + 1 chunks, Megatron's warm-up + 1.
