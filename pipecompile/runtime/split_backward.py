@@ -45,7 +45,9 @@ def backward_input(
                             [g for r, g in zip(roots, grads) if r.grad_fn is not None],
                             list(params))])
         return [], work if work.groups[0][0] and params else WeightWork()
-    param_of = {get_gradient_edge(p).node: p for p in params}
+    # parameters by id: the walk meets each as the `.variable` of its AccumulateGrad node
+    # (get_gradient_edge would build a view of every parameter on every micro-batch)
+    param_of = {id(p): p for p in params}
     input_nodes = {get_gradient_edge(t).node for t in inputs}
     graph = _Graph([r.grad_fn for r in roots if r.grad_fn is not None], input_nodes, param_of)
     work = WeightWork()
@@ -147,7 +149,8 @@ def _input_edges(node, reach: dict) -> list[GradientEdge]:
 
 class _Graph:
     """One walk of the autograd graph below `roots`: every node's children, whether it leads to
-    one of `targets` (the stage inputs), and the parameters below a node that does not."""
+    one of `targets` (the stage inputs), and the parameters (`param_of`: by id) below a node
+    that does not."""
 
     def __init__(self, roots: list, targets: set, param_of: dict):
         self.children: dict = {}
@@ -162,7 +165,8 @@ class _Graph:
                 reach = node in targets or any(self.reach[c] for c in kids)
                 self.reach[node] = reach
                 if not reach:
-                    param = param_of.get(node)
+                    variable = getattr(node, "variable", None)  # AccumulateGrad's leaf
+                    param = None if variable is None else param_of.get(id(variable))
                     if param is not None:
                         self.below[node] = {id(param): param}
                     elif kids:
