@@ -72,7 +72,7 @@ class CompileOptions:
     split_points: tuple[str, ...] | None = None
     capture: str = "export"
     granularity: str | None = None
-    virtual_stages: int = 1  # resolved: 2 for interleaved-1f1b unless given
+    virtual_stages: int = 1  # resolved: 2 for interleaved-1f1b, zb-v, interleaved-zb unless given
     profile: bool = False
     checkpoint: bool | tuple[bool, ...] = False  # all stages, or per stage once searched
     vertical_sync: bool = False
@@ -141,7 +141,7 @@ def resolve_options(
     assert isinstance(microbatches, int)
     schedule = "gpipe" if schedule == AUTO else schedule
     if not isinstance(virtual_stages, int):
-        virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
+        virtual_stages = 2 if schedule in _TWO_STAGES_PER_DEVICE else 1
     if rest.get("rng", "global") not in RNG_MODES:
         raise ConfigError(f"rng={rest['rng']!r} is not a random-stream mode; use one of "
                           f"{', '.join(RNG_MODES)}")
@@ -173,6 +173,9 @@ def _auto(schedule: Any, microbatches: Any, virtual_stages: Any, checkpoint: Any
 def example_microbatch_size(example: Example, options: CompileOptions) -> int:
     """Samples per micro-batch of the example batch (the size a static capture is made at)."""
     return microbatch_size(example.batch, options.microbatches)
+
+
+_TWO_STAGES_PER_DEVICE = ("interleaved-1f1b", "zb-v", "interleaved-zb")  # their default v
 
 
 def _check_async(options: CompileOptions) -> None:

@@ -139,7 +139,7 @@ def test_repr_is_readable_and_evaluates() -> None:
 def _examples() -> list[Schedule]:
     out = []
     for name in SCHEDULES:
-        v = 2 if name == "interleaved-1f1b" else 1
+        v = 2 if name in ("interleaved-1f1b", "zb-v") else 1
         plain = SCHEDULES[name](2, 4, virtual_stages=v)
         out += [plain, add_communication(plain)]
     out.append(make_schedule("1f1b", 3, 5))

@@ -27,6 +27,7 @@ from pipecompile.runtime.schedules import (
     zb_h1,
 )
 from pipecompile.runtime.validate import validate
+from pipecompile.runtime.zero_bubble import zb_v_placement
 
 
 def rows(schedule: Schedule) -> list[str]:
@@ -98,6 +99,9 @@ def test_make_schedule_lowers_1f1b_p2_m2() -> None:
 
 
 def _sizes(name: str) -> list[tuple[int, int, int]]:
+    if name in ("zb-v", "interleaved-zb"):  # list-scheduled: fewer, smaller sizes
+        vs = (2,) if name == "zb-v" else (1, 2, 3)
+        return [(d, m, v) for d in range(1, 5) for m in range(1, 10) for v in vs]
     out = []
     for d in range(1, 9):
         for m in range(1, 33):
@@ -124,11 +128,12 @@ def _max_inflight(row: tuple, stage: int) -> int:
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_every_size_validates_with_right_counts(name: str) -> None:
-    split = name == "zb-h1"
+    split = name in ("zb-h1", "zb-v", "interleaved-zb")
     for d, m, v in _sizes(name):
         plain = SCHEDULES[name](d, m, virtual_stages=v)
         assert plain.num_stages == d * v and plain.num_devices == d
-        assert plain.stage_to_device == tuple(s % d for s in range(d * v))
+        assert plain.stage_to_device == (zb_v_placement(d) if name == "zb-v"
+                                         else tuple(s % d for s in range(d * v)))
         assert not plain.has_communication
         validate(plain)
         counts = Counter((a.stage, a.kind) for row in plain.actions for a in row)
@@ -150,7 +155,7 @@ def test_every_size_validates_with_right_counts(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_make_schedule_validates(name: str) -> None:
-    v = 2 if name == "interleaved-1f1b" else 1
+    v = 2 if name in ("interleaved-1f1b", "zb-v") else 1
     schedule = make_schedule(name, 4, 8, virtual_stages=v)
     validate(schedule)
     assert schedule.name == name

@@ -38,7 +38,7 @@ def fails(schedule: Schedule, *patterns: str) -> str:
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_generated_schedules_pass(name: str) -> None:
-    v = 2 if name == "interleaved-1f1b" else 1
+    v = 2 if name in ("interleaved-1f1b", "zb-v") else 1
     validate(SCHEDULES[name](4, 8, virtual_stages=v))
     validate(make_schedule(name, 4, 8, virtual_stages=v))
 

@@ -46,6 +46,7 @@ from pipecompile.runtime.actions import Action, Kind, Schedule
 from pipecompile.runtime.lowering import add_communication
 from pipecompile.runtime.messages import Dataflow
 from pipecompile.runtime.validate import validate
+from pipecompile.runtime.zero_bubble import interleaved_zb, zb_v
 
 __all__ = [
     "ScheduleFn",
@@ -206,6 +207,8 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_1f1b,
     "zb-h1": zb_h1,
+    "zb-v": zb_v,  # two stages per device in a V (runtime/zero_bubble.py)
+    "interleaved-zb": interleaved_zb,  # interleaved 1F1B's placement, I/W split
 }
 
 # The one list of schedule names (compile validates against it, the CLI offers it, load reads
@@ -216,10 +219,12 @@ SCHEDULE_NAMES: tuple[str, ...] = (*SCHEDULES, *ASYNC_SCHEDULE_NAMES)
 
 
 def make_schedule(
-    name: str, num_devices: int, num_microbatches: int, *, virtual_stages: int = 1,
+    name: str, num_devices: int, num_microbatches: int, *, virtual_stages: int | None = None,
     batches: int = 1, dataflow: Dataflow | None = None,
 ) -> Schedule:
     """Generate the schedule ``name``, add its sends and receives, and validate it.
+
+    `virtual_stages` None: the schedule's own default (2 for zb-v and interleaved-zb, else 1).
 
     `batches` > 1 (asynchronous schedules only) makes one stream of batches × m micro-batches.
     `dataflow`: the program's links, whose messages the schedule moves (default: each stage
@@ -234,11 +239,12 @@ def make_schedule(
         )
     if name in ASYNC_SCHEDULES:
         plain = ASYNC_SCHEDULES[name](num_devices, num_microbatches,
-                                      virtual_stages=virtual_stages, batches=batches)
+                                      virtual_stages=virtual_stages or 1, batches=batches)
     elif batches != 1:
         raise ScheduleError(f"{name} flushes after every batch; streams need pipedream or 2bw")
     else:
-        plain = SCHEDULES[name](num_devices, num_microbatches, virtual_stages=virtual_stages)
+        plain = (SCHEDULES[name](num_devices, num_microbatches) if virtual_stages is None else
+                 SCHEDULES[name](num_devices, num_microbatches, virtual_stages=virtual_stages))
     schedule = add_communication(plain, dataflow)
     validate(schedule, dataflow)
     return schedule

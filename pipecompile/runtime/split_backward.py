@@ -17,7 +17,7 @@ parameters behind each, so it runs just the weight-gradient kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -45,53 +45,47 @@ def backward_input(
                             [g for r, g in zip(roots, grads) if r.grad_fn is not None],
                             list(params))])
         return [], work if work.groups[0][0] and params else WeightWork()
-    param_of = {get_gradient_edge(p).node: p for p in params}
+    # parameters by id: the walk meets each as the `.variable` of its AccumulateGrad node
+    # (get_gradient_edge would build a view of every parameter on every micro-batch)
+    param_of = {id(p): p for p in params}
     input_nodes = {get_gradient_edge(t).node for t in inputs}
-    reaches_input = _Reach(input_nodes)
+    graph = _Graph([r.grad_fn for r in roots if r.grad_fn is not None], input_nodes, param_of)
     work = WeightWork()
-    frontier: dict = {}
-    seen: set = set()
-    stack = []
     for root, grad in zip(roots, grads):
         node = root.grad_fn
-        if node is None:
-            continue
-        if reaches_input(node):
-            stack.append(node)
-        elif params:  # this output depends on parameters only: W takes it whole
-            # (all of them: autograd.grad skips the unreachable ones, no graph walk needed)
+        if node is not None and not graph.reach[node] and params:
+            # this output depends on parameters only: W takes it whole (all of them:
+            # autograd skips the unreachable ones, no graph walk needed)
             work.groups.append(([get_gradient_edge(root)], [grad], list(params)))
-    while stack:
-        node = stack.pop()
-        if node in seen:
+    frontier: dict = {}
+    for node, children in graph.children.items():
+        if not graph.reach[node]:
             continue
-        seen.add(node)
-        ps = []
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            if reaches_input(child):
-                stack.append(child)
-            else:
-                ps.extend(_params_below(child, param_of))
+        ps = {k: p for c in children if not graph.reach[c] for k, p in graph.below[c].items()}
         if ps:
-            frontier[node] = list({id(p): p for p in ps}.values()) + _input_edges(node, reaches_input)
+            frontier[node] = list(ps.values()) + _input_edges(node, graph.reach)
 
-    captured: dict = {}
-    hooks = [n.register_prehook(lambda go, n=n: captured.__setitem__(n, go)) for n in frontier]
-    try:
-        result = (torch.autograd.grad(list(roots), list(inputs), list(grads), retain_graph=True,
-                                      allow_unused=True) if inputs else [])
-    finally:
-        for h in hooks:
-            h.remove()
+    if _nested_use(frontier, graph):
+        # W of the outer use would also flow through I's chain into the inner one and count it
+        # twice: this stage's backward runs whole in I (exact; W has nothing left to do).
+        whole = torch.autograd.grad(list(roots), list(inputs), list(grads), retain_graph=True,
+                                    allow_unused=True)
+        torch.autograd.backward(list(roots), list(grads), inputs=list(params))
+        return list(whole), WeightWork()
+    # One autograd call: the inputs' gradients and, captured on the way, the gradient arriving
+    # at every input of every frontier node (what its W starts from); the engine runs the
+    # same nodes as for the inputs alone.
+    edges = [GradientEdge(node, i) for node in frontier for i in range(len(node._input_metadata))]
+    wanted: list[Any] = [*inputs, *edges]  # autograd takes tensors and edges together
+    result = torch.autograd.grad(list(roots), wanted, list(grads), retain_graph=True,
+                                 allow_unused=True, materialize_grads=False)
+    got = iter(zip(edges, result[len(inputs):]))
     for node, ps in frontier.items():
-        outs = captured.get(node)
-        if outs is None:
-            continue  # the node received no gradient: nothing flows to its parameters
-        keep = [(GradientEdge(node, i), g) for i, g in enumerate(outs) if g is not None]
-        if keep:
+        keep = [(edge, g) for _, (edge, g) in zip(range(len(node._input_metadata)), got)
+                if g is not None]
+        if keep:  # else the node received no gradient: nothing flows to its parameters
             work.groups.append(([e for e, _ in keep], [g for _, g in keep], ps))
+    result = result[: len(inputs)]
     return list(result), work
 
 
@@ -101,8 +95,38 @@ def backward_weight(work: WeightWork) -> None:
     `backward(inputs=params)` accumulates into `.grad` through autograd's AccumulateGrad, which
     locks the parameter: stages on one device that share a parameter (a weight used at both
     ends) run their W on different threads."""
+    run = torch.autograd.Variable._execution_engine.run_backward
     for edges, grads, params in work.groups:
-        torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
+        # The engine directly: `autograd.backward` re-checks every gradient's shape in Python
+        # (_make_grads), a quarter of W's time on small stages; I recorded these gradients from
+        # the engine itself, so they match already. Arguments: keep_graph, create_graph,
+        # inputs, allow_unreachable, accumulate_grad.
+        run(tuple(edges), tuple(grads), True, False, tuple(params), True, True)
+
+
+def _nested_use(frontier: dict, graph: "_Graph") -> bool:
+    """Does a parameter feed two frontier nodes, one of which leads to the other (a weight
+    applied twice in a row, like ``tanh(x @ w) @ w``)? Such a W cannot start at the outer node
+    without running into the inner one; parallel uses (two branches) are fine."""
+    owners: dict = {}
+    for node, ps in frontier.items():
+        for p in ps:
+            if isinstance(p, torch.Tensor):
+                owners.setdefault(id(p), []).append(node)
+    for nodes in owners.values():
+        if len(nodes) < 2:
+            continue
+        others = set(nodes)
+        for start in nodes:
+            seen, stack = set(), [c for c in graph.children[start] if graph.reach[c]]
+            while stack:
+                node = stack.pop()
+                if node in others:
+                    return True
+                if node not in seen:
+                    seen.add(node)
+                    stack.extend(c for c in graph.children[node] if graph.reach[c])
+    return False
 
 
 # Autograd nodes whose weight-only backward must also ask for the input gradient: torch 2.13's
@@ -111,7 +135,7 @@ def backward_weight(work: WeightWork) -> None:
 _WEIGHT_NEEDS_INPUT = {"NativeGroupNormBackward0"}
 
 
-def _input_edges(node, reaches_input) -> list[GradientEdge]:
+def _input_edges(node, reach: dict) -> list[GradientEdge]:
     """Extra W inputs that make `node` compute its input gradient too (discarded), where its
     weight-only backward is unsafe. Asking W for a GradientEdge leaves every .grad untouched."""
     if type(node).__name__ not in _WEIGHT_NEEDS_INPUT:
@@ -120,46 +144,44 @@ def _input_edges(node, reaches_input) -> list[GradientEdge]:
     if isinstance(saved, torch.Tensor) and saved.is_contiguous():
         return []
     return [GradientEdge(child, nr) for child, nr in node.next_functions
-            if child is not None and reaches_input(child)]
+            if child is not None and reach[child]]
 
 
-class _Reach:
-    """Memoised: does an autograd node lead to one of `targets`?"""
+class _Graph:
+    """One walk of the autograd graph below `roots`: every node's children, whether it leads to
+    one of `targets` (the stage inputs), and the parameters (`param_of`: by id) below a node
+    that does not."""
 
-    def __init__(self, targets: set):
-        self.targets = targets
-        self.memo: dict = {}
-
-    def __call__(self, node) -> bool:
-        if node in self.memo:
-            return self.memo[node]
-        # Iterative DFS (graphs can be deep): post-order evaluation with an explicit stack.
-        stack = [(node, False)]
+    def __init__(self, roots: list, targets: set, param_of: dict):
+        self.children: dict = {}
+        self.reach: dict = {}
+        self.below: dict = {}  # a node that does not reach a target -> {id: parameter} below
+        # Iterative post-order (graphs can be deep): a node is decided after its children.
+        stack = [(n, False) for n in roots]
         while stack:
-            current, expanded = stack.pop()
-            if current in self.memo and not expanded:
+            node, expanded = stack.pop()
+            if expanded:
+                kids = self.children[node]
+                reach = node in targets or any(self.reach[c] for c in kids)
+                self.reach[node] = reach
+                if not reach:
+                    variable = getattr(node, "variable", None)  # AccumulateGrad's leaf
+                    param = None if variable is None else param_of.get(id(variable))
+                    if param is not None:
+                        self.below[node] = {id(param): param}
+                    elif kids:
+                        self.below[node] = {k: v for c in kids for k, v in self.below[c].items()}
+                    else:
+                        self.below[node] = {}
                 continue
-            children = [c for c, _ in current.next_functions if c is not None]
-            if not expanded:
-                self.memo[current] = current in self.targets  # provisional (cycles impossible)
-                stack.append((current, True))
-                stack.extend((c, False) for c in children if c not in self.memo)
-            else:
-                self.memo[current] = current in self.targets or any(self.memo.get(c, False)
-                                                                     for c in children)
-        return self.memo[node]
+            if node in self.children:
+                continue
+            kids = [c for c, _ in node.next_functions if c is not None]
+            self.children[node] = kids
+            stack.append((node, True))
+            stack.extend((c, False) for c in kids if c not in self.children)
 
-
-def _params_below(node, param_of: dict) -> list[torch.Tensor]:
-    """Parameters whose AccumulateGrad nodes are reachable from `node`."""
-    found, stack, seen = [], [node], set()
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current in param_of:
-            found.append(param_of[current])
-            continue
-        stack.extend(c for c, _ in current.next_functions if c is not None)
-    return found
+    def params_below(self, node) -> list[torch.Tensor]:
+        """Parameters whose AccumulateGrad nodes are reachable from `node` (one that does not
+        lead to a target)."""
+        return list(self.below[node].values())

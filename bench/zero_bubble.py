@@ -1,0 +1,182 @@
+"""Zero-bubble costs and schedules: the I+W / fused-backward ratio, then step times.
+
+`ratio`: per stage of a small GPT and an MLP, the median time of I (input gradients, recording
+the frontier) plus W (weight gradients from it) over the median of one fused backward, measured
+in the same run, alternating. `steps`: 1f1b vs zb-h1 vs zb-v vs interleaved-zb step time and
+measured bubble on device threads (one process) at m = 8, medians of alternating rounds.
+
+    python bench/zero_bubble.py ratio
+    python bench/zero_bubble.py steps --devices 4
+    python bench/zero_bubble.py ranks --devices 2    # gloo ranks, one process per rank
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pipecompile as pc  # noqa: E402
+from pipecompile import zoo  # noqa: E402
+from pipecompile.runtime.split_backward import backward_input, backward_weight  # noqa: E402
+
+SCHEDULES = ["1f1b", "zb-h1", "zb-v", "interleaved-zb"]
+
+
+def _stages():
+    """(name, module, input builder) per stage: GPT blocks and MLP chunks."""
+    torch.manual_seed(0)
+    dim, seq, batch = 128, 64, 2
+    gpt = zoo.GPT(vocab=512, dim=dim, layers=4, heads=4, seq=seq)
+    for i in range(0, 4, 2):
+        yield f"gpt blocks {i}-{i + 1}", nn.Sequential(*gpt.layers[i:i + 2]), \
+            lambda: torch.randn(batch, seq, dim)
+    mlp = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.GELU())])
+    yield "mlp 4x512", mlp, lambda: torch.randn(64, 512)
+
+
+def _fused(module, x, grad) -> float:
+    leaf = x.detach().requires_grad_(True)
+    out = module(leaf)
+    t0 = time.perf_counter()
+    torch.autograd.backward([out], [grad])
+    return time.perf_counter() - t0
+
+
+def _split(module, x, grad) -> tuple[float, float]:
+    leaf = x.detach().requires_grad_(True)
+    out = module(leaf)
+    params = [p for p in module.parameters() if p.requires_grad]
+    t0 = time.perf_counter()
+    _, work = backward_input([out], [grad], [leaf], params)
+    t1 = time.perf_counter()
+    backward_weight(work)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def ratio(rounds: int) -> None:
+    """Print I, W, I+W and B times per stage, and (I+W)/B."""
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, 1 intra-op thread, medians of {rounds} alternating rounds")
+    print(f"{'stage':<18}{'B ms':>8}{'I ms':>8}{'W ms':>8}{'(I+W)/B':>9}")
+    for name, module, make in _stages():
+        x = make()
+        grad = torch.randn_like(module(x))
+        fused, inputs, weights = [], [], []
+        for r in range(rounds + 2):
+            module.zero_grad(set_to_none=True)  # both start from no .grad
+            f = _fused(module, x, grad)
+            module.zero_grad(set_to_none=True)
+            i, w = _split(module, x, grad)
+            if r >= 2:  # warm-up rounds
+                fused.append(f), inputs.append(i), weights.append(w)
+        b, i, w = (statistics.median(v) for v in (fused, inputs, weights))
+        sums = statistics.median(a + c for a, c in zip(inputs, weights))
+        print(f"{name:<18}{b * 1e3:8.2f}{i * 1e3:8.2f}{w * 1e3:8.2f}{sums / b:9.3f}")
+
+
+def _model():
+    torch.manual_seed(0)
+    dim, layers, seq, batch = 128, 8, 64, 16
+    model = zoo.GPT(vocab=512, dim=dim, layers=layers, heads=4, seq=seq)
+    x = torch.randint(0, 512, (batch, seq))
+    y = torch.randint(0, 512, (batch, seq))
+    return model, x, y
+
+
+def steps(devices: int, rounds: int, m: int) -> None:
+    """Step time and measured bubble per schedule on `devices` threads, alternating rounds."""
+    torch.set_num_threads(1)
+    model, x, y = _model()
+    pipes = {name: pc.compile(model, (x,), devices=devices, microbatches=m, schedule=name,
+                              loss_fn=zoo.lm_loss) for name in SCHEDULES}
+    times: dict = {n: [] for n in SCHEDULES}
+    bubbles: dict = {n: [] for n in SCHEDULES}
+    for r in range(rounds + 1):
+        for name, pipe in pipes.items():
+            t0 = time.perf_counter()
+            pipe.step(x, target=y)
+            if r:
+                times[name].append(time.perf_counter() - t0)
+                bubbles[name].append(pipe.timeline().bubble_fraction)
+    print(f"GPT d=128 layers=8 batch 16x64, m={m}, {devices} device threads, "
+          f"medians of {rounds} alternating rounds")
+    print(f"{'schedule':<16}{'stages':>7}{'step ms':>9}{'bubble':>9}")
+    for name, pipe in pipes.items():
+        print(f"{name:<16}{pipe.schedule.num_stages:>7}{statistics.median(times[name]) * 1e3:9.1f}"
+              f"{statistics.median(bubbles[name]):9.1%}")
+
+
+def _rank(rank: int, world: int, port: int, rounds: int, m: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, x, y = _model()
+    pipes = {name: pc.compile(model, (x,), devices=world, microbatches=m, schedule=name,
+                              loss_fn=zoo.lm_loss) for name in SCHEDULES}
+    times: dict = {n: [] for n in SCHEDULES}
+    idle: dict = {n: [] for n in SCHEDULES}
+    for r in range(rounds + 1):
+        for name, pipe in pipes.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipe.step(x, target=y)
+            step = time.perf_counter() - t0
+            if r:
+                busy = sum(e.end - e.start for e in pipe.timeline().events)
+                times[name].append(step)
+                idle[name].append(1 - busy / step)
+    queue.put((rank, {n: statistics.median(t) for n, t in times.items()},
+               {n: statistics.median(b) for n, b in idle.items()}))
+    dist.destroy_process_group()
+
+
+def ranks(world: int, rounds: int, m: int) -> None:
+    """Step time per schedule on `world` gloo ranks (one process each), alternating rounds."""
+    from tests.dist import free_port  # noqa: PLC0415 - the repository's helper
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, rounds, m, queue))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results = sorted(queue.get() for _ in procs)
+    for proc in procs:
+        proc.join()
+    print(f"GPT d=128 layers=8 batch 16x64, m={m}, {world} gloo ranks, 1 intra-op thread "
+          f"each, medians of {rounds} alternating rounds (step: the slowest rank's median)")
+    print(f"{'schedule':<16}{'step ms':>9}{'idle/rank':>12}")
+    for name in SCHEDULES:
+        step = max(t[name] for _, t, _ in results)
+        idle = statistics.mean(b[name] for _, _, b in results)
+        print(f"{name:<16}{step * 1e3:9.1f}{idle:12.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["ratio", "steps", "ranks"])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--devices", type=int, default=4, help="device threads or ranks")
+    parser.add_argument("--m", type=int, default=8)
+    opts = parser.parse_args()
+    if opts.what == "ratio":
+        ratio(opts.rounds)
+    elif opts.what == "steps":
+        steps(opts.devices, opts.rounds, opts.m)
+    else:
+        ranks(opts.devices, opts.rounds, opts.m)
+
+
+if __name__ == "__main__":
+    main()

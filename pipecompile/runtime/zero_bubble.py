@@ -1,0 +1,120 @@
+"""Zero-bubble schedules with several stages per device: ZB-V and interleaved zero bubble.
+
+Both split every backward into I (input gradient) and W (weight gradient) and are built by one
+list scheduler (`_greedy`) on unit costs F = I = W = 1: at every time step each device runs, of
+its ready actions, an I first (it is on the critical path), else an F while the device holds
+fewer than ``cap`` micro-batch chunks (F run, W not yet), else a W (deferred W's fill what
+would be bubbles). Ties go to the oldest micro-batch, then the later stage (nearer the loss).
+A greedy stand-in for the hand-built orders of Qi et al. 2024 ("Pipeline Parallelism with
+Controllable Memory"), not their exact lists; the order, not the unit timing, is what the
+runtime keeps.
+
+    ZB-V, D devices, 2D stages in a V: stage s on device s for s < D, on 2D-1-s after, so the
+    first and last stage share device 0 (the loss's gradient starts where the input entered).
+    cap = 2D chunks per device: the activations of 1F1B's stage 0 (D micro-batches of a stage
+    twice the size). D=2, m=4 (kind, stage.micro-batch); simulated with F=I=W=1, each device
+    runs its 24 actions in 25 time units (bubble 1/25; 1F1B on 2 devices: 1/5)::
+
+      dev0  F0.0 F0.1 F0.2 F3.0 I3.0 W3.0 F3.1 I0.0 I3.1 W0.0 F0.3 I0.1 W3.1 F3.2 I3.2 W0.1 ...
+      dev1  F1.0 F2.0 F1.1 F2.1 I2.0 I1.0 W2.0 F1.2 I2.1 I1.1 W1.0 F2.2 W2.1 F1.3 I2.2 I1.2 ...
+
+    interleaved-zb: interleaved 1F1B's placement (stage s on s % D, v stages per device) and
+    its memory: device d holds at most 2(D-d-1) + (v-1)·D + 1 chunks, Megatron's warm-up + 1.
+
+The bubble fractions `tests/test_zero_bubble_schedules.py` checks with F=I=W=1 are below
+1F1B's and interleaved 1F1B's.
+"""
+
+from __future__ import annotations
+
+from pipecompile.errors import ScheduleError
+from pipecompile.runtime.actions import Action, Kind, Schedule
+
+__all__ = ["zb_v", "interleaved_zb", "zb_v_placement"]
+
+
+def _check(name: str, **values: int) -> None:
+    for label, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name}: {label} must be an int >= 1, got {value!r}")
+
+
+def zb_v_placement(num_devices: int) -> tuple[int, ...]:
+    """ZB-V's stage -> device map: 0, 1, ..., D-1, D-1, ..., 1, 0."""
+    return tuple(range(num_devices)) + tuple(reversed(range(num_devices)))
+
+
+def zb_v(num_devices: int, num_microbatches: int, *, virtual_stages: int = 2) -> Schedule:
+    """ZB-V (Qi et al. 2024): two chunks per device in a V, I/W split, 1F1B's peak memory."""
+    _check("zb-v", num_devices=num_devices, num_microbatches=num_microbatches)
+    if virtual_stages != 2:
+        raise ScheduleError(f"zb-v places exactly 2 stages on every device (a V); got "
+                            f"virtual_stages={virtual_stages}, leave it unset or use 2")
+    d = num_devices
+    return _greedy("zb-v", zb_v_placement(d), num_microbatches, caps=[2 * d] * d)
+
+
+def interleaved_zb(num_devices: int, num_microbatches: int, *,
+                   virtual_stages: int = 2) -> Schedule:
+    """Interleaved zero bubble: interleaved 1F1B's placement and memory, B split into I and W
+    with the W's deferred into the bubbles."""
+    _check("interleaved-zb", num_devices=num_devices, num_microbatches=num_microbatches,
+           virtual_stages=virtual_stages)
+    d, v, m = num_devices, virtual_stages, num_microbatches
+    caps = [min(v * m, 2 * (d - k - 1) + (v - 1) * d + 1) for k in range(d)]
+    return _greedy("interleaved-zb", tuple(s % d for s in range(d * v)), m, caps=caps)
+
+
+def _greedy(name: str, placement: tuple[int, ...], m: int, *, caps: list[int]) -> Schedule:
+    """Per-device action lists from a unit-time list schedule (see the module docstring)."""
+    p, devices = len(placement), max(placement) + 1
+    done: dict[Action, int] = {}  # action -> the time it finishes
+    held = [0] * devices  # chunks with F run and W not yet
+    rows: list[list[Action]] = [[] for _ in range(devices)]
+    pending = {(kind, s, i) for kind in (Kind.F, Kind.I, Kind.W) for s in range(p)
+               for i in range(m)}
+    stages_of = [[s for s in range(p) if placement[s] == dev] for dev in range(devices)]
+    t = 0
+    while pending:
+        if t > 4 * p * m + 4 * p:  # every action could run one at a time by then
+            raise ScheduleError(f"{name}: the list scheduler made no progress with caps {caps}")
+        started = []
+        for dev in range(devices):
+            choice = _pick(dev, stages_of[dev], pending, done, t, held, caps, p, m)
+            if choice is not None:
+                started.append(choice)
+        for kind, s, i in started:
+            pending.discard((kind, s, i))
+            done[Action(s, kind, i)] = t + 1
+            dev = placement[s]
+            held[dev] += {Kind.F: 1, Kind.W: -1}.get(kind, 0)
+            rows[dev].append(Action(s, kind, i))
+        t += 1
+    for dev in range(devices):
+        rows[dev] += [Action(s, Kind.STEP) for s in stages_of[dev]]
+    return Schedule(name, p, m, placement, tuple(map(tuple, rows)))
+
+
+def _pick(dev: int, stages: list[int], pending: set, done: dict, t: int, held: list[int],
+          caps: list[int], p: int, m: int) -> tuple[Kind, int, int] | None:
+    """The action device `dev` starts at time t: an I, else an F under the cap, else a W."""
+
+    def finished(action: Action) -> bool:
+        return done.get(action, t + 1) <= t
+
+    def ready(kind: Kind, s: int, i: int) -> bool:
+        if kind is Kind.F:
+            return s == 0 or finished(Action(s - 1, Kind.F, i))
+        if kind is Kind.I:
+            return finished(Action(s, Kind.F, i)) and (
+                s == p - 1 or finished(Action(s + 1, Kind.I, i)))
+        return finished(Action(s, Kind.I, i))
+
+    for kind in (Kind.I, Kind.F, Kind.W):
+        if kind is Kind.F and held[dev] >= caps[dev]:
+            continue
+        for i in range(m):  # oldest micro-batch first, then the later stage
+            for s in reversed(stages):
+                if (kind, s, i) in pending and ready(kind, s, i):
+                    return kind, s, i
+    return None
