@@ -52,8 +52,7 @@ class CompiledStage(torch.nn.Module):
             return self.__dict__["_compiled"](*args)
         except TorchDynamoException as exc:
             raise StageExecutionError(
-                f"torch.compile failed for stage {self.index}: {type(exc).__name__}: "
-                f"{_first_line(exc)}; pass compile_stages=False to run the stage graphs "
+                f"torch.compile failed for stage {self.index}: {_reason(exc)}; pass compile_stages=False to run the stage graphs "
                 f"uncompiled") from exc
 
 
@@ -70,6 +69,10 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _first_line(exc: BaseException) -> str:
+def _reason(exc: BaseException) -> str:
+    """What went wrong, in a line: the backend's own error where dynamo wrapped one."""
+    inner = getattr(exc, "inner_exception", None)
+    if isinstance(inner, BaseException):
+        exc = inner
     text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
