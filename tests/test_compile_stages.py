@@ -15,7 +15,7 @@ from pipecompile import zoo
 from pipecompile.errors import ConfigError, StageExecutionError
 from pipecompile.runtime.compiled import CompiledStage, compiled_graphs
 
-
+from tests.dist import run_ranks
 from tests.reference import assert_grads_equal, reference_step
 
 RTOL = 1e-6  # float32: relative to each gradient's largest entry
@@ -113,3 +113,28 @@ def test_compiler_failure_names_the_stage(monkeypatch):
                                                   r"RuntimeError: no C\+\+ compiler.*"
                                                   r"compile_stages=False"):
         pipe.step(x, target=y)
+
+
+def _rank_step(rank):
+    """On each of 2 gloo ranks: its stage compiled, one zero-bubble step; loss and grads."""
+    x, y = _batch()
+    pipe = pipecompile.compile(_model(), (x,), devices=2, microbatches=4, schedule="zb-h1",
+                               loss_fn=zoo.lm_loss, compile_stages=True, timeout=120)
+    loss = pipe.step(x, target=y)
+    compiled = [isinstance(w.module, CompiledStage) for w in pipe.runtime.workers.values()]
+    return {"loss": loss, "grads": _grads(pipe), "compiled": compiled}
+
+
+def test_two_gloo_ranks_zero_bubble():
+    x, y = _batch()
+    want_loss, want_grads = reference_step(_model(), (x,), {}, y, zoo.lm_loss, 4)
+    results = run_ranks(_rank_step, 2)
+    for rank, result in enumerate(results):
+        assert "error" not in result and "died" not in result, result
+        assert result["compiled"] == [True], rank
+        torch.testing.assert_close(result["loss"], want_loss, rtol=RTOL, atol=0)
+        for name, grad in result["grads"].items():
+            scale = want_grads[name].abs().max().item()
+            assert (grad - want_grads[name]).abs().max().item() <= RTOL * scale, (rank, name)
+    # every parameter has its gradient on some rank
+    assert set(want_grads) <= {n for r in results for n in r["grads"]}
