@@ -5,9 +5,10 @@
 
 The wrapper registers the stage graph as its only submodule, so `parameters()` and `buffers()`
 are the graph's own objects (the Pipeline exposes them and optimizers hold them); only the call
-goes through the compiled function. Shapes are dynamic from the first call (`dynamic=True`):
-micro-batches of another batch or sequence size reuse the compiled code instead of
-recompiling. Grad mode is guarded on, so a stage compiles once for training forwards and once
+goes through the compiled function. The sizes capture kept symbolic (batch, sequence) are
+dynamic from the first call (`maybe_mark_dynamic` on each input; the others static, so that a
+sequence length equal to the hidden size is not specialised with it): micro-batches of another
+batch or sequence size reuse the compiled code instead of recompiling. Grad mode is guarded on, so a stage compiles once for training forwards and once
 more for forwards without autograd (checkpointed first forwards, validation, `pipe(x)`).
 
 A compiled region's backward is one autograd node: zero-bubble I cannot stop at the frontier
@@ -41,15 +42,20 @@ class CompiledStage(torch.nn.Module):
         super().__init__()
         self.graph = graph  # registered: parameters()/buffers() yield the graph's objects
         self.index = index
+        self.dynamic = _symbolic_dims(graph)
         # kept outside the module tree (an OptimizedModule would list the tensors again
         # under other names)
-        self.__dict__["_compiled"] = torch.compile(graph, dynamic=True, backend="inductor")
+        self.__dict__["_compiled"] = torch.compile(
+            graph, dynamic=None if self.dynamic is not None else True, backend="inductor")
 
     def forward(self, *args: Any) -> Any:
         # a micro-batch slice is a view of the whole batch, and dynamo guards on its base's
         # sizes too (a recompile when only the batch changes): hand it the slice alone
         args = tuple(a.detach() if isinstance(a, torch.Tensor) and a._is_view()
                      and not a.requires_grad else a for a in args)
+        for arg, dims in zip(args, self.dynamic or ()):
+            for dim in dims:  # "maybe": a size of 1 may still be specialised, without error
+                torch._dynamo.maybe_mark_dynamic(arg, dim)
         try:
             return self.__dict__["_compiled"](*args)
         except TorchDynamoException as exc:
@@ -69,6 +75,27 @@ def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (recompilations included)."""
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
+
+
+def _symbolic_dims(graph: torch.nn.Module) -> list[tuple[int, ...]] | None:
+    """Per input of the stage graph, the dimensions capture kept symbolic (batch, sequence),
+    from the placeholders' example values; None where the graph does not record them."""
+    nodes = getattr(graph, "graph", None)
+    if nodes is None:
+        return None
+    dims: list[tuple[int, ...]] = []
+    for node in nodes.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            if "val" not in node.meta:
+                return None
+            dims.append(())
+            continue
+        dims.append(tuple(i for i, size in enumerate(val.shape)
+                          if isinstance(size, torch.SymInt)))
+    return dims
 
 
 def _reason(exc: BaseException) -> str:
