@@ -9,7 +9,7 @@ uncompiled one's (float32, relative to each gradient's largest entry).
 
     python bench/compile_stages.py            # d=128, 8 layers, batch 16x64, m=8
     python bench/compile_stages.py --quick    # smaller, fewer rounds
-    python bench/compile_stages.py --cold     # compile time without inductor's caches
+    python bench/compile_stages.py --cold     # inductor's graph caches off
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--schedules", default="1f1b,zb-h1")
     parser.add_argument("--cold", action="store_true",
-                        help="compile without inductor's caches (every graph compiled anew)")
+                        help="inductor's graph caches off (C++ kernels already built on disk "
+                             "are still loaded: not a first-ever compile)")
     opts = parser.parse_args()
     if opts.cold:
         import torch._inductor.config as inductor_config
