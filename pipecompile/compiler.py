@@ -78,6 +78,7 @@ def compile(  # noqa: A001 - the public name of the design
     verbose: bool = False,
     rng: str = "global",
     rng_seed: int = 0,
+    compile_stages: bool = False,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices`.
 
@@ -91,7 +92,8 @@ def compile(  # noqa: A001 - the public name of the design
     `example_target` (the target of the example batch) lets `profile=True` time `loss_fn` too.
     `rng="per-microbatch"` draws every random op from a stream of (`rng_seed`, step,
     micro-batch, op), the same on any stage count and schedule; `verbose=True` shows torch's
-    own output while capturing.
+    own output while capturing. `compile_stages=True` runs each stage graph through
+    `torch.compile` (inductor; see runtime/compiled.py).
 
     `schedule`, `microbatches`, `virtual_stages` and `checkpoint` default to "auto": the search
     pass costs every combination (synchronous schedules, micro-batch counts dividing the batch,
@@ -110,7 +112,7 @@ def compile(  # noqa: A001 - the public name of the design
             data_parallel=data_parallel, timeout=timeout, split_points=split_points,
             loss_fn=loss_fn, optimizer=optimizer, capture=capture, granularity=granularity,
             profile=profile, checkpoint=checkpoint, vertical_sync=vertical_sync,
-            verbose=verbose, rng=rng, rng_seed=rng_seed)
+            verbose=verbose, rng=rng, rng_seed=rng_seed, compile_stages=compile_stages)
         return run_passes(Plan(options), PASSES, example) if example is not None else Plan(options)
 
     if not example_inputs and not example_kwargs:  # lazy: plans on the first call

@@ -81,6 +81,7 @@ class CompileOptions:
     verbose: bool = False  # capture: show torch's own output
     rng: str = "global"  # "per-microbatch": random streams from (seed, step, micro-batch, op)
     rng_seed: int = 0
+    compile_stages: bool = False  # each stage graph through torch.compile (runtime/compiled.py)
     ranks: Ranks = Ranks()
     auto: frozenset[str] = frozenset()  # options the search pass chooses (placeholders until then)
 

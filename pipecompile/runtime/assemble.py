@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..errors import ConfigError
 from ..passes.eval_mode import eval_graph
 from ..passes.split import StagedProgram
 from ..tensors import to_device
 from .actions import Schedule
+from .compiled import compile_stage
 from .distributed import (GradientSync, Topology, _default_store, broadcast_outputs,
                           forward_only, reduce_mean_loss, value_specs)
 from .executor import Executor, Wiring
@@ -80,6 +82,8 @@ class Runtime:
         self.ties = TiedCopies(program, self.own_stages)
         self.training = True  # False: the workers run the stages' eval-mode graphs
         self._eval_modules: dict[int, torch.nn.Module] = {}
+        self.compile_stages = options.compile_stages
+        self._train_modules = {i: w.module for i, w in self.workers.items()}
         self.last_schedule = schedule  # the schedule the last step ran
         self.communication: Any = None  # the last step's message statistics (P2P transport)
 
@@ -145,10 +149,12 @@ class Runtime:
         for index, worker in self.workers.items():
             stage = self.program.stages[index]
             if mode:
-                worker.module = stage.module
+                worker.module = self._train_modules[index]
             else:
                 if index not in self._eval_modules:
-                    self._eval_modules[index] = eval_graph(stage.module)
+                    graph = eval_graph(stage.module)
+                    self._eval_modules[index] = (compile_stage(graph, index)
+                                                 if self.compile_stages else graph)
                 worker.module = self._eval_modules[index]
         self.training = mode
 
@@ -321,6 +327,11 @@ def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOption
     scale = (VersionRule(schedule.name, program.num_stages, 0, m).loss_scale
              if asynchronous else 1.0 / m)
     loss = LossSpec(program.captured.unflatten_outputs, options.loss_fn, scale)
+    if asynchronous and options.compile_stages:
+        raise ConfigError(
+            f"compile_stages=True with schedule={schedule.name!r} is not supported (its stashed "
+            f"weight versions run the uncompiled graph); use a synchronous schedule or "
+            f"compile_stages=False")
     workers = {}
     for s in program.stages:
         if s.index not in own:
@@ -332,10 +343,11 @@ def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOption
             assert options.optimizer is not None, "resolve_options requires it for async"
             versions = WeightVersions(s.module, rule, options.optimizer)
         workers[s.index] = StageWorker(
-            s.index, s.module, s.inputs, s.outputs,
-            frozenset(n for n in s.inputs if n in grad_values),
+            s.index, compile_stage(s.module, s.index) if options.compile_stages else s.module,
+            s.inputs, s.outputs, frozenset(n for n in s.inputs if n in grad_values),
             loss if s.index == last else None, options.stage_checkpoint(s.index),
-            versions=versions)
+            versions=versions,
+            fused_backward=options.compile_stages)
     return workers
 
 

@@ -110,6 +110,9 @@ class StageWorker:
     loss: LossSpec | None = None  # set on the last stage only
     checkpoint: bool = False
     versions: WeightVersions | None = None  # asynchronous schedules: stashed weight versions
+    # zero-bubble I runs the whole backward and W only frees: a compiled stage's backward is
+    # one autograd node, with no frontier inside it to stop at (runtime/compiled.py)
+    fused_backward: bool = False
     saved: dict[int, _Saved] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: detached losses
     peak_inflight: int = 0  # most micro-batches held at once (activations saved) so far
@@ -199,6 +202,10 @@ class StageWorker:
         """Zero-bubble I: gradients of the inputs only; records what `backward_weight` needs."""
         saved = self._restore(mb)
         roots, grads = self._roots(saved, output_grads)
+        if self.fused_backward:
+            if roots:
+                torch.autograd.backward(roots, grads)
+            return {name: leaf.grad for name, leaf in saved.leaves.items()}
         names = list(saved.leaves)
         result, saved.weight_work = split_backward.backward_input(
             roots, grads, [saved.leaves[n] for n in names], self.params)
