@@ -20,11 +20,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _common  # noqa: E402
 import pipecompile as pc  # noqa: E402
 from pipecompile import zoo  # noqa: E402
 from pipecompile.runtime.split_backward import backward_input, backward_weight  # noqa: E402
@@ -116,10 +116,8 @@ def steps(devices: int, rounds: int, m: int) -> None:
               f"{statistics.median(bubbles[name]):9.1%}")
 
 
-def _rank(rank: int, world: int, port: int, rounds: int, m: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank: int, world: int, rounds: int, m: int) -> tuple:
+    """One rank's median step time and idle share per schedule (run by `_common.spawn`)."""
     model, x, y = _model()
     pipes = {name: pc.compile(model, (x,), devices=world, microbatches=m, schedule=name,
                               loss_fn=zoo.lm_loss) for name in SCHEDULES}
@@ -135,25 +133,13 @@ def _rank(rank: int, world: int, port: int, rounds: int, m: int, queue) -> None:
                 busy = sum(e.end - e.start for e in pipe.timeline().events)
                 times[name].append(step)
                 idle[name].append(1 - busy / step)
-    queue.put((rank, {n: statistics.median(t) for n, t in times.items()},
-               {n: statistics.median(b) for n, b in idle.items()}))
-    dist.destroy_process_group()
+    return (rank, {n: statistics.median(t) for n, t in times.items()},
+            {n: statistics.median(b) for n, b in idle.items()})
 
 
 def ranks(world: int, rounds: int, m: int) -> None:
     """Step time per schedule on `world` gloo ranks (one process each), alternating rounds."""
-    from tests.dist import free_port  # noqa: PLC0415 - the repository's helper
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, rounds, m, queue))
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results = sorted(queue.get() for _ in procs)
-    for proc in procs:
-        proc.join()
+    results = _common.spawn(_rank, world, rounds, m)
     print(f"GPT d=128 layers=8 batch 16x64, m={m}, {world} gloo ranks, 1 intra-op thread "
           f"each, medians of {rounds} alternating rounds (step: the slowest rank's median)")
     print(f"{'schedule':<16}{'step ms':>9}{'idle/rank':>12}")
