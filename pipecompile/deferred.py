@@ -73,10 +73,9 @@ def cannot_run(plan: Plan, args: tuple, kwargs: Mapping[str, Any], *, where: str
     if not microbatched:
         return None
     m = plan.options.microbatches
-    pieces = len(torch.arange(batch).chunk(m)) if batch >= m else 0
-    if pieces != m:
+    size = -(-batch // m)  # torch.chunk's piece size; it makes ceil(batch / size) pieces
+    if batch < m or -(-batch // size) != m:
         return f"a batch of {batch} does not split into its {m} micro-batches"
-    size = -(-batch // m)
     if not captured.dynamic_batch and size != captured.captured_batch_size:
         return (f"it was captured with static shapes for micro-batches of "
                 f"{captured.captured_batch_size}, not {size}")

@@ -28,14 +28,14 @@ if TYPE_CHECKING:
     from ..plan import Plan
     from .assemble import Runtime
 
-__all__ = ["SavedActivations", "DeviceMemory", "device_memory", "format_memory",
+__all__ = ["SavedActivations", "storage_keys", "DeviceMemory", "device_memory", "format_memory",
            "step_started"]
 
 _ORDER = itertools.count()  # orders the events of stages that share a device (one thread)
 _Span = tuple[int, int, int, int]  # (storage key, start byte, end byte, storage bytes)
 
 
-def _spans(tensors: Iterable[Any], exclude: set[int]) -> list[_Span]:
+def _spans(tensors: Iterable[Any], exclude: frozenset[int]) -> list[_Span]:
     """Byte spans of the tensors' storages that `tensors` cover (excluded storages skipped)."""
     spans = []
     for t in tensors:
@@ -75,13 +75,14 @@ def _union_bytes(spans: Iterable[_Span]) -> int:
     return covered
 
 
-def _storage_keys(tensors: Iterable[Any]) -> set[int]:
+def storage_keys(tensors: Iterable[Any]) -> frozenset[int]:
+    """The storages of `tensors`, as what `SavedActivations` excludes (parameters, buffers)."""
     keys = set()
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             with contextlib.suppress(RuntimeError, NotImplementedError):
                 keys.add(t.untyped_storage().data_ptr())
-    return keys
+    return frozenset(keys)
 
 
 @dataclass
@@ -108,10 +109,9 @@ class SavedActivations:
         self.peak = 0
 
     @contextlib.contextmanager
-    def record(self, mb: int, exclude: Iterable[Any]) -> Iterator[None]:
+    def record(self, mb: int, excluded: frozenset[int]) -> Iterator[None]:
         """Add to micro-batch `mb` what autograd saves for backward in the body, except the
-        storages of `exclude` (parameters and buffers)."""
-        excluded = _storage_keys(exclude)
+        storages `excluded` (parameters and buffers: `storage_keys`)."""
         spans: list[_Span] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -122,9 +122,10 @@ class SavedActivations:
             yield
         self._add(mb, spans)
 
-    def hold(self, mb: int, tensors: Iterable[Any], exclude: Iterable[Any] = ()) -> None:
+    def hold(self, mb: int, tensors: Iterable[Any], excluded: frozenset[int] = frozenset()
+             ) -> None:
         """Add tensors the stage keeps itself for micro-batch `mb` (storages counted once)."""
-        self._add(mb, _spans(tensors, _storage_keys(exclude)))
+        self._add(mb, _spans(tensors, excluded))
 
     def release(self, mb: int) -> None:
         """Micro-batch `mb`'s backward is done: its saved tensors are freed."""

@@ -29,7 +29,7 @@ import torch
 from ..errors import LossError
 from ..rng import microbatch
 from . import split_backward
-from .memory import SavedActivations, step_started
+from .memory import SavedActivations, step_started, storage_keys
 from .versions import WeightVersions
 
 __all__ = ["StageWorker", "LossSpec"]
@@ -113,6 +113,9 @@ class StageWorker:
     # zero-bubble I runs the whole backward and W only frees: a compiled stage's backward is
     # one autograd node, with no frontier inside it to stop at (runtime/compiled.py)
     fused_backward: bool = False
+    # the storages of the stage's parameters and buffers (not activations), found once: they
+    # are updated in place, and an eval-mode or compiled graph shares them
+    _state_keys: frozenset[int] | None = field(default=None, init=False, repr=False)
     saved: dict[int, _Saved] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: detached losses
     peak_inflight: int = 0  # most micro-batches held at once (activations saved) so far
@@ -225,9 +228,12 @@ class StageWorker:
         tensors = [*inputs.values(), *self.module.parameters()]
         step_started({t.device for t in tensors if isinstance(t, torch.Tensor)}, self.steps)
 
-    def _state(self, weights: dict | None) -> list[Any]:
-        """Parameters and buffers (and a stashed weight version): not activations."""
-        return [*self.module.parameters(), *self.module.buffers(), *(weights or {}).values()]
+    def _state(self, weights: dict | None) -> frozenset[int]:
+        """The storages of the parameters and buffers (and a stashed weight version): what
+        saved-activation counting leaves out."""
+        if self._state_keys is None:
+            self._state_keys = storage_keys([*self.module.parameters(), *self.module.buffers()])
+        return self._state_keys | storage_keys(weights.values()) if weights else self._state_keys
 
     # -- helpers ---------------------------------------------------------------------------
 
