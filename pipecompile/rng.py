@@ -31,15 +31,17 @@ import torch.fx as fx
 
 from .passes.nodes import recreate_as_call
 
-__all__ = ["RNG_MODES", "derive_seed", "microbatch", "seed_random_ops", "seeded_call",
+__all__ = ["RNG_MODES", "generator_lock", "derive_seed", "microbatch", "seed_random_ops", "seeded_call",
            "unseed", "is_random"]
 
 RNG_MODES = ("global", "per-microbatch")
 
 _context = threading.local()  # .key: (micro-batch, step) this thread is running
 # Random ops without a generator argument (dropout) draw from the process-wide generator:
-# device threads take turns to seed it, draw and restore it.
-_lock = threading.Lock()
+# device threads take turns to seed it, draw and restore it. Whoever else sets that generator's
+# state while device threads run (a checkpointed stage restoring its forward's random state)
+# takes this lock too, or it could reseed the generator between another thread's seed and draw.
+generator_lock = threading.Lock()
 
 
 def derive_seed(seed: int, index: int, name: str, step: int = 0) -> int:
@@ -67,7 +69,7 @@ def seeded_call(op: Any, name: str, seed: int, *args: Any, **kwargs: Any) -> Any
         return op(*args, **kwargs)
     cuda = sorted({t.device.index or 0 for t in _tensors(args, kwargs) if t.is_cuda})
     value = derive_seed(seed, key[0], name, step=key[1])
-    with _lock, torch.random.fork_rng(devices=cuda):
+    with generator_lock, torch.random.fork_rng(devices=cuda):
         torch.default_generator.manual_seed(value)
         for d in cuda:
             with torch.cuda.device(d):

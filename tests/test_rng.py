@@ -105,3 +105,32 @@ def test_unknown_rng_mode_is_refused():
     model, x, y = _case()
     with pytest.raises(ConfigError, match="rng='per-stage'.*per-microbatch"):
         pc.compile(model, (x,), devices=2, rng="per-stage", loss_fn=F.mse_loss)
+
+
+def test_a_recomputation_restoring_its_state_waits_for_another_threads_seeded_draw():
+    """A checkpointed stage puts the generator back while another device thread is between its
+    seed and its draw: the restore must wait, or that thread draws from the restored state."""
+    import threading
+
+    from pipecompile.runtime.stage_worker import _RngState
+
+    seeded = threading.Event()
+    restored = threading.Event()
+
+    def draw(n):
+        seeded.set()
+        restored.wait(timeout=0.5)  # with the lock held by this draw, the restore cannot come
+        return torch.rand(n, dtype=torch.float64)
+
+    def recompute():
+        with _RngState.capture([]).restored():
+            seeded.wait(timeout=5)  # its exit puts back the state from before it
+        restored.set()
+
+    thread = threading.Thread(target=recompute)
+    thread.start()
+    with microbatch(2, step=1):
+        drawn = seeded_call(draw, "rand_1", 7, 8)
+    thread.join(timeout=5)
+    torch.manual_seed(derive_seed(7, 2, "rand_1", step=1))
+    assert torch.equal(drawn, torch.rand(8, dtype=torch.float64))

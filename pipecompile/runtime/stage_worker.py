@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from ..errors import LossError
-from ..rng import microbatch
+from ..rng import generator_lock, microbatch
 from . import split_backward
 from .memory import SavedActivations, step_started, storage_keys
 from .versions import WeightVersions
@@ -65,24 +65,36 @@ class _RngState:
                                f"checkpointing restores the random state of one")
         device_type = types.pop() if types else None
         states: tuple[tuple[int, Any], ...] = ()
-        if device_type is not None:
-            module = torch.get_device_module(device_type)
-            states = tuple((i, module.get_rng_state(i)) for i in sorted(i for _, i in found))
-        return cls(torch.random.get_rng_state(), device_type, states)
+        with generator_lock:  # not in the middle of another thread's seeded draw
+            if device_type is not None:
+                module = torch.get_device_module(device_type)
+                states = tuple((i, module.get_rng_state(i)) for i in sorted(i for _, i in found))
+            return cls(torch.random.get_rng_state(), device_type, states)
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
-        """Run the body from this random state; afterwards the state is what it was before."""
+        """Run the body from this random state; afterwards the state is what it was before.
+
+        Setting and putting back the state hold `generator_lock`, so they never fall between
+        another device thread's seed and draw (rng="per-microbatch"); the body does not, so
+        stages recompute in parallel."""
         indices = [i for i, _ in self.devices]
-        # device_type matters only when indices is non-empty; "cuda" keeps a CPU-only stage
-        # from asking an absent accelerator for anything.
-        with torch.random.fork_rng(devices=indices, device_type=self.device_type or "cuda"):
+        state = contextlib.ExitStack()
+        with generator_lock:
+            # device_type matters only when indices is non-empty; "cuda" keeps a CPU-only stage
+            # from asking an absent accelerator for anything.
+            state.enter_context(torch.random.fork_rng(devices=indices,
+                                                      device_type=self.device_type or "cuda"))
             torch.random.set_rng_state(self.cpu)
             if self.device_type is not None:
                 module = torch.get_device_module(self.device_type)
-                for index, state in self.devices:
-                    module.set_rng_state(state, index)
+                for index, saved in self.devices:
+                    module.set_rng_state(saved, index)
+        try:
             yield
+        finally:
+            with generator_lock:
+                state.close()
 
 
 @dataclass
