@@ -16,6 +16,10 @@ stages under any schedule. Outside a `microbatch` context (cost annotation, fake
 op runs unchanged.
 
 Random ops inside an opaque module (kept as one eager call) still draw from the global stream.
+
+Under rng="global" a checkpointed stage also seeds its graph's random ops, from one draw of the
+global generator per forward (runtime/stage_worker.py): its recomputation must redraw the
+forward's masks, and other device threads draw from the same generator in between.
 """
 
 from __future__ import annotations
@@ -83,9 +87,17 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def is_random(node: fx.Node) -> bool:
-    """An aten op that draws from a generator."""
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in node.target.tags)
+    """An aten op that draws from a generator. Attention with a constant `dropout_p` of 0 is
+    tagged as random but draws nothing: seeding it would only cost a lock per call (and a graph
+    break under torch.compile)."""
+    if not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in node.target.tags):
+        return False
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+            return not (isinstance(p, (int, float)) and p == 0)
+    return True
 
 
 def seed_random_ops(gm: fx.GraphModule, seed: int) -> tuple[fx.GraphModule, tuple[str, ...]]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import pipecompile as pc
 from pipecompile.errors import ConfigError
-from pipecompile.rng import derive_seed, microbatch, seeded_call
+from pipecompile.rng import derive_seed, microbatch, seed_random_ops, seeded_call
 from tests.capture_models import NoisyMLP
 
 MICROBATCHES = 4
@@ -134,3 +134,48 @@ def test_a_recomputation_restoring_its_state_waits_for_another_threads_seeded_dr
     thread.join(timeout=5)
     torch.manual_seed(derive_seed(7, 2, "rand_1", step=1))
     assert torch.equal(drawn, torch.rand(8, dtype=torch.float64))
+
+
+class _DroppedScale(torch.nn.Module):
+    """Three dropouts, then a scale: the output is linear in the weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(32, dtype=torch.float64) + 0.5)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = F.dropout(x, 0.5, self.training)
+        return x * self.w
+
+
+def test_global_stream_recomputation_redraws_the_forwards_masks_while_other_stages_draw():
+    """rng="global", two device threads drawing dropout masks at once: a checkpointed stage's
+    recomputation must use its forward's masks. The loss is linear in each weight w, so
+    loss == w . dloss/dw holds exactly when backward saw the forward's masks."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_DroppedScale() for _ in range(4)])
+    x = torch.rand(64, 32, dtype=torch.float64)
+    pipe = pc.compile(model, (x,), devices=["cpu"] * 2, microbatches=8, schedule="gpipe",
+                      loss_fn=lambda out, _: out.sum(), checkpoint=True, granularity="layer+1")
+    for _ in range(3):
+        pipe.zero_grad()
+        loss = pipe.step(x, target=None)
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close((p.detach() * p.grad).sum(), loss, rtol=1e-10, atol=1e-10,
+                                       msg=name)
+
+
+def test_attention_without_dropout_is_not_seeded():
+    class Attention(torch.nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.p = p
+
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=self.p)
+
+    q = torch.rand(2, 2, 4, 4)
+    names = [seed_random_ops(torch.export.export(Attention(p), (q,)).module(), 0)[1]
+             for p in (0.0, 0.1)]
+    assert names == [(), ("scaled_dot_product_attention",)]

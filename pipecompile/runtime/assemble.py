@@ -27,6 +27,7 @@ import torch
 from ..errors import ConfigError
 from ..passes.eval_mode import eval_graph
 from ..passes.split import StagedProgram
+from ..rng import seed_random_ops
 from ..tensors import to_device
 from .actions import Schedule
 from .compiled import compile_stage
@@ -342,12 +343,16 @@ def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOption
                                options.vertical_sync)
             assert options.optimizer is not None, "resolve_options requires it for async"
             versions = WeightVersions(s.module, rule, options.optimizer)
+        module, own_streams = s.module, False
+        if options.rng == "global" and options.stage_checkpoint(s.index):
+            seeded, names = seed_random_ops(s.module, 0)
+            module, own_streams = (seeded, True) if names else (module, False)
         workers[s.index] = StageWorker(
-            s.index, compile_stage(s.module, s.index) if options.compile_stages else s.module,
+            s.index, compile_stage(module, s.index) if options.compile_stages else module,
             s.inputs, s.outputs, frozenset(n for n in s.inputs if n in grad_values),
             loss if s.index == last else None, options.stage_checkpoint(s.index),
             versions=versions,
-            fused_backward=options.compile_stages)
+            fused_backward=options.compile_stages, own_streams=own_streams)
     return workers
 
 

@@ -13,6 +13,10 @@ With `checkpoint=True` the forward runs without autograd and keeps only the inpu
 state it started from (the CPU generator's and that of each accelerator the stage's tensors live
 on), so the recomputation in backward draws the same dropout masks; the backward recomputes the
 forward first, then puts the random state back as it found it (as torch.utils.checkpoint does).
+Under rng="global" the graph's own random ops do not rely on that state: device threads draw
+from the one global generator at once, so the forward's masks are not what replaying its start
+state gives. They draw instead from streams seeded by one global draw per forward
+(`own_streams`), which the recomputation reuses.
 
 `activations` counts the bytes each micro-batch keeps for backward (`memory.SavedActivations`,
 read by `pipe.memory_stats()`); micro-batch 0's forward starts a step and resets the counts.
@@ -105,7 +109,7 @@ class _Saved:
     inputs: dict[str, Any] | None = None  # checkpointing: what to recompute from
     rng: _RngState | None = None  # checkpointing: the random state the forward started from
     target: Any = None  # checkpointing, last stage: the target the loss is recomputed with
-    step: int = 0  # checkpointing: the training step (per-micro-batch random streams)
+    stream: tuple[int, int] = (0, 0)  # checkpointing: `rng.microbatch`'s (index, step)
     weight_work: Any = None  # zero-bubble: what W needs, recorded by I
     weights: dict | None = None  # asynchronous schedules: the weight version this mb uses
 
@@ -125,6 +129,10 @@ class StageWorker:
     # zero-bubble I runs the whole backward and W only frees: a compiled stage's backward is
     # one autograd node, with no frontier inside it to stop at (runtime/compiled.py)
     fused_backward: bool = False
+    # rng="global", checkpointed: the module's random ops are seeded (`rng.seed_random_ops`) and
+    # each forward draws their seed from the global generator, so the recomputation redraws the
+    # forward's masks whatever other device threads drew from that generator in between
+    own_streams: bool = False
     # the storages of the stage's parameters and buffers (not activations), found once: they
     # are updated in place, and an eval-mode or compiled graph shares them
     _state_keys: frozenset[int] | None = field(default=None, init=False, repr=False)
@@ -150,12 +158,13 @@ class StageWorker:
         if self.checkpoint:
             rng = _RngState.capture([*inputs.values(), *self.module.parameters(),
                                      *self.module.buffers()])
-            with torch.no_grad(), microbatch(mb, step=self.steps):
+            stream = (self._forward_seed(), 0) if self.own_streams else (mb, self.steps)
+            with torch.no_grad(), microbatch(stream[0], step=stream[1]):
                 outputs = self._run(inputs, weights)
             # what a checkpointed stage keeps until backward: the inputs it recomputes from
             self.activations.hold(mb, inputs.values(), self._state(weights))
             self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=rng, target=target,
-                                    step=self.steps,
+                                    stream=stream,
                                     weights=weights)
             self.peak_inflight = max(self.peak_inflight, len(self.saved))
             if self.loss is not None:
@@ -249,6 +258,11 @@ class StageWorker:
 
     # -- helpers ---------------------------------------------------------------------------
 
+    def _forward_seed(self) -> int:
+        """One draw from the global generator: the seed of this forward's random streams."""
+        with generator_lock:
+            return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
     def _run(self, inputs: Mapping[str, Any], weights: dict | None = None) -> tuple:
         args = [inputs[n] for n in self.input_names]
         if weights is not None:  # a stashed version, without touching the live parameters
@@ -286,7 +300,7 @@ class StageWorker:
         # the recomputed forward's saved tensors are held on top of the inputs until backward
         with saved.rng.restored(), self.activations.record(mb, self._state(saved.weights)):
             leaves = self._leaves(saved.inputs)
-            with microbatch(mb, step=saved.step):
+            with microbatch(saved.stream[0], step=saved.stream[1]):
                 outputs = self._run({**saved.inputs, **leaves}, saved.weights)
             recomputed = _Saved(leaves, dict(zip(self.output_names, outputs)),
                                 weights=saved.weights)
