@@ -48,7 +48,9 @@ from .runtime.lowering import relower
 from .runtime.messages import Dataflow, message_bytes, transfer_seconds
 from .runtime.schedules import make_schedule
 from .runtime.simulate import simulate
-from .stage_costs import efficiency, measure, shared_cores, simulator_costs, with_stage_costs
+from .runtime.distributed import local_device
+from .stage_costs import (Probe, efficiency, measure, probe, shared_cores, simulator_costs,
+                          with_stage_costs)
 
 __all__ = ["compile", "PASSES"]
 
@@ -179,6 +181,10 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
         return BlockTable.of(tables[linear.granularity, size])
 
     choices = microbatch_choices(example.batch)
+    measured = _probe(plan, example, choices)
+    if measured is not None:
+        plan = replace(plan, efficiency=measured.efficiency, split_ratio=measured.split_ratio,
+                       calibration=None if o.profile else measured.calibration)
     space = Space(
         schedules=SYNC_SCHEDULES if "schedule" in o.auto else (o.schedule,),
         microbatches=(choices if "microbatches" in o.auto and captured.dynamic_batch
@@ -187,8 +193,8 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
                         else (o.virtual_stages,)),
         checkpoint=None if "checkpoint" in o.auto else bool(o.checkpoint))
     found = search_plans(space, o.devices, costs_for, overhead=plan.overhead,
-                         split_ratio=SPLIT_BACKWARD_RATIO,  # profiled blocks: I + W = B
-                         cores=shared_cores(o.devices, o.ranks),
+                         split_ratio=plan.split_ratio or SPLIT_BACKWARD_RATIO,
+                         cores=shared_cores(o.devices, o.ranks), efficiency=plan.efficiency,
                          searched=tuple(sorted(o.auto)))
     best = found.best
     options = replace(o, schedule=best.schedule, microbatches=best.microbatches,
@@ -203,7 +209,28 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
         f"{best.schedule}, {best.microbatches} micro-batches, {best.virtual_stages} virtual "
         f"stage(s), recompute stages {list(best.recomputed)}: predicted step "
         f"{best.step * 1e3:.3f} ms ({len(found.candidates)} candidates, {fits} fit"
-        + ("" if captured.dynamic_batch else "; static batch: micro-batches fixed") + ")")
+        + ("" if captured.dynamic_batch else "; static batch: micro-batches fixed") + ")"
+        + ("" if measured is None else f"; measured: {measured}"))
+
+
+def _probe(plan: Plan, example: Example, choices: Sequence[int]) -> Probe | None:
+    """What the analytic costs miss on this machine, measured on the model cut after its first
+    block at about 4 micro-batches (`stage_costs.probe`); rank 0's numbers under
+    torch.distributed. None for a model of one block."""
+    o = plan.options
+    captured = need(plan.captured, "capture")
+    linear = _coarsest(captured, o.granularity, 2)
+    if linear.num_blocks < 2:
+        return None
+    m = (min(choices, key=lambda c: (abs(c - 4), c)) if "microbatches" in o.auto
+         else o.microbatches)
+    analytic = replace(_cost_model(plan, example), profile=False, calibration=None,
+                       microbatch_size=captured.microbatch_size(m), microbatches=m)
+    device = local_device() if o.ranks.distributed else torch.device(o.devices[0].name)
+    found = probe(linear, cost(linear, analytic, example, o.ranks), example, device,
+                  microbatches=m, loss_fn=o.loss_fn, threads=len(o.devices),
+                  cores=shared_cores(o.devices, o.ranks))
+    return o.ranks.shared(found)
 
 
 def _split_point_stages(o: CompileOptions) -> tuple[int, ...] | None:
@@ -314,7 +341,8 @@ def _split(plan: Plan, example: Example) -> tuple[Plan, str]:
     specs = plan.stage_specs
     stage_costs = tuple(simulator_costs(s, costs, specs[s.index],
                                         measured[s.index] if measured else None,
-                                        recompute=o.stage_checkpoint(s.index))
+                                        recompute=o.stage_checkpoint(s.index),
+                                        split_ratio=plan.split_ratio or SPLIT_BACKWARD_RATIO)
                         for s in program.stages)
     # the schedule that runs moves the program's messages: relower it with the real wiring
     schedule = relower(schedule, Dataflow.of(program))

@@ -70,6 +70,7 @@ class Plan:
     stage_costs: "tuple[StageCosts, ...]" = ()
     cores: int | None = None  # compute actions the devices run at once (None: one per device)
     efficiency: float = 1.0  # their speed when several run at once (see runtime/simulate)
+    split_ratio: float | None = None  # measured (I + W) / B (None: search.SPLIT_BACKWARD_RATIO)
     predicted: "Timeline | None" = None
     transfers: "Mapping[tuple[int, int, str], float] | None" = None  # seconds per message link
     passes: tuple[PassRecord, ...] = ()

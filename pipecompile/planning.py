@@ -88,14 +88,20 @@ def cost(linear: LinearGraph, model: CostModel, example: Example, ranks: Ranks,
         costs = replace(like, sizes=sizes, cut_bytes=tuple(evaluate_expr(e, sizes)
                                                            for e in like.cut_bytes_symbolic),
                         blocks=tuple(numeric_cost(c, sizes, model.device) for c in like.symbolic))
-        return costs if model.calibration is None else calibrate_blocks(costs, model.calibration)
+        return _calibrated(costs, model)
     costs = annotate(linear, microbatch_size=model.microbatch_size, device=model.device,
                      optimizer_factor=model.optimizer_factor)
     if model.profile:
         costs = profile_blocks(linear, costs, example.args, dict(example.kwargs),
                                microbatches=model.microbatches)
         costs = ranks.block_times(costs)  # every rank must plan with the same numbers
-    return costs if model.calibration is None else calibrate_blocks(costs, model.calibration)
+    return _calibrated(costs, model)
+
+
+def _calibrated(costs: CostTable, model: CostModel) -> CostTable:
+    if model.calibration is None:
+        return costs
+    return calibrate_blocks(costs, model.calibration.at(model.microbatch_size))
 
 
 def place(linear: LinearGraph, costs: CostTable, target: Target) -> Partition:

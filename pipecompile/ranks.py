@@ -6,6 +6,7 @@ compared. `Ranks` holds this process's place (`Topology`, or None for a single p
 every method returns its argument and checks nothing):
 
     rate(flops)          the analytic cost model's matmul rate         broadcast from rank 0
+    shared(value)        any other measurement a plan depends on       broadcast from rank 0
     block_times(costs)   measured block times (profile=True)           broadcast from rank 0
     stage_times(times)   each rank times its own stages                gathered from all ranks
     check(program, sch)  the plan digests of all ranks                 compared, error if not equal
@@ -14,7 +15,7 @@ every method returns its argument and checks nothing):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from .runtime.distributed import Topology, check_same_plan, local_device, plan_digest
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from .runtime.actions import Schedule
 
 __all__ = ["Ranks"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,10 @@ class Ranks:
     def rate(self, flops: float) -> float:
         """Rank 0's measured matmul rate (every rank plans with the same analytic costs)."""
         return _broadcast(flops) if self.distributed else flops
+
+    def shared(self, value: T) -> T:
+        """Rank 0's `value` of a measurement every rank made (e.g. the planning probe)."""
+        return _broadcast(value) if self.distributed else value
 
     def block_times(self, costs: "CostTable") -> "CostTable":
         """`costs` with rank 0's measured block times (measurements differ between processes)."""

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from .ir import CostTable, LinearGraph, StageCost
 from .options import Example
-from .passes.calibrate import StageTimes, measure_stages, thread_efficiency
+from .passes.calibrate import Calibration, StageTimes, measure_stages, thread_efficiency
 from .passes.partition import DeviceSpec, Partition
 from .passes.profile import record_values
-from .passes.split import Stage, StagedProgram
+from .passes.split import Stage, StagedProgram, split
 from .ranks import Ranks
 from .runtime.actions import Schedule
 from .runtime.microbatch import split_microbatches
@@ -29,7 +29,8 @@ from .runtime.simulate import StageCosts
 from .runtime.stage_worker import LossSpec
 from .search import SPLIT_BACKWARD_RATIO
 
-__all__ = ["with_stage_costs", "simulator_costs", "shared_cores", "measure", "efficiency"]
+__all__ = ["with_stage_costs", "simulator_costs", "shared_cores", "measure", "efficiency",
+           "Probe", "probe"]
 
 
 def with_stage_costs(program: StagedProgram, costs: CostTable, placement: Partition,
@@ -114,6 +115,52 @@ def efficiency(program: StagedProgram, schedule: Schedule, example: Example, *,
               for d in range(schedule.num_devices)]
     return thread_efficiency(program, values, grad_values=gradient_values(program),
                              device_stages=firsts, cores=cores)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The model measured as it runs, before the planning search: what the analytic costs
+    miss on this machine."""
+
+    calibration: Calibration  # analytic block times -> measured, the loss's own time
+    split_ratio: float  # zero-bubble's (I + W) / B, measured
+    efficiency: float  # device threads computing at once, relative to their share of the cores
+
+    def __str__(self) -> str:
+        return (f"{self.calibration}, (I+W)/B {self.split_ratio:.2f}, device threads at "
+                f"{self.efficiency:.2f} of their share")
+
+
+def probe(linear: LinearGraph, costs: CostTable, example: Example, device: torch.device, *,
+          microbatches: int, loss_fn: Any, threads: int, cores: int | None) -> Probe:
+    """Measure the model cut after its first block (`linear`, at least 2 blocks, `costs` its
+    analytic costs at the size of one of `microbatches` micro-batches) on `device`, as the
+    runtime runs stages: the factor from analytic to measured block time, the loss's time, the
+    split backward's (I + W) / B on the second stage (the first has no input gradient to
+    compute), and, when `threads` device threads share `cores` CPU cores, their efficiency
+    running the second stage at once. Costs about 20 forward + backward passes of the model on
+    one micro-batch; parameter gradients, buffers and the random state are left as they were."""
+    bounds = (0, 1, linear.num_blocks)
+    program = split(linear, bounds, [device, device], placed=example.placed)
+    values, target = _first_microbatch(linear, example, microbatches)
+    grads = gradient_values(program)
+    # a model that returns its own loss has it in its blocks; any other output gets ones as
+    # its gradient
+    last = LossSpec(linear.captured.unflatten_outputs, loss_fn, 1.0) if loss_fn else None
+    measured = measure_stages(program, values, grad_values=grads, loss=last, target=target)
+    predicted = sum(b.time for b in costs.blocks)
+    actual = sum(t.forward + t.backward - t.loss for t in measured.values())
+    size = linear.captured.microbatch_size(microbatches)
+    calibration = Calibration(actual / predicted if predicted > 0 else 1.0, measured[1].loss,
+                              microbatch_size=size)
+    rest = measured[1]
+    ratio = ((rest.backward_input + rest.backward_weight) / rest.backward
+             if rest.backward > 0 else 1.0)
+    shared = 1.0
+    if cores is not None and threads >= 2:
+        shared = thread_efficiency(program, values, grad_values=grads,
+                                   device_stages=[1] * threads, cores=cores)
+    return Probe(calibration, ratio, shared)
 
 
 def _first_microbatch(linear: LinearGraph, example: Example,

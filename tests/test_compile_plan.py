@@ -38,12 +38,9 @@ def test_heavy_lm_head_gets_fewer_layers_and_balanced_stages():
 
 
 def _costs(pipe):
-    """The block costs compile planned with (its matmul rate is measured once per process)."""
-    from pipecompile.planning import matmul_rate
-    from pipecompile.passes.annotate import DeviceModel, annotate
-
-    device = DeviceModel(flops=matmul_rate("cpu"))
-    return annotate(pipe.program.linear, microbatch_size=2, device=device).blocks
+    """The block costs compile planned with (analytic, calibrated by the planning probe)."""
+    assert pipe.plan.costs.blocks and len(pipe.plan.costs.blocks) == pipe.program.linear.num_blocks
+    return pipe.plan.costs.blocks
 
 
 def test_blocks_are_refined_when_stages_outnumber_layers():

@@ -170,3 +170,66 @@ def test_cli_plan_prints_the_candidate_table(capsys):
     out = capsys.readouterr().out
     assert status == 0
     assert "plan: " in out and "verdict" in out and "chosen" in out
+
+
+def test_calibration_scales_the_loss_time_with_the_microbatch_size():
+    from pipecompile.passes.calibrate import Calibration
+
+    measured = Calibration(1.5, 2e-3, microbatch_size=4)
+    assert measured.at(8) == Calibration(1.5, 4e-3, microbatch_size=8)
+    assert measured.at(4) is measured
+    assert Calibration(1.5, 2e-3).at(8) == Calibration(1.5, 2e-3)  # size unknown: as given
+
+
+def _probed(monkeypatch, found, **options):
+    import pipecompile.compiler as compiler
+
+    monkeypatch.setattr(compiler, "probe", lambda *args, **kwargs: found)
+    return _compile_gpt(**options)[2]
+
+
+def test_the_search_prices_candidates_with_the_probed_measurements(monkeypatch):
+    """What the probe measured (a fake one here) is what the search and the final prediction
+    use: the block-time factor, zero-bubble's (I + W) / B and the device threads' efficiency.
+    (checkpoint="auto" is the one option searched.)"""
+    from pipecompile.passes.calibrate import Calibration
+    from pipecompile.stage_costs import Probe
+
+    plain = _probed(monkeypatch, Probe(Calibration(1.0), 1.0, 1.0), schedule="1f1b",
+                    microbatches=2)
+    slower = _probed(monkeypatch, Probe(Calibration(3.0), 1.0, 1.0), schedule="1f1b",
+                     microbatches=2)
+    compute = plain.plan.search.lower_bound
+    assert slower.plan.search.lower_bound == pytest.approx(3 * compute, rel=1e-9)
+    assert "measured: block times x3.00" in slower.explain()
+    assert slower.plan.calibration == Calibration(3.0)
+
+    zb = {}
+    for ratio in (1.0, 3.0):
+        pipe = _probed(monkeypatch, Probe(Calibration(1.0), ratio, 1.0), schedule="zb-h1",
+                       microbatches=2)
+        zb[ratio] = pipe.plan.search.best.step
+        assert pipe.plan.split_ratio == ratio
+        assert pipe.predicted.makespan == pytest.approx(zb[ratio], rel=1e-9)
+    assert zb[3.0] > 1.25 * zb[1.0]  # backward is most of the step, action overheads the rest
+
+    alone = _probed(monkeypatch, Probe(Calibration(1.0), 1.0, 1.0), schedule="gpipe",
+                    microbatches=4)
+    contended = _probed(monkeypatch, Probe(Calibration(1.0), 1.0, 0.5), schedule="gpipe",
+                        microbatches=4)
+    assert contended.plan.efficiency == 0.5
+    assert contended.plan.search.best.step > alone.plan.search.best.step
+
+
+def test_the_probe_measures_the_model_as_it_runs():
+    """Lazily compiled, the first step's target is known: the loss is timed on its own."""
+    torch.manual_seed(0)
+    case = gpt()
+    pipe = pc.compile(case.model, devices=2, loss_fn=case.loss_fn)
+    pipe.step(*case.args, target=case.target)
+    plan = pipe.plan
+    assert plan.calibration is not None and plan.calibration.factor > 0
+    assert plan.calibration.loss_time > 0
+    assert case.args[0].shape[0] == 8 and plan.calibration.microbatch_size == 2  # at m = 4
+    assert plan.split_ratio > 0 and plan.efficiency > 0  # timings: their size is the machine's
+    assert "measured: block times" in pipe.explain()

@@ -205,9 +205,18 @@ class Calibration:
 
     factor: float = 1.0
     loss_time: float = 0.0
+    microbatch_size: int = 0  # the size the loss was timed at (0: the size it is applied to)
 
     def __str__(self) -> str:
         return f"block times x{self.factor:.2f}, loss {self.loss_time * 1e3:.3f} ms/mb"
+
+    def at(self, microbatch_size: int) -> "Calibration":
+        """This calibration for micro-batches of `microbatch_size`: the loss's time scales with
+        the rows it reduces."""
+        if not self.microbatch_size or microbatch_size == self.microbatch_size:
+            return self
+        return replace(self, loss_time=self.loss_time * microbatch_size / self.microbatch_size,
+                       microbatch_size=microbatch_size)
 
 
 def fit_calibration(
