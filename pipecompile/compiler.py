@@ -226,6 +226,8 @@ def _probe(plan: Plan, example: Example, choices: Sequence[int]) -> Probe | None
          else o.microbatches)
     analytic = replace(_cost_model(plan, example), profile=False, calibration=None,
                        microbatch_size=captured.microbatch_size(m), microbatches=m)
+    if o.ranks.topology is not None and o.ranks.topology.rank != 0:
+        return o.ranks.shared(None)  # rank 0 measures, the others wait for its numbers
     device = local_device() if o.ranks.distributed else torch.device(o.devices[0].name)
     found = probe(linear, cost(linear, analytic, example, o.ranks), example, device,
                   microbatches=m, loss_fn=o.loss_fn, threads=len(o.devices),
