@@ -165,6 +165,7 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
     _enough_blocks(_coarsest(captured, o.granularity, fewest), fewest, o.granularity)
     linears: dict[int, LinearGraph | None] = {}
     tables: dict[tuple[str, int], CostTable] = {}
+    analytic: dict[str, CostTable] = {}  # per granularity: symbolic costs to evaluate again
 
     def costs_for(m: int, stages: int) -> BlockTable | None:
         if stages not in linears:
@@ -176,12 +177,13 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
         size = captured.microbatch_size(m)
         if (linear.granularity, size) not in tables:
             model = replace(_cost_model(plan, example), microbatch_size=size, microbatches=m)
-            like = next((t for (g, _), t in tables.items() if g == linear.granularity), None)
+            like = analytic.get(linear.granularity) or next(
+                (t for (g, _), t in tables.items() if g == linear.granularity), None)
             tables[linear.granularity, size] = cost(linear, model, example, o.ranks, like)
         return BlockTable.of(tables[linear.granularity, size])
 
     choices = microbatch_choices(example.batch)
-    measured = _probe(plan, example, choices)
+    measured = _probe(plan, example, choices, analytic)
     if measured is not None:
         plan = replace(plan, efficiency=measured.efficiency, split_ratio=measured.split_ratio,
                        calibration=None if o.profile else measured.calibration)
@@ -213,10 +215,12 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
         + ("" if measured is None else f"; measured: {measured}"))
 
 
-def _probe(plan: Plan, example: Example, choices: Sequence[int]) -> Probe | None:
+def _probe(plan: Plan, example: Example, choices: Sequence[int],
+           analytic: dict[str, CostTable]) -> Probe | None:
     """What the analytic costs miss on this machine, measured on the model cut after its first
     block at about 4 micro-batches (`stage_costs.probe`); rank 0's numbers under
-    torch.distributed. None for a model of one block."""
+    torch.distributed. None for a model of one block. The analytic cost table it compares
+    with is kept in `analytic` for the search to evaluate at other sizes."""
     o = plan.options
     captured = need(plan.captured, "capture")
     linear = _coarsest(captured, o.granularity, 2)
@@ -224,12 +228,14 @@ def _probe(plan: Plan, example: Example, choices: Sequence[int]) -> Probe | None
         return None
     m = (min(choices, key=lambda c: (abs(c - 4), c)) if "microbatches" in o.auto
          else o.microbatches)
-    analytic = replace(_cost_model(plan, example), profile=False, calibration=None,
-                       microbatch_size=captured.microbatch_size(m), microbatches=m)
+    model = replace(_cost_model(plan, example), profile=False, calibration=None,
+                    microbatch_size=captured.microbatch_size(m), microbatches=m)
     if o.ranks.topology is not None and o.ranks.topology.rank != 0:
         return o.ranks.shared(None)  # rank 0 measures, the others wait for its numbers
+    table = cost(linear, model, example, o.ranks, analytic.get(linear.granularity))
+    analytic.setdefault(linear.granularity, table)
     device = local_device() if o.ranks.distributed else torch.device(o.devices[0].name)
-    found = probe(linear, cost(linear, analytic, example, o.ranks), example, device,
+    found = probe(linear, table, example, device,
                   microbatches=m, loss_fn=o.loss_fn, threads=len(o.devices),
                   cores=shared_cores(o.devices, o.ranks))
     return o.ranks.shared(found)

@@ -25,7 +25,8 @@ from .passes.partition import DeviceSpec
 from .ranks import Ranks
 from .rng import RNG_MODES
 from .runtime.distributed import local_device, topology_from_environment
-from .runtime.schedules import ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES
+from .runtime.schedules import (ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES,
+                                TWO_STAGES_PER_DEVICE)
 
 if TYPE_CHECKING:
     from .passes.split import StagedProgram
@@ -142,7 +143,7 @@ def resolve_options(
     assert isinstance(microbatches, int)
     schedule = "gpipe" if schedule == AUTO else schedule
     if not isinstance(virtual_stages, int):
-        virtual_stages = 2 if schedule in _TWO_STAGES_PER_DEVICE else 1
+        virtual_stages = 2 if schedule in TWO_STAGES_PER_DEVICE else 1
     if rest.get("rng", "global") not in RNG_MODES:
         raise ConfigError(f"rng={rest['rng']!r} is not a random-stream mode; use one of "
                           f"{', '.join(RNG_MODES)}")
@@ -174,9 +175,6 @@ def _auto(schedule: Any, microbatches: Any, virtual_stages: Any, checkpoint: Any
 def example_microbatch_size(example: Example, options: CompileOptions) -> int:
     """Samples per micro-batch of the example batch (the size a static capture is made at)."""
     return microbatch_size(example.batch, options.microbatches)
-
-
-_TWO_STAGES_PER_DEVICE = ("interleaved-1f1b", "zb-v", "interleaved-zb")  # their default v
 
 
 def _check_async(options: CompileOptions) -> None:

@@ -23,14 +23,16 @@ from .ir import CostTable
 from .passes.partition import (DeviceSpec, Partition, PartitionMemoryError, PartitionProblem,
                                format_bytes, partition)
 from .runtime.actions import Kind, Schedule
-from .runtime.schedules import make_schedule
+from .runtime.schedules import TWO_STAGES_PER_DEVICE, make_schedule
 from .runtime.simulate import StageCosts, simulate
 
 __all__ = ["BlockTable", "Space", "Candidate", "SearchResult", "search", "microbatch_choices",
            "SYNC_SCHEDULES", "SPLIT_BACKWARD_RATIO"]
 
-#: The synchronous schedules an automatic schedule choice considers, in tie-breaking order.
-SYNC_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+#: The synchronous schedules an automatic schedule choice considers, in tie-breaking order
+#: (the zero-bubble ones priced with the measured (I + W) / B of the planning probe).
+SYNC_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v",
+                                   "interleaved-zb")
 
 #: (I + W) / B: what splitting a backward into input and weight gradients costs, for the analytic
 #: costs (profiled blocks time I + W as one backward; the final prediction with profile=True
@@ -71,7 +73,7 @@ class Space:
 
     schedules: tuple[str, ...]
     microbatches: tuple[int, ...]
-    virtual_stages: tuple[int, ...] | None = None  # None: 2 for interleaved-1f1b, else 1
+    virtual_stages: tuple[int, ...] | None = None  # None: 2 for TWO_STAGES_PER_DEVICE, else 1
     checkpoint: bool | None = False  # True every stage, None where memory needs it
 
 
@@ -133,7 +135,7 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     found: list[Candidate] = []
     for name in space.schedules:
         for m in space.microbatches:
-            for v in space.virtual_stages or ((2,) if name == "interleaved-1f1b" else (1,)):
+            for v in space.virtual_stages or ((2,) if name in TWO_STAGES_PER_DEVICE else (1,)):
                 table = costs_for(m, p * v)
                 if table is None:
                     continue

@@ -138,7 +138,7 @@ def probe(linear: LinearGraph, costs: CostTable, example: Example, device: torch
     runtime runs stages: the factor from analytic to measured block time, the loss's time, the
     split backward's (I + W) / B on the second stage (the first has no input gradient to
     compute), and, when `threads` device threads share `cores` CPU cores, their efficiency
-    running the second stage at once. Costs about 20 forward + backward passes of the model on
+    running the second stage at once. Costs about 15 forward + backward passes of the model on
     one micro-batch; parameter gradients, buffers and the random state are left as they were."""
     bounds = (0, 1, linear.num_blocks)
     program = split(linear, bounds, [device, device], placed=example.placed)
@@ -147,7 +147,9 @@ def probe(linear: LinearGraph, costs: CostTable, example: Example, device: torch
     # a model that returns its own loss has it in its blocks; any other output gets ones as
     # its gradient
     last = LossSpec(linear.captured.unflatten_outputs, loss_fn, 1.0) if loss_fn else None
-    measured = measure_stages(program, values, grad_values=grads, loss=last, target=target)
+    # the fastest of a few runs: what the work costs, not what other processes added to it
+    measured = measure_stages(program, values, grad_values=grads, loss=last, target=target,
+                              repeats=4, statistic=min)
     predicted = sum(b.time for b in costs.blocks)
     actual = sum(t.forward + t.backward - t.loss for t in measured.values())
     size = linear.captured.microbatch_size(microbatches)
@@ -159,7 +161,7 @@ def probe(linear: LinearGraph, costs: CostTable, example: Example, device: torch
     shared = 1.0
     if cores is not None and threads >= 2:
         shared = thread_efficiency(program, values, grad_values=grads,
-                                   device_stages=[1] * threads, cores=cores)
+                                   device_stages=[1] * threads, cores=cores, repeats=3)
     return Probe(calibration, ratio, shared)
 
 

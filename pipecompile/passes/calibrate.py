@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, AbstractSet, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -63,8 +63,10 @@ def measure_stages(
     target: Any = None,
     stages: Sequence[int] | None = None,
     repeats: int = 5,
+    statistic: Callable[[list[float]], float] = statistics.median,
 ) -> dict[int, StageTimes]:
-    """Median times of `stages` (default: all) of a `StagedProgram` on one micro-batch.
+    """Times of `stages` (default: all) of a `StagedProgram` on one micro-batch: the median of
+    `repeats` runs (`statistic=min`: the fastest, what the work costs without interference).
 
     `values` maps every boundary value and graph input to its value on that micro-batch;
     `loss` (for the last stage) is used only when `target` is given or `loss.loss_fn` is None.
@@ -79,7 +81,7 @@ def measure_stages(
             worker, inputs = _worker(program, index, values, grad_values,
                                      loss if with_loss else None)
             device = program.stages[index].device
-            result[index] = _time_stage(worker, inputs, _to(target, device), repeats)
+            result[index] = _time_stage(worker, inputs, _to(target, device), repeats, statistic)
     return result
 
 
@@ -161,7 +163,8 @@ def _restoring(program):
             p.grad = grads[k]
 
 
-def _time_stage(worker: StageWorker, inputs, target, repeats: int) -> StageTimes:
+def _time_stage(worker: StageWorker, inputs, target, repeats: int,
+                statistic: Callable[[list[float]], float]) -> StageTimes:
     samples = []
     for _ in range(repeats + 1):  # the first round warms up
         t_f = _clock(lambda: worker.forward(0, inputs, target))
@@ -174,7 +177,7 @@ def _time_stage(worker: StageWorker, inputs, target, repeats: int) -> StageTimes
         t_w = _clock(lambda: worker.backward_weight(0))
         t_loss = _time_loss(worker, outputs, target) if worker.loss is not None else 0.0
         samples.append((t_f, t_b, t_i, t_w, t_loss))
-    return StageTimes(*(statistics.median(s[k] for s in samples[1:]) for k in range(5)))
+    return StageTimes(*(statistic([s[k] for s in samples[1:]]) for k in range(5)))
 
 
 def _time_loss(worker: StageWorker, outputs: Mapping[str, Any], target) -> float:

@@ -49,6 +49,7 @@ from pipecompile.runtime.validate import validate
 from pipecompile.runtime.zero_bubble import interleaved_zb, zb_v
 
 __all__ = [
+    "TWO_STAGES_PER_DEVICE",
     "ScheduleFn",
     "gpipe",
     "one_f_one_b",
@@ -216,6 +217,8 @@ SCHEDULES: dict[str, ScheduleFn] = {
 # (runtime/async_schedules.py, imported lazily because it builds on this module).
 ASYNC_SCHEDULE_NAMES: tuple[str, ...] = ("pipedream", "2bw")
 SCHEDULE_NAMES: tuple[str, ...] = (*SCHEDULES, *ASYNC_SCHEDULE_NAMES)
+#: The schedules that place two stages on every device unless told otherwise.
+TWO_STAGES_PER_DEVICE: tuple[str, ...] = ("interleaved-1f1b", "zb-v", "interleaved-zb")
 
 
 def make_schedule(
