@@ -54,6 +54,7 @@ from .plan import PassRecord, Plan
 from .runtime.actions import Action, Schedule
 from .runtime.schedules import SCHEDULE_NAMES
 from .runtime.simulate import StageCosts, Timeline
+from .search import Candidate, SearchResult
 from .treespec import dump_spec, load_spec
 
 __all__ = ["save_plan", "load_plan"]
@@ -91,7 +92,8 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
                    "blocks": [[b.index, b.name, list(b.nodes)] for b in program.linear.blocks],
                    "boundaries": [list(b) for b in program.linear.boundaries]},
         "stage_costs": [_plain(asdict(c)) for c in plan.stage_costs],
-        "cores": plan.cores, "efficiency": plan.efficiency,
+        "cores": plan.cores, "efficiency": plan.efficiency, "split_ratio": plan.split_ratio,
+        "search": _search_to_json(plan.search),
         "transfers": [[*key, seconds] for key, seconds in (plan.transfers or {}).items()],
         "predicted": plan.predicted.to_dict() if plan.predicted is not None else None,
         "passes": [asdict(r) for r in plan.passes],
@@ -142,10 +144,34 @@ def load_plan(
                 cores=data.get("cores"), efficiency=data.get("efficiency", 1.0),
                 transfers={(int(a), int(b), str(d)): float(t)
                            for a, b, d, t in data.get("transfers", [])},
-                predicted=Timeline.from_dict(data["predicted"]) if data["predicted"] else None)
+                predicted=Timeline.from_dict(data["predicted"]) if data["predicted"] else None,
+                split_ratio=data.get("split_ratio"), search=_search_from_json(data.get("search")))
     record = PassRecord("load", time.perf_counter() - start,
                         f"{program.num_stages} stages from {root}")
     return replace(plan, passes=(*passes, record))
+
+
+# -- the planning search's candidates (what explain() shows) ----------------------------------
+
+
+def _search_to_json(found: SearchResult | None) -> dict[str, Any] | None:
+    if found is None:
+        return None
+    return {"candidates": [_plain(asdict(c)) for c in found.candidates],
+            "lower_bound": found.lower_bound, "searched": list(found.searched)}
+
+
+def _search_from_json(data: dict[str, Any] | None) -> SearchResult | None:
+    """The saved candidates, the winner first (infinite steps and needs saved as "inf")."""
+    if not data:
+        return None
+    candidates = tuple(
+        Candidate(c["schedule"], c["microbatches"], c["virtual_stages"],
+                  tuple(c["recompute"]), tuple(c["bounds"]),
+                  float(c["step"]), tuple(map(float, c["memory"])), c["reason"],
+                  float(c["needed"]))
+        for c in data["candidates"])
+    return SearchResult(candidates[0], candidates, data["lower_bound"], tuple(data["searched"]))
 
 
 # -- stages ------------------------------------------------------------------------------------

@@ -233,3 +233,12 @@ def test_the_probe_measures_the_model_as_it_runs():
     assert case.args[0].shape[0] == 8 and plan.calibration.microbatch_size == 2  # at m = 4
     assert plan.split_ratio > 0 and plan.efficiency > 0  # timings: their size is the machine's
     assert "measured: block times" in pipe.explain()
+
+
+def test_a_loaded_pipeline_keeps_the_candidate_table(tmp_path):
+    case, _, pipe = _compile_gpt()
+    loaded = pc.load(pipe.save(tmp_path / "saved"), loss_fn=case.loss_fn)
+    assert loaded.plan.search == pipe.plan.search
+    assert loaded.plan.split_ratio == pipe.plan.split_ratio
+    table = pipe.explain().split("plan: ", 1)[1]
+    assert table in loaded.explain() and "chosen" in table
