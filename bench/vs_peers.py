@@ -11,7 +11,8 @@ optimizer, in the same two processes (gloo on loopback, `torch.set_num_threads(1
               the same place (embedding + L/2 blocks | L/2 blocks + head); each split is printed
     step      1F1B over m=8 micro-batches of a 16-sample batch, then one SGD step (DeepSpeed's
               `engine.train_batch` includes the optimizer step, so the others do one too:
-              pipecompile `optimizer=` in compile, torch pipelining `opt.step()`)
+              pipecompile `optimizer=` in compile, torch pipelining `opt.step()`); no gradient
+              clipping (DeepSpeed's default of 1.0 is turned off in its config)
 
 Rounds alternate the order (round r rotates the list of systems by r); each round times `--steps`
 steps of every system between two barriers after one warm-up step. The 1F1B bound is measured in
@@ -146,10 +147,14 @@ def _deepspeed(x, y, opts, rank: int) -> System:
     names = ["embed", *(f"layers.{i}" for i in range(opts.layers)), "head"]
     pm = PipelineModule(layers=model.flat(), num_stages=2, loss_fn=C.ce,
                         partition_method="uniform")
+    # gradient_clipping: DeepSpeed clips at norm 1.0 unless told (0 = off); the others do not
     config = {"train_batch_size": opts.batch, "train_micro_batch_size_per_gpu": opts.batch // opts.m,
-              "gradient_accumulation_steps": opts.m, "steps_per_print": 10**9,
-              "wall_clock_breakdown": False}
+              "gradient_accumulation_steps": opts.m, "gradient_clipping": 0.0,
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=pm, optimizer=_sgd(pm.parameters()), config=config)
+    if engine.gradient_clipping():
+        raise RuntimeError(f"DeepSpeed clips gradients at {engine.gradient_clipping()}; the "
+                           f"others do not: the comparison would not be equal work")
     torch.set_num_threads(1)  # whatever deepspeed set, one intra-op thread as the others
     data = itertools.cycle(list(zip(x.chunk(opts.m), y.chunk(opts.m))))
     parts = pm.parts  # layer index bounds per stage
