@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from pipecompile import zoo  # noqa: E402
 
 __all__ = ["ROOT", "machine", "med", "spread", "fmt_ms", "table", "spawn", "free_port",
-           "gpt2", "bert", "ce", "block_names", "loadavg", "gpt"]
+           "gpt2", "bert", "ce", "block_names", "loadavg", "gpt", "pipelining_stage"]
 
 
 def machine() -> str:
@@ -189,3 +189,16 @@ def _entry(fn, rank, world, port, args, queue) -> None:
 
 def gpt(*, vocab: int, dim: int, layers: int, heads: int, seq: int, tied: bool = False):
     return zoo.GPT(vocab=vocab, dim=dim, layers=layers, heads=heads, seq=seq, tied=tied)
+
+
+def pipelining_stage(model: torch.nn.Module, x: torch.Tensor, cut: str, rank: int,
+                     microbatches: int, schedule: str, loss_fn: Callable) -> tuple[Any, Any]:
+    """torch.distributed.pipelining's own front end on 2 ranks: `pipeline()` traces `model` and
+    cuts it before module `cut`; returns (this rank's stage, its gpipe / 1f1b schedule)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+
+    pipe = pipeline(model, mb_args=(x.chunk(microbatches)[0],),
+                    split_spec={cut: SplitPoint.BEGINNING})
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    return stage, cls(stage, n_microbatches=microbatches, loss_fn=loss_fn)
