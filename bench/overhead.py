@@ -79,6 +79,10 @@ def part_a(quick: bool) -> None:
         model, x, y, loss_fn = _case(name, quick, 16)
         pipe = pc.compile(model, (x,), devices=1, schedule="gpipe", microbatches=m,
                           loss_fn=loss_fn)
+        # 1f1b at one stage runs F0 B0 F1 B1 ... as the plain loop does; gpipe holds every
+        # micro-batch's activations until its backward (m times the memory traffic)
+        pipe1 = pc.compile(model, (x,), devices=1, schedule="1f1b", microbatches=m,
+                           loss_fn=loss_fn)
         graph = pipe.runtime.workers[0].module  # the captured stage, run in the plain loop
         unflatten = pipe.program.captured.unflatten_outputs
 
@@ -91,7 +95,8 @@ def part_a(quick: bool) -> None:
             "plain model": lambda: _plain_step(model, params, x, y, loss_fn, m),
             "captured graph, plain loop": lambda: _plain_step(graph, gparams, x, y,
                                                               graph_loss, m),
-            "pipe.step (devices=1)": lambda: pipe.step(x, target=y),
+            "pipe.step (devices=1, gpipe)": lambda: pipe.step(x, target=y),
+            "pipe.step (devices=1, 1f1b)": lambda: pipe1.step(x, target=y),
         }
         times: dict[str, list[float]] = {k: [] for k in runs}
         for i in range(repeats + 2):
@@ -106,7 +111,7 @@ def part_a(quick: bool) -> None:
             rows.append([label, key, fmt_ms(med(ts)), spread(ts),
                          f"{(med(ts) / base - 1) * 100:+.1f}%",
                          f"{(med(ts) - base) * 1e6 / (2 * m):.0f}"])
-    print(f"\n(a) 1-stage pipeline vs plain model, m={m}, gpipe, {repeats} alternating repeats, "
+    print(f"\n(a) 1-stage pipeline vs plain model, m={m}, {repeats} alternating repeats, "
           f"medians; load {loadavg()}")
     print(table(rows, ["model", "system", "ms/step", "spread", "vs plain",
                        "extra us per action (2m actions)"]))
@@ -154,33 +159,40 @@ def part_b(quick: bool) -> None:
     ms = [2, 4, 8, 16, 32] if not quick else [2, 8, 16]
     repeats = 8 if quick else 30
     mb = 2
+    # (results, actions per micro-batch on the critical device, messages per micro-batch
+    # there, share of the model's compute it runs): one process runs every action of both
+    # device threads (they share the GIL); a rank runs its stage's F and B, one SEND, one RECV
     results = {
-        "1 process, devices=1": (_sweep(ms, repeats, 1, mb), 2, 0),
-        "1 process, devices=2 (threads)": (_sweep(ms, repeats, 2, mb), 4, 2),
+        "1 process, devices=1": (_sweep(ms, repeats, 1, mb), 2, 0, 1.0),
+        "1 process, devices=2 (threads)": (_sweep(ms, repeats, 2, mb), 8, 2, 1.0),
     }
     ranks = spawn(_rank_sweep, 2, ms, repeats, mb)
     slowest = {"pipe": {m: max(r["pipe"][m] for r in ranks) for m in ms},
                "plain": ranks[0]["plain"]}
-    results["2 gloo ranks"] = (slowest, 4, 2)
+    results["2 gloo ranks (slower rank)"] = (slowest, 4, 2, 0.5)
     rows = []
-    for name, (res, actions, messages) in results.items():
+    base = None
+    for name, (res, actions, messages, share) in results.items():
         slope, icpt = _fit(ms, [res["pipe"][m] for m in ms])
         pslope, _ = _fit(ms, [res["plain"][m] for m in ms])
-        steps = " ".join(f"{res['pipe'][m] * 1e3:.2f}" for m in ms)
-        plain = " ".join(f"{res['plain'][m] * 1e3:.2f}" for m in ms)
-        per_action = (slope - pslope) / actions * 1e6
-        rows.append([name, steps, plain, f"{slope * 1e6:.0f}", f"{pslope * 1e6:.0f}",
-                     f"{icpt * 1e3:.2f}", f"{actions}", f"{per_action:.0f}"])
+        extra = slope - share * pslope  # the runtime's own seconds per micro-batch
+        base = extra if base is None else base
+        per_message = (f"{(extra - base) / messages * 1e6:.0f}" if messages else "-")
+        rows.append([name, " ".join(f"{res['pipe'][m] * 1e3:.2f}" for m in ms),
+                     " ".join(f"{res['plain'][m] * 1e3:.2f}" for m in ms),
+                     f"{slope * 1e6:.0f}", f"{pslope * 1e6:.0f}", f"{icpt * 1e3:.2f}",
+                     f"{extra * 1e6:.0f}", f"{actions}", f"{extra / actions * 1e6:.0f}",
+                     per_message])
     print(f"\n(b) tiny MLP (8x8, 2 layers), micro-batch of {mb} samples, gpipe, m in {ms}, "
           f"{repeats} repeats, medians; load {loadavg()}")
-    print("actions per micro-batch: compute F+B per stage, plus SEND+RECV per message each way "
-          "(devices=2: 4 compute + 4 comm; per rank of 2: 2 + 2, rank times: the slower)")
-    print(table(rows, ["runtime", f"pipe ms/step at m={ms}", "plain ms/step",
-                       "pipe us per mb (slope)", "plain us per mb", "pipe intercept ms",
-                       "actions per mb (critical device)",
-                       "us per action over plain"]))
-    print("devices=2 in one process: the two device threads share the GIL, so the busiest "
-          "'device' is the process; counted: all 8 actions per mb, over the 2 threads' 4 each.")
+    print(table(rows, ["runtime", "pipe ms/step at each m", "plain ms/step",
+                       "pipe us/mb (slope)", "plain us/mb", "pipe intercept ms",
+                       "runtime us/mb (slope - share x plain)", "actions/mb",
+                       "us per action", "us per message over devices=1"]))
+    print("actions/mb: on the critical device (one process runs both device threads' F, B, "
+          "SEND and RECV under one GIL: 8; a rank: its F, B, one SEND, one RECV). share: a rank "
+          "runs half the model. Per message: (runtime us/mb - the devices=1 row's) / messages "
+          "per mb there (2: one each way).")
 
 
 def main() -> None:
