@@ -157,6 +157,7 @@ class P2PTransport:
             buf = torch.empty(self._shape(name, message.microbatch),
                               dtype=spec.dtype or torch.int64, device=device)
             work = dist.irecv(buf, src=src, tag=self._tag(message, name))
+            assert work is not None, "this rank is in the default group"
             # waited for from now on: completed as soon as it arrives, in posting order
             requests.append((self.waiter.submit(work, self.timeout + 5.0), buf))
         return requests
