@@ -128,24 +128,26 @@ def _fit(ms: Sequence[int], ts: Sequence[float]) -> tuple[float, float]:
 
 def _sweep(ms: Sequence[int], repeats: int, devices: int, mb_size: int,
            barrier: Callable[[], None] = lambda: None) -> dict[str, dict[int, float]]:
-    """Median step time per m: plain model and pipeline with `devices` devices."""
+    """Median step time per m: plain model and pipeline with `devices` devices. Every repeat
+    runs every m (pipeline, then plain), so load from other work spreads over all of them."""
     torch.set_num_threads(1)
-    out: dict[str, dict[int, float]] = {"plain": {}, "pipe": {}}
+    cases = {}
     for m in ms:
         model, x, y, loss_fn = _case("mlp", True, mb_size * m)
         pipe = pc.compile(model, (x,), devices=devices, schedule="gpipe", microbatches=m,
                           loss_fn=loss_fn, split_points=["2"] if devices == 2 else None)
-        params = list(model.parameters())
-        plain, piped = [], []
-        for i in range(repeats + 2):
+        cases[m] = (model, list(model.parameters()), x, y, loss_fn, pipe)
+    times: dict[str, dict[int, list[float]]] = {"plain": {m: [] for m in ms},
+                                                "pipe": {m: [] for m in ms}}
+    for i in range(repeats + 2):
+        for m, (model, params, x, y, loss_fn, pipe) in cases.items():
             barrier()
             t = _timed(lambda: pipe.step(x, target=y))
             p = _timed(lambda: _plain_step(model, params, x, y, loss_fn, m))
-            if i >= 2:
-                piped.append(t)
-                plain.append(p)
-        out["pipe"][m], out["plain"][m] = med(piped), med(plain)
-    return out
+            if i >= 2:  # warm-up
+                times["pipe"][m].append(t)
+                times["plain"][m].append(p)
+    return {k: {m: med(ts) for m, ts in v.items()} for k, v in times.items()}
 
 
 def _rank_sweep(rank: int, world: int, ms, repeats, mb_size):
