@@ -68,3 +68,13 @@ def test_receive_shapes_are_evaluated_once_per_sizes() -> None:
                                  waiter=Waiter(), shapes=cache)
         assert [transport._shape("h", mb) for mb in range(3)] == [(2, 3), (2, 3), (1, 3)]
     assert calls == [{"b": 2}, {"b": 1}]
+
+
+def test_layouts_kept_are_bounded() -> None:
+    acts = SavedActivations()
+    lin = nn.Linear(2, 2)
+    for mb in range(70):  # e.g. a scalar input that differs on every step
+        with acts.record(mb, frozenset(), ("scalar", float(mb))):
+            lin(torch.randn(1, 2)).sum()
+    assert len(acts.counted) == 64
+    assert all(acts.held[mb] == acts.held[0] > 0 for mb in range(70))

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["SavedActivations", "storage_keys", "DeviceMemory", "device_memory", "format_memory",
            "step_started"]
 
+_MAX_LAYOUTS = 64  # layouts whose counts one stage keeps
 _ORDER = itertools.count()  # orders the events of stages that share a device (one thread)
 _Span = tuple[int, int, int, int]  # (storage key, start byte, end byte, storage bytes)
 
@@ -130,8 +131,8 @@ class SavedActivations:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
-        if layout is not None:
-            self.counted[layout] = _union_bytes(spans)
+        if layout is not None and len(self.counted) < _MAX_LAYOUTS:  # bounded: a scalar
+            self.counted[layout] = _union_bytes(spans)  # input may differ on every step
         self._add(mb, spans)
 
     def hold(self, mb: int, tensors: Iterable[Any], excluded: frozenset[int] = frozenset()
