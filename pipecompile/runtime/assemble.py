@@ -274,13 +274,16 @@ class DistributedRuntime(Runtime):
         self.topology = topology
         self.sync = GradientSync(topology, program, schedule, self.own_stages)
         self.waiter = Waiter()
+        # constant per plan: the receive buffers' specs, and their shapes per distinct sizes
+        self.specs = value_specs(program)
+        self.shapes: dict[tuple, tuple[int, ...]] = {}
 
     def transport(self, mbs: Sequence[MicroBatch]) -> P2PTransport:
         topology, position = self.topology, self.schedule.stage_to_device
         return P2PTransport(
             rank=topology.rank,
             rank_of_stage=lambda stage: topology.rank_of(position[stage]),
-            specs=value_specs(self.program),
+            specs=self.specs, shapes=self.shapes,
             devices=self.wiring.devices, sizes=[self._sizes(mb) for mb in mbs],
             timeout=self.timeout, waiter=self.waiter, store=_default_store(),
             label=lambda stage: f"rank {topology.rank} (stage {stage})")

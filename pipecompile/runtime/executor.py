@@ -76,6 +76,12 @@ class Executor:
         self.forward_only = False
         self.autocast: Any = None  # the caller's AutocastState, re-entered around computation
         self.dataflow = wiring.dataflow()
+        # Constant per plan, looked up on every action: each stage's links out and in, and
+        # the message of each SEND/RECV action (the dataflow's links are scanned once).
+        stages = range(len(wiring.devices))
+        self._readers = {s: self.dataflow.readers(s) for s in stages}
+        self._sources = {s: tuple(k for k in self.dataflow.sources(s) if k.grads) for s in stages}
+        self._messages: dict[Action, Message] = {}
         # Per step: values handed to (stage, mb), output gradients summed for (stage, mb), and
         # each message's values from its producing action until its SEND. Each key is written
         # and read by one device's thread only.
@@ -235,7 +241,7 @@ class Executor:
             target = to_device(microbatches[mb].target, device) if worker.loss is not None else None
             outputs = worker.forward(mb, inputs, target)
         _publish(device)
-        for link in self.dataflow.readers(stage):
+        for link in self._readers[stage]:
             values = {name: outputs[name] for name in link.values}
             if self._home[link.dst] == self._home[stage]:
                 self._hand(self._inputs, (link.dst, mb), values, add=False)
@@ -256,9 +262,7 @@ class Executor:
         began = time.perf_counter()
         grads = method(self.workers[stage], mb, grads_in)
         _publish(self.wiring.devices[stage])
-        for link in self.dataflow.sources(stage):
-            if not link.grads:
-                continue
+        for link in self._sources[stage]:
             values = {name: grads.get(name) for name in link.grads}
             if self._home[link.src] == self._home[stage]:
                 self._hand(self._grads, (link.src, mb), values, add=True)
@@ -280,7 +284,10 @@ class Executor:
                 held[name] = value if held.get(name) is None else held[name] + value
 
     def _message(self, action: Action) -> Message:
-        return message_of(action, self.dataflow)
+        message = self._messages.get(action)
+        if message is None:  # several threads may store the same message: harmless
+            message = self._messages[action] = message_of(action, self.dataflow)
+        return message
 
     def _backward_weight(self, action, transport, feeds, microbatches) -> None:
         self.workers[action.stage].backward_weight(action.microbatch)

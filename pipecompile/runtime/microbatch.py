@@ -41,7 +41,7 @@ def split_microbatches(
             f"a batch of {batch} cannot be split into microbatches={num}; use a batch of at "
             f"least {num} samples or fewer micro-batches"
         )
-    sizes = [c.shape[0] for c in torch.arange(batch).chunk(num)]
+    sizes = _chunk_sizes(batch, num)
     if len(sizes) != num:
         raise ConfigError(
             f"torch.chunk splits a batch of {batch} into {len(sizes)} pieces, not "
@@ -61,3 +61,11 @@ def split_microbatches(
         mb_args, mb_kwargs, mb_target = pytree.tree_unflatten(mb_leaves, spec)
         out.append(MicroBatch(i, mb_args, mb_kwargs, mb_target, sizes[i]))
     return out
+
+
+def _chunk_sizes(batch: int, num: int) -> list[int]:
+    """The sizes of `torch.chunk(num)`'s pieces of `batch` rows, computed (not allocated):
+    pieces of ceil(batch / num) rows, the last one what remains."""
+    size = -(-batch // num)
+    pieces = -(-batch // size)
+    return [size] * (pieces - 1) + [batch - size * (pieces - 1)]

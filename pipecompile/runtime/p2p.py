@@ -14,7 +14,13 @@ once its receive is posted), and a RECV action blocks until its message has arri
 requests only complete inside `Work.wait()`, so a waiter thread calls it while the stage's
 thread waits on an event, checking every 50 ms the process group's store for an error posted
 by another rank (`abort`): a failure anywhere ends every rank promptly, and after `timeout`
-seconds a wait gives up with an error naming the stage and the peer.
+seconds a wait gives up with an error naming the stage and the peer. The waiter is handed each
+receive when it is posted, in the row's order, so it completes a message as soon as it arrives
+and a RECV whose data is already there does not wait for a thread switch.
+
+Per step, the transport allocates receive buffers and evaluates each value's symbolic shape
+once per distinct set of sizes (`shapes`, a cache the runtime keeps across steps: the sympy
+substitution costs far more than a message on a small model).
 """
 
 from __future__ import annotations
@@ -82,7 +88,8 @@ class P2PTransport:
     def __init__(self, *, rank: int, rank_of_stage: Callable[[int], int],
                  specs: Mapping[str, ValueSpec], devices: tuple[torch.device, ...],
                  sizes: Sequence[Mapping[Any, int]], timeout: float, waiter: Waiter,
-                 store: Any = None, label: Callable[[int], str] = str):
+                 store: Any = None, label: Callable[[int], str] = str,
+                 shapes: dict[tuple, tuple[int, ...]] | None = None):
         self.rank = rank
         self.rank_of = rank_of_stage
         self.specs = specs
@@ -95,7 +102,10 @@ class P2PTransport:
         self._index = {name: i for i, name in enumerate(sorted(specs))}
         self._num_stages = len(devices)
         self._sends: list[tuple[Any, str]] = []
+        # per posted message: its buffers, and the waiter's (done, outcome) of each receive
         self._posted: dict[Message, list[tuple[Any, torch.Tensor]]] = {}
+        self._shapes = {} if shapes is None else shapes  # (value, sizes) -> concrete shape
+        self._size_keys = [tuple(s.items()) for s in sizes]
         self.stats = {"messages": 0, "bytes": 0, "wait_seconds": 0.0}  # this rank, this step
 
     # -- transport interface ---------------------------------------------------------------
@@ -118,8 +128,8 @@ class P2PTransport:
     def recv(self, message: Message) -> dict[str, Any]:
         requests = self._posted.pop(message, None) or self._irecv(message)
         src = self.rank_of(message.src)
-        for work, _ in requests:
-            self._wait(work, message.dst, str(message), src)
+        for handle, _ in requests:
+            self._wait(handle, message.dst, message, src)
         return {name: buf if self.specs[name].dtype is not None else int(buf.item())
                 for name, (_, buf) in zip(message.values, requests)}
 
@@ -131,7 +141,7 @@ class P2PTransport:
         device = self.devices[message.src]
         if value is None:  # a gradient of a value that did not reach the loss: zero
             spec = self.specs[name]
-            return torch.zeros(spec.shape(self.sizes[message.microbatch]), dtype=spec.dtype,
+            return torch.zeros(self._shape(name, message.microbatch), dtype=spec.dtype,
                                device=device)
         if isinstance(value, torch.Tensor):
             # in the captured dtype, which the receive buffer has: under autocast a value may
@@ -144,15 +154,26 @@ class P2PTransport:
         requests = []
         for name in message.values:
             spec = self.specs[name]
-            buf = torch.empty(spec.shape(self.sizes[message.microbatch]),
+            buf = torch.empty(self._shape(name, message.microbatch),
                               dtype=spec.dtype or torch.int64, device=device)
-            requests.append((dist.irecv(buf, src=src, tag=self._tag(message, name)), buf))
+            work = dist.irecv(buf, src=src, tag=self._tag(message, name))
+            assert work is not None, "this rank is in the default group"
+            # waited for from now on: completed as soon as it arrives, in posting order
+            requests.append((self.waiter.submit(work, self.timeout + 5.0), buf))
         return requests
+
+    def _shape(self, name: str, microbatch: int) -> tuple[int, ...]:
+        """Value `name`'s shape in `microbatch`, evaluated once per distinct sizes."""
+        key = (name, self._size_keys[microbatch])
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = tuple(self.specs[name].shape(self.sizes[microbatch]))
+        return shape
 
     def finish(self) -> None:
         """Complete every send of the step (they complete once their receiver has the data)."""
         for work, what in self._sends:
-            self._wait(work, None, what, None)
+            self._wait(self.waiter.submit(work, self.timeout + 5.0), None, what, None)
         self._sends = []
 
     def abort(self, error: BaseException) -> None:
@@ -172,16 +193,20 @@ class P2PTransport:
         link = (message.src * self._num_stages + message.dst) * 2 + message.backward
         return (link * len(self.sizes) + message.microbatch) * len(self._index) + self._index[name]
 
-    def _wait(self, work, stage: int | None, what: str, peer: int | None) -> None:
+    def _wait(self, handle: tuple[threading.Event, list[BaseException]], stage: int | None,
+              what: Any, peer: int | None) -> None:
+        """Block until the waiter has completed a request (`Waiter.submit`'s handle)."""
         began = time.perf_counter()
         try:
-            self._wait_for(work, stage, what, peer)
+            self._wait_for(handle, stage, what, peer)
         finally:
             self.stats["wait_seconds"] += time.perf_counter() - began
 
-    def _wait_for(self, work, stage: int | None, what: str, peer: int | None) -> None:
+    def _wait_for(self, handle, stage: int | None, what: Any, peer: int | None) -> None:
+        done, outcome = handle
+        if done.is_set() and not outcome:
+            return  # already arrived: the common case of a posted receive
         deadline = time.monotonic() + self.timeout
-        done, outcome = self.waiter.submit(work, self.timeout + 5.0)
         while not done.wait(0.05):
             self._check_peers()
             if time.monotonic() >= deadline:

@@ -114,6 +114,49 @@ class _Saved:
     weights: dict | None = None  # asynchronous schedules: the weight version this mb uses
 
 
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _value_layout(value: Any) -> Any:
+    """What decides the tensors a graph saves for `value`: a tensor's shape, strides, dtype,
+    device and whether it needs a gradient; a scalar itself. None: no simple layout."""
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
+    if isinstance(value, _SCALARS):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        parts = tuple(_value_layout(v) for v in value)
+        return None if None in parts else (type(value), parts)
+    return None
+
+
+def _layout(module: torch.nn.Module, params: tuple[torch.Tensor, ...],
+            inputs: Mapping[str, Any], target: Any) -> Any:
+    """A key under which a training forward saves the same tensors for backward (what
+    `SavedActivations.record` reuses a count by), or None when the inputs are not all plain.
+    Inputs that share a storage are part of it, as are autocast, grad mode and which of the
+    module's parameters are trainable. The captured graph is static; the last stage's loss_fn
+    is taken to save the same tensors for targets of the same layout too."""
+    values = []
+    storages: dict[int, int] = {}
+    for name, value in inputs.items():
+        layout = _value_layout(value)
+        if layout is None:
+            return None
+        if isinstance(value, torch.Tensor):
+            shared = storages.setdefault(value.untyped_storage().data_ptr(), len(storages))
+            layout = (*layout, shared)
+        values.append((name, layout))
+    aim = _value_layout(target)
+    if aim is None and target is not None:
+        return None
+    autocast = tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
+                     for t in sorted({v.device.type for v in inputs.values()
+                                      if isinstance(v, torch.Tensor)} | {"cpu"}))
+    trainable = tuple(p.requires_grad for p in params)
+    return (module, tuple(values), aim, autocast, torch.is_grad_enabled(), trainable)
+
+
 @dataclass
 class StageWorker:
     """Runs one stage's module; `grad_inputs` names the received values that need gradients."""
@@ -136,6 +179,7 @@ class StageWorker:
     # the storages of the stage's parameters and buffers (not activations), found once: they
     # are updated in place, and an eval-mode or compiled graph shares them
     _state_keys: frozenset[int] | None = field(default=None, init=False, repr=False)
+    _params_of: tuple[Any, tuple] = field(default=(None, ()), init=False, repr=False)
     saved: dict[int, _Saved] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: detached losses
     peak_inflight: int = 0  # most micro-batches held at once (activations saved) so far
@@ -172,7 +216,9 @@ class StageWorker:
                     self.losses[mb] = self._loss(outputs, target)
             return dict(zip(self.output_names, outputs))
         leaves = self._leaves(inputs)
-        with self.activations.record(mb, self._state(weights)):
+        layout = _layout(self.module, self._module_params(), inputs, target) \
+            if weights is None else None
+        with self.activations.record(mb, self._state(weights), layout):
             with microbatch(mb, step=self.steps):
                 outputs = self._run({**inputs, **leaves}, weights)
             saved = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=weights)
@@ -249,6 +295,14 @@ class StageWorker:
         tensors = [*inputs.values(), *self.module.parameters()]
         step_started({t.device for t in tensors if isinstance(t, torch.Tensor)}, self.steps)
 
+    def _module_params(self) -> tuple[torch.Tensor, ...]:
+        """The parameters of the module run now (train or eval graph), listed once per module."""
+        module, params = self._params_of
+        if module is not self.module:
+            params = tuple(self.module.parameters())
+            self._params_of = (self.module, params)
+        return params
+
     def _state(self, weights: dict | None) -> frozenset[int]:
         """The storages of the parameters and buffers (and a stashed weight version): what
         saved-activation counting leaves out."""
@@ -313,8 +367,9 @@ class StageWorker:
         """Tensors to backpropagate from, and their incoming gradients."""
         if self.loss is not None:
             assert saved.loss is not None, "the last stage's forward computed the loss"
-            loss = saved.loss * self.loss.scale
-            return [loss], [torch.ones_like(loss)]
+            # d(scale * loss) = scale * d(loss): the scale as the loss's incoming gradient
+            # gives the same gradients (the mul's backward multiplies 1 by it) with no extra op
+            return [saved.loss], [torch.full_like(saved.loss, self.loss.scale)]
         roots, grads = [], []
         for name, out in saved.outputs.items():
             grad = output_grads.get(name)
