@@ -91,6 +91,16 @@ def test_search_is_deterministic_and_breaks_ties_in_order():
     assert tie.candidates[1].reason == "tie (later in order)"
 
 
+def test_a_tie_goes_to_the_plan_that_holds_less_memory():
+    # two micro-batches on two devices: gpipe and 1F1B run the same timeline, but 1F1B's last
+    # stage holds one micro-batch's activations instead of two
+    tie = _search(Space(("gpipe", "1f1b"), (2,)), overhead=1e-3, table={"activation": 4e6})
+    f1b, gpipe = sorted(tie.candidates, key=lambda c: c.schedule)
+    assert gpipe.step == pytest.approx(f1b.step, rel=1e-9)
+    assert sum(f1b.memory) < sum(gpipe.memory)
+    assert tie.best.schedule == "1f1b" and tie.candidates[1].reason == "tie (more memory)"
+
+
 def test_explicit_values_are_the_only_ones_costed():
     result = _search(Space(("zb-h1",), (4,)), overhead=1e-4)
     assert [(c.schedule, c.microbatches) for c in result.candidates] == [("zb-h1", 4)]
