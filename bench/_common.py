@@ -202,3 +202,19 @@ def pipelining_stage(model: torch.nn.Module, x: torch.Tensor, cut: str, rank: in
     stage = pipe.build_stage(rank, torch.device("cpu"))
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     return stage, cls(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+def timed(step: Callable[[], Any], steps: int) -> tuple[float, float]:
+    """(wall, this process's CPU) seconds per step over `steps` steps between two barriers. CPU
+    time counts every thread of the rank (gloo's, pipecompile's waiter)."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    c1 = time.process_time()
+    dist.barrier()
+    return (time.perf_counter() - t0) / steps, (c1 - c0) / steps

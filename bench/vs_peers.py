@@ -32,7 +32,6 @@ import argparse
 import itertools
 import logging
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -189,13 +188,7 @@ BUILDERS = {"pipecompile": _pipecompile, "deepspeed": _deepspeed,
 
 def _timed(step: Callable[[], Any], steps: int) -> tuple[float, float]:
     """(wall, this process's CPU) seconds per step over `steps` steps between barriers."""
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        step()
-    c1 = time.process_time()
-    dist.barrier()
-    return (time.perf_counter() - t0) / steps, (c1 - c0) / steps
+    return C.timed(step, steps)
 
 
 def _build(opts, x, y, rank: int) -> tuple[dict[str, System], dict[str, str]]:

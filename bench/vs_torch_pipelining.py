@@ -30,7 +30,6 @@ scaled by 1/m, `return_outputs=False`).
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 
 import _common as C
@@ -118,15 +117,9 @@ def _peer(runner: Runner, case: Case, schedule: str, x, y, opts, rank: int):
 
 def _timed(step, steps: int) -> tuple[float, float]:
     """(wall, this process's CPU) seconds per step: `steps` steps between barriers, after one
-    warm-up step. CPU time counts every thread of the rank (gloo's, pipecompile's waiter)."""
+    warm-up step."""
     step()
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        step()
-    c1 = time.process_time()
-    dist.barrier()
-    return (time.perf_counter() - t0) / steps, (c1 - c0) / steps
+    return C.timed(step, steps)
 
 
 def _rank(rank: int, world: int, opts) -> list[dict]:
