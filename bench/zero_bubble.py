@@ -1,8 +1,10 @@
 """Zero-bubble costs and schedules: the I+W / fused-backward ratio, then step times.
 
-`ratio`: per stage of a small GPT and an MLP, the median time of I (input gradients, recording
-the frontier) plus W (weight gradients from it) over the median of one fused backward, measured
-in the same run, alternating. `steps`: 1f1b vs zb-h1 vs zb-v vs interleaved-zb step time and
+`ratio`: per stage of a small GPT and an MLP (captured by torch.export, as the runtime runs
+them), the median time of I (input gradients) plus W (weight gradients) over the median of one
+fused backward, measured in the same run, alternating: for the frontier split
+(`split_backward`, kept for stages with convolutions) and for deferred linears (`weight_store`,
+what the runtime runs otherwise). `steps`: 1f1b vs zb-h1 vs zb-v vs interleaved-zb step time and
 measured bubble on device threads (one process) at m = 8, medians of alternating rounds.
 
     python bench/zero_bubble.py ratio
@@ -28,6 +30,8 @@ import _common  # noqa: E402
 import pipecompile as pc  # noqa: E402
 from pipecompile import zoo  # noqa: E402
 from pipecompile.runtime.split_backward import backward_input, backward_weight  # noqa: E402
+from pipecompile.runtime.weight_store import (WeightGradStore, collecting,  # noqa: E402
+                                              defer_weight_grads)
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-v", "interleaved-zb"]
 
@@ -52,7 +56,8 @@ def _fused(module, x, grad) -> float:
     return time.perf_counter() - t0
 
 
-def _split(module, x, grad) -> tuple[float, float]:
+def _frontier(module, x, grad) -> tuple[float, float]:
+    """I then W by `split_backward` (the frontier walk: stages with convolutions)."""
     leaf = x.detach().requires_grad_(True)
     out = module(leaf)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -63,25 +68,50 @@ def _split(module, x, grad) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
+def _deferred(module, x, grad) -> tuple[float, float]:
+    """I then W through deferred linears (`weight_store`: what zero-bubble stages run)."""
+    leaf = x.detach().requires_grad_(True)
+    # the stage alone holds its parameters, as an untied stage's do: W adds into .grad itself
+    store = WeightGradStore(frozenset(id(p) for p in module.parameters()))
+    with collecting(store):
+        out = module(leaf)
+    t0 = time.perf_counter()
+    torch.autograd.backward([out], [grad])
+    t1 = time.perf_counter()
+    store.flush()
+    return t1 - t0, time.perf_counter() - t1
+
+
 def ratio(rounds: int) -> None:
-    """Print I, W, I+W and B times per stage, and (I+W)/B."""
+    """Per stage (captured by torch.export, as the runtime runs it): B, and I, W and (I+W)/B
+    for the frontier split and for deferred linears, alternating in one run."""
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 intra-op thread, medians of {rounds} alternating rounds")
-    print(f"{'stage':<18}{'B ms':>8}{'I ms':>8}{'W ms':>8}{'(I+W)/B':>9}")
+    print(f"{'stage':<18}{'B ms':>7} | {'frontier: I':>12}{'W':>6}{'(I+W)/B':>9} | "
+          f"{'deferred: I':>12}{'W':>6}{'(I+W)/B':>9}")
     for name, module, make in _stages():
         x = make()
-        grad = torch.randn_like(module(x))
-        fused, inputs, weights = [], [], []
+        graph = torch.export.export(module, (x,)).module()
+        deferred = defer_weight_grads(graph)
+        grad = torch.randn_like(graph(x))
+        times: dict = {"B": [], "frontier": [], "deferred": []}
         for r in range(rounds + 2):
-            module.zero_grad(set_to_none=True)  # both start from no .grad
-            f = _fused(module, x, grad)
-            module.zero_grad(set_to_none=True)
-            i, w = _split(module, x, grad)
-            if r >= 2:  # warm-up rounds
-                fused.append(f), inputs.append(i), weights.append(w)
-        b, i, w = (statistics.median(v) for v in (fused, inputs, weights))
-        sums = statistics.median(a + c for a, c in zip(inputs, weights))
-        print(f"{name:<18}{b * 1e3:8.2f}{i * 1e3:8.2f}{w * 1e3:8.2f}{sums / b:9.3f}")
+            for what in times:
+                graph.zero_grad(set_to_none=False)  # .grad exists, as after micro-batch 0
+                if what == "B":
+                    t = (_fused(graph, x, grad), 0.0)
+                else:
+                    t = (_frontier if what == "frontier" else _deferred)(
+                        graph if what == "frontier" else deferred, x, grad)
+                if r >= 2:  # warm-up rounds
+                    times[what].append(t)
+        b = statistics.median(i for i, _ in times["B"])
+        row = f"{name:<18}{b * 1e3:7.2f}"
+        for what in ("frontier", "deferred"):
+            i, w = (statistics.median(v[k] for v in times[what]) for k in (0, 1))
+            both = statistics.median(a + c for a, c in times[what])
+            row += f" | {i * 1e3:12.2f}{w * 1e3:6.2f}{both / b:9.3f}"
+        print(row)
 
 
 def _model():

@@ -19,6 +19,7 @@ by the global gradient norm, and tied copies that follow their owner.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -29,7 +30,7 @@ from ..passes.eval_mode import eval_graph
 from ..passes.split import StagedProgram
 from ..rng import seed_random_ops
 from ..tensors import to_device
-from .actions import Schedule
+from .actions import Kind, Schedule
 from .compiled import compile_stage
 from .distributed import (GradientSync, Topology, _default_store, broadcast_outputs,
                           forward_only, reduce_mean_loss, value_specs)
@@ -336,6 +337,10 @@ def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOption
             f"compile_stages=True with schedule={schedule.name!r} is not supported (its stashed "
             f"weight versions run the uncompiled graph); use a synchronous schedule or "
             f"compile_stages=False")
+    splits = any(a.kind is Kind.W for row in schedule.actions for a in row)
+    holders = Counter(id(p) for s in program.stages if s.index in own
+                      for p in s.module.parameters())
+    exclusive = frozenset(i for i, n in holders.items() if n == 1)
     workers = {}
     for s in program.stages:
         if s.index not in own:
@@ -355,7 +360,8 @@ def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOption
             s.inputs, s.outputs, frozenset(n for n in s.inputs if n in grad_values),
             loss if s.index == last else None, options.stage_checkpoint(s.index),
             versions=versions,
-            fused_backward=options.compile_stages, own_streams=own_streams)
+            fused_backward=options.compile_stages, own_streams=own_streams,
+            split_weights=splits, exclusive_params=exclusive)
     return workers
 
 

@@ -1,5 +1,9 @@
 """Backward split into input gradients (I) and weight gradients (W) without recomputation.
 
+Zero-bubble stages whose weights sit in linears split at the op instead (`weight_store`: no
+graph walk per micro-batch); this frontier split serves the others: stages with convolutions,
+whose kernels it splits too, and first stages, whose W is their whole backward.
+
 Zero-bubble schedules (Qi et al. 2024) run I as soon as the next stage's gradient arrives and
 defer W to fill bubbles. Two plain `autograd.grad` calls (inputs, then parameters) would run the
 chain from the outputs to the parameters twice. Instead, I records the gradient arriving at

@@ -35,8 +35,13 @@ from ..rng import generator_lock, microbatch
 from . import split_backward
 from .memory import SavedActivations, step_started, storage_keys
 from .versions import WeightVersions
+from .weight_store import WeightGradStore, collecting, defer_weight_grads
 
 __all__ = ["StageWorker", "LossSpec"]
+
+
+def _collecting(store: WeightGradStore | None) -> Any:
+    return contextlib.nullcontext() if store is None else collecting(store)
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class _Saved:
     target: Any = None  # checkpointing, last stage: the target the loss is recomputed with
     stream: tuple[int, int] = (0, 0)  # checkpointing: `rng.microbatch`'s (index, step)
     weight_work: Any = None  # zero-bubble: what W needs, recorded by I
+    store: WeightGradStore | None = None  # zero-bubble, deferred linears: W's queued work
     weights: dict | None = None  # asynchronous schedules: the weight version this mb uses
 
 
@@ -176,6 +182,11 @@ class StageWorker:
     # each forward draws their seed from the global generator, so the recomputation redraws the
     # forward's masks whatever other device threads drew from that generator in between
     own_streams: bool = False
+    # zero-bubble: forwards that have stage inputs to differentiate run the graph with deferred
+    # linears (`weight_store`), so I is one ordinary backward and W the queued matmuls
+    split_weights: bool = False
+    exclusive_params: frozenset[int] = frozenset()  # ids of parameters no other stage here holds
+    _deferred: dict[int, tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False)
     # the storages of the stage's parameters and buffers (not activations), found once: they
     # are updated in place, and an eval-mode or compiled graph shares them
     _state_keys: frozenset[int] | None = field(default=None, init=False, repr=False)
@@ -216,12 +227,14 @@ class StageWorker:
                     self.losses[mb] = self._loss(outputs, target)
             return dict(zip(self.output_names, outputs))
         leaves = self._leaves(inputs)
-        layout = _layout(self.module, self._module_params(), inputs, target) \
+        module, store = self._weight_split(leaves)
+        layout = _layout(module, self._module_params(), inputs, target) \
             if weights is None else None
         with self.activations.record(mb, self._state(weights), layout):
-            with microbatch(mb, step=self.steps):
-                outputs = self._run({**inputs, **leaves}, weights)
-            saved = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=weights)
+            with microbatch(mb, step=self.steps), _collecting(store):
+                outputs = self._run({**inputs, **leaves}, weights, module)
+            saved = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=weights,
+                           store=store)
             if self.loss is not None:
                 saved.loss = self._loss(outputs, target)
         if saved.loss is not None:
@@ -272,8 +285,8 @@ class StageWorker:
         """Zero-bubble I: gradients of the inputs only; records what `backward_weight` needs."""
         saved = self._restore(mb)
         roots, grads = self._roots(saved, output_grads)
-        if self.fused_backward:
-            if roots:
+        if self.fused_backward or saved.store is not None:
+            if roots:  # a deferred linear queues its weight gradient into saved.store
                 torch.autograd.backward(roots, grads)
             return {name: leaf.grad for name, leaf in saved.leaves.items()}
         names = list(saved.leaves)
@@ -286,6 +299,8 @@ class StageWorker:
         saved = self.saved.pop(mb)
         if saved.weight_work is not None:
             split_backward.backward_weight(saved.weight_work)
+        if saved.store is not None:
+            saved.store.flush()
         self.activations.release(mb)
 
     def _begin_step(self, inputs: Mapping[str, Any]) -> None:
@@ -317,11 +332,27 @@ class StageWorker:
         with generator_lock:
             return int(torch.randint(0, 2**62, (), dtype=torch.int64))
 
-    def _run(self, inputs: Mapping[str, Any], weights: dict | None = None) -> tuple:
+    def _run(self, inputs: Mapping[str, Any], weights: dict | None = None,
+             module: Any = None) -> tuple:
         args = [inputs[n] for n in self.input_names]
         if weights is not None:  # a stashed version, without touching the live parameters
             return tuple(torch.func.functional_call(self.module, weights, tuple(args)))
-        return tuple(self.module(*args))
+        return tuple((module or self.module)(*args))
+
+    def _weight_split(self, leaves: Mapping[str, Any]) -> tuple[Any, WeightGradStore | None]:
+        """The module a training forward runs, and the store its deferred linears fill: the
+        graph with deferred linears where the stage splits I from W and has inputs to
+        differentiate (else W is the whole backward: there is no I to shorten)."""
+        if not (self.split_weights and leaves and torch.is_grad_enabled()):
+            return self.module, None
+        known = self._deferred.get(id(self.module))
+        if known is None or known[0] is not self.module:
+            graph = self.module if isinstance(self.module, torch.fx.GraphModule) else None
+            known = (self.module, graph and defer_weight_grads(graph))
+            self._deferred[id(self.module)] = known
+        if known[1] is None:
+            return self.module, None
+        return known[1], WeightGradStore(self.exclusive_params)
 
     def _leaves(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         leaves = {}
@@ -354,10 +385,11 @@ class StageWorker:
         # the recomputed forward's saved tensors are held on top of the inputs until backward
         with saved.rng.restored(), self.activations.record(mb, self._state(saved.weights)):
             leaves = self._leaves(saved.inputs)
-            with microbatch(saved.stream[0], step=saved.stream[1]):
-                outputs = self._run({**saved.inputs, **leaves}, saved.weights)
+            module, store = self._weight_split(leaves)
+            with microbatch(saved.stream[0], step=saved.stream[1]), _collecting(store):
+                outputs = self._run({**saved.inputs, **leaves}, saved.weights, module)
             recomputed = _Saved(leaves, dict(zip(self.output_names, outputs)),
-                                weights=saved.weights)
+                                weights=saved.weights, store=store)
             if self.loss is not None:
                 recomputed.loss = self._loss(outputs, saved.target)
         self.saved[mb] = recomputed
