@@ -141,8 +141,12 @@ def _forward_backward(worker: StageWorker, inputs) -> None:
 
 def _worker(program, index: int, values, grad_values, loss) -> tuple[StageWorker, dict]:
     stage = program.stages[index]
+    # I and W as zero-bubble stages run them (deferred linears); one thread, so W may add
+    # into .grad in place as for a parameter no other stage holds
     worker = StageWorker(index, stage.module, stage.inputs, stage.outputs,
-                         frozenset(n for n in stage.inputs if n in grad_values), loss)
+                         frozenset(n for n in stage.inputs if n in grad_values), loss,
+                         split_weights=True,
+                         exclusive_params=frozenset(id(p) for p in stage.module.parameters()))
     return worker, {n: _to(values[n], stage.device) for n in stage.inputs}
 
 
