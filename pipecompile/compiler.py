@@ -183,7 +183,9 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
         return BlockTable.of(tables[linear.granularity, size])
 
     choices = microbatch_choices(example.batch)
-    measured = _probe(plan, example, choices, analytic)
+    # recomputation alone is chosen by memory (it only ever adds time): measured times could
+    # not change the choice, so the probe's forward and backward passes are saved
+    measured = None if o.auto <= {"checkpoint"} else _probe(plan, example, choices, analytic)
     if measured is not None:
         plan = replace(plan, efficiency=measured.efficiency, split_ratio=measured.split_ratio,
                        calibration=None if o.profile else measured.calibration)

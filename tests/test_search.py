@@ -191,17 +191,19 @@ def test_calibration_scales_the_loss_time_with_the_microbatch_size():
     assert Calibration(1.5, 2e-3).at(8) == Calibration(1.5, 2e-3)  # size unknown: as given
 
 
-def _probed(monkeypatch, found, **options):
+def _probed(monkeypatch, found, microbatches, **options):
+    """Compiled with the probe's result `found`; micro-batches "auto" with one choice, since
+    the probe only runs when a searched option depends on time."""
     import pipecompile.compiler as compiler
 
     monkeypatch.setattr(compiler, "probe", lambda *args, **kwargs: found)
-    return _compile_gpt(**options)[2]
+    monkeypatch.setattr(compiler, "microbatch_choices", lambda batch: (microbatches,))
+    return _compile_gpt(microbatches="auto", **options)[2]
 
 
 def test_the_search_prices_candidates_with_the_probed_measurements(monkeypatch):
     """What the probe measured (a fake one here) is what the search and the final prediction
-    use: the block-time factor, zero-bubble's (I + W) / B and the device threads' efficiency.
-    (checkpoint="auto" is the one option searched.)"""
+    use: the block-time factor, zero-bubble's (I + W) / B and the device threads' efficiency."""
     from pipecompile.passes.calibrate import Calibration
     from pipecompile.stage_costs import Probe
 
@@ -229,6 +231,21 @@ def test_the_search_prices_candidates_with_the_probed_measurements(monkeypatch):
                         microbatches=4)
     assert contended.plan.efficiency == 0.5
     assert contended.plan.search.best.step > alone.plan.search.best.step
+
+
+def test_no_probe_when_only_recomputation_is_searched(monkeypatch):
+    """Schedule and micro-batches given: memory alone decides recomputation, so compile runs
+    no probe (its passes would only cost time) and predicts analytically."""
+    import pipecompile.compiler as compiler
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the probe ran")
+
+    monkeypatch.setattr(compiler, "probe", fail)
+    pipe = _compile_gpt(schedule="1f1b", microbatches=2)[2]
+    assert pipe.plan.calibration is None and "measured:" not in pipe.explain()
+    with pytest.raises(AssertionError, match="the probe ran"):
+        _compile_gpt(schedule="1f1b")  # micro-batches searched: their times matter
 
 
 def test_the_probe_measures_the_model_as_it_runs():
