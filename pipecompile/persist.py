@@ -80,7 +80,7 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
         "checkpoint": (list(options.checkpoint) if isinstance(options.checkpoint, tuple)
                        else options.checkpoint),  # per stage, or one flag for all
         "timeout": float(options.timeout), "vertical_sync": options.vertical_sync,
-        "schedule": "schedule.json", "bounds": list(program.bounds), "stages": stages,
+        "compile_stages": options.compile_stages, "schedule": "schedule.json", "bounds": list(program.bounds), "stages": stages,
         "producer": dict(program.producer),
         "consumers": {k: list(v) for k, v in program.consumers.items()},
         "tensors": _tensor_groups(program),
@@ -110,10 +110,12 @@ def load_plan(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
     devices: Sequence[str | torch.device] | None = None,
+    compile_stages: bool | None = None,
 ) -> Plan:
     """The plan saved in `directory` (or from its plan.json path), with everything compile
     produced except the block costs; `devices` overrides the saved placement (one device per
-    schedule device). `loss_fn` and `optimizer` are code, so they are given again here."""
+    schedule device), `compile_stages` the saved setting. `loss_fn` and `optimizer` are code,
+    so they are given again here."""
     start = time.perf_counter()
     root = Path(directory)
     if root.is_file():
@@ -135,6 +137,8 @@ def load_plan(
                                           else bool(data["checkpoint"])),
         timeout=data["timeout"],
         vertical_sync=data.get("vertical_sync", False),
+        compile_stages=(bool(data.get("compile_stages", False)) if compile_stages is None
+                        else compile_stages),
         virtual_stages=schedule.num_stages // schedule.num_devices,
         capture=program.captured.method, granularity=program.linear.granularity)
     passes = tuple(PassRecord(**p) for p in data["passes"])

@@ -418,13 +418,17 @@ class Pipeline(torch.nn.Module):
 
 def load(directory: str | os.PathLike, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
-         devices: Sequence[str | torch.device] | None = None) -> Pipeline:
+         devices: Sequence[str | torch.device] | None = None,
+         compile_stages: bool | None = None) -> Pipeline:
     """Rebuild the Pipeline saved in `directory` (or from its plan.json path) by `pipe.save`.
 
     `devices` overrides the saved placement: one device per schedule device (a count of
     `pipe.schedule.num_devices`), e.g. `["cpu"] * 4` to run a CUDA-saved pipeline on the CPU.
+    `compile_stages` overrides the saved setting (e.g. False on a machine without a C++
+    compiler for inductor).
     """
-    return Pipeline(load_plan(directory, loss_fn=loss_fn, optimizer=optimizer, devices=devices))
+    return Pipeline(load_plan(directory, loss_fn=loss_fn, optimizer=optimizer, devices=devices,
+                              compile_stages=compile_stages))
 
 
 _NOT_PLANNED = ("not planned yet: compiled without example inputs, it captures and plans on "

@@ -92,6 +92,23 @@ def test_other_sizes_reuse_the_code_and_updates_reach_it():
                                rtol=RTOL, atol=0)
 
 
+def test_save_and_load_keep_compiled_stages(tmp_path):
+    """A saved compiled pipeline loads compiled (the same loss); `compile_stages=False` at load
+    overrides it."""
+    model = _model()
+    x, y = _batch()
+    pipe = _pipe(model, x, "1f1b", compile_stages=True)
+    pipe.save(tmp_path)
+    want = pipe.step(x, target=y)
+    loaded = pipecompile.load(tmp_path, loss_fn=zoo.lm_loss)
+    assert loaded.plan.options.compile_stages
+    torch.testing.assert_close(loaded.step(x, target=y), want, rtol=RTOL, atol=0)
+    assert all(isinstance(w.module, CompiledStage) for w in loaded.runtime.workers.values())
+    plain = pipecompile.load(tmp_path, loss_fn=zoo.lm_loss, compile_stages=False)
+    torch.testing.assert_close(plain.step(x, target=y), want, rtol=RTOL, atol=0)
+    assert not any(isinstance(w.module, CompiledStage) for w in plain.runtime.workers.values())
+
+
 def test_asynchronous_schedule_is_refused():
     x, _ = _batch()
     with pytest.raises(ConfigError, match="compile_stages=True with schedule='pipedream'"):
