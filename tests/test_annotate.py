@@ -143,3 +143,27 @@ def test_annotate_evaluates_at_the_microbatch_size(linear):
 ])
 def test_optimizer_state_factor(optimizer, factor):
     assert optimizer_state_factor(optimizer) == factor
+
+
+def test_symbolic_costs_are_computed_once_per_graph_and_shapes(monkeypatch):
+    """A second capture of an equal model (a new instance) reuses the costs; other parameter
+    shapes or an optimizer factor compute them anew."""
+    import pipecompile.passes.annotate as annotate_module
+
+    calls = []
+    compute = annotate_module._symbolic_block_costs
+    monkeypatch.setattr(annotate_module, "_SYMBOLIC", {})
+    monkeypatch.setattr(annotate_module, "_symbolic_block_costs",
+                        lambda *args: calls.append(1) or compute(*args))
+
+    def costs(model, factor=0.0):
+        return symbolic_block_costs(linearize(capture(model, (torch.randn(8, 16),), {})),
+                                    optimizer_factor=factor)
+
+    first = costs(Chain())
+    assert costs(Chain()) == first and len(calls) == 1
+    wider = Chain()
+    wider.layers[1] = nn.Linear(64, 48)
+    wider.layers[2] = nn.Linear(48, 32)
+    assert costs(wider) != first and len(calls) == 2
+    assert costs(Chain(), factor=2.0) != first and len(calls) == 3

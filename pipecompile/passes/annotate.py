@@ -137,7 +137,33 @@ def optimizer_state_factor(optimizer: Callable | None) -> float:
 
 
 def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0) -> tuple[BlockCost, ...]:
-    """Per-block symbolic costs; one fake forward and two fake backward passes per block."""
+    """Per-block symbolic costs; one fake forward and two fake backward passes per block.
+    Computed once per process for a graph, its blocks and its tensors' shapes: compiling one
+    model several ways (schedules, devices, a benchmark grid) reuses them, since the fake
+    passes over symbolic shapes take seconds on a transformer."""
+    key = _cost_key(linear, optimizer_factor)
+    if key not in _SYMBOLIC:
+        _SYMBOLIC[key] = _symbolic_block_costs(linear, optimizer_factor)
+    return _SYMBOLIC[key]
+
+
+_SYMBOLIC: dict[tuple, tuple[BlockCost, ...]] = {}
+
+
+def _cost_key(linear: LinearGraph, optimizer_factor: float) -> tuple:
+    """Everything the symbolic costs depend on: the graph's code, every value's symbolic shape
+    and dtype (which also names the size symbols), the blocks, and the parameters' and
+    buffers' shapes, dtypes and whether they train."""
+    gm = linear.captured.module
+    values = tuple((name, str(info.shape), str(info.dtype))
+                   for name, info in linear.captured.values.items())
+    state = tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
+                  for name, t in (*gm.named_parameters(), *gm.named_buffers()))
+    return (gm.code, values, state, tuple(tuple(b.nodes) for b in linear.blocks),
+            tuple(sorted(linear.roles.items())), optimizer_factor)
+
+
+def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float) -> tuple[BlockCost, ...]:
     gm = linear.captured.module
     nodes = {n.name: n for n in gm.graph.nodes}
     fake_mode = _fake_mode(gm.graph)
