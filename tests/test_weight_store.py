@@ -112,16 +112,18 @@ def test_without_a_store_the_graph_runs_plain_linears():
     torch.testing.assert_close(out, gm(x, z), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
-def test_zero_bubble_stages_split_at_their_linears(schedule):
+@pytest.mark.parametrize("schedule,checkpoint", [("zb-h1", False), ("zb-v", False),
+                                                 ("zb-h1", True)])
+def test_zero_bubble_stages_split_at_their_linears(schedule, checkpoint):
     """The runtime's zero-bubble stages with stage inputs run deferred linears (I queues their
-    work), and the step still equals the unsplit model's."""
+    work; with recomputation, the recomputed forward does), and the step still equals the
+    unsplit model's."""
     torch.manual_seed(0)
     model = zoo.GPT(vocab=64, dim=16, layers=4, heads=2, seq=8).double()
     x, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
     reference = copy.deepcopy(model)
     pipe = pc.compile(model, (x,), devices=2, microbatches=2, schedule=schedule,
-                      loss_fn=zoo.lm_loss)
+                      loss_fn=zoo.lm_loss, checkpoint=checkpoint)
     queued = []
     original = WeightGradStore.flush
 
