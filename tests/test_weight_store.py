@@ -144,3 +144,31 @@ def test_zero_bubble_stages_split_at_their_linears(schedule, checkpoint):
     grads = dict(pipe.named_parameters())
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_a_fused_backward_after_a_deferred_forward_runs_the_queued_work():
+    """A schedule may mix B with I/W (schedules are data): B of a micro-batch whose forward
+    deferred its linears still accumulates every weight gradient."""
+    from pipecompile.runtime.stage_worker import StageWorker
+
+    class Tupled(nn.Module):  # a stage graph returns a tuple of its outputs
+        def __init__(self):
+            super().__init__()
+            self.block = _Block()
+
+        def forward(self, x, z):
+            return (self.block(x, z),)
+
+    plain, x, z = _graph()
+    gm = torch.export.export(Tupled().double(), (x, z)).module()
+    gm.load_state_dict({f"block.{n}": t for n, t in plain.state_dict().items()})
+    grad = torch.randn(2, 5, dtype=torch.float64)
+    want_input, _, want = _run(plain, x, z, grad, None)
+    want = {f"block.{n}": g for n, g in want.items()}
+    worker = StageWorker(0, gm, ("x", "z"), ("out",), frozenset({"x"}), split_weights=True)
+    worker.forward(0, {"x": x, "z": z})
+    assert worker.saved[0].store is not None  # the deferred graph ran
+    got_input = worker.backward(0, {"out": grad})["x"]
+    torch.testing.assert_close(got_input, want_input, rtol=1e-14, atol=0)
+    for name, p in gm.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-13, atol=0, msg=name)

@@ -260,6 +260,8 @@ class StageWorker:
             return self._backward_versioned(mb, saved, roots, grads)
         if roots:
             torch.autograd.backward(roots, grads)
+        if saved.store is not None:  # a fused B after a forward with deferred linears
+            saved.store.flush()
         self.activations.release(mb)
         return {name: leaf.grad for name, leaf in saved.leaves.items()}
 
