@@ -5,10 +5,12 @@ transformers GPT-2 (same sizes) with 12 and 24 layers; batch 16, 8 micro-batches
 1f1b, analytic costs. Each model is built fresh and compiled `--reps` times (the median per
 column is printed, and the spread of the total). "wall" is the wall time of the `pc.compile`
 call; the pass columns come from `pipe.passes` (their sum can be below wall: the rest is
-argument checks, building the Pipeline and the simulated schedule).
+argument checks, building the Pipeline and the simulated schedule). Annotate's per-process
+cache of symbolic costs is cleared before each compile: every rep is a first compile.
 
     python bench/compile_time.py           # 12/24/48/96-layer GPT, 12/24-layer GPT-2
     python bench/compile_time.py --quick   # 12/24/48-layer GPT, 12-layer GPT-2, one run each
+    python bench/compile_time.py --symbolic-sizes batch   # sequence length fixed
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import _common as C
 import torch
 
 import pipecompile as pc
+from pipecompile.passes.annotate import _SYMBOLIC as SYMBOLIC_COSTS
 
-PASSES = ["capture", "linearize", "annotate", "partition", "split", "schedule"]
+PASSES = ["capture", "search", "linearize", "annotate", "partition", "split", "schedule"]
 
 
 def _model(kind: str, layers: int):
@@ -35,6 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--symbolic-sizes", choices=["all", "batch"], default="all",
+                        help="compile's symbolic_sizes: 'batch' keeps the sequence length fixed")
     opts = parser.parse_args()
     reps = opts.reps or (1 if opts.quick else 3)
     torch.set_num_threads(1)
@@ -46,9 +51,10 @@ def main() -> None:
         for _ in range(reps):
             model, loss_fn = _model(kind, layers)
             x = torch.randint(0, 512, (16, 64))
+            SYMBOLIC_COSTS.clear()  # a first compile: no costs kept from the last rep
             t0 = time.perf_counter()
             pipe = pc.compile(model, (x,), devices=4, microbatches=8, schedule="1f1b",
-                              loss_fn=loss_fn)
+                              loss_fn=loss_fn, symbolic_sizes=opts.symbolic_sizes)
             walls.append(time.perf_counter() - t0)
             for record in pipe.passes:
                 if record.name in per_pass:
@@ -59,7 +65,8 @@ def main() -> None:
                      f"{C.med(walls):.2f}", C.spread(walls)))
         print(f"done: {kind} {layers} layers", flush=True)
     print(f"\n# Compile time (seconds)\n{C.machine()}, 1 intra-op thread; median of {reps} "
-          f"compile(s), 4 devices, 1f1b, analytic costs; load average {load} at start\n")
+          f"compile(s), 4 devices, 1f1b, analytic costs, symbolic_sizes={opts.symbolic_sizes!r}; "
+          f"load average {load} at start\n")
     print(C.table(rows, ("model", "layers", "blocks", *PASSES, "wall s", "spread")))
 
 

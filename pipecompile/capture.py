@@ -64,6 +64,7 @@ def capture(
     static_batch_size: int | None = None,
     opaque: bool = True,
     verbose: bool = False,
+    batch_only: bool = False,
 ) -> CapturedModel:
     """Capture `model(*args, **kwargs)` as a flat graph.
 
@@ -71,6 +72,7 @@ def capture(
     (the compiler passes the micro-batch size). With `opaque`, a submodule torch.export cannot
     trace is kept as one call (see `passes.opaque`). `verbose` lets torch print what it prints
     while capturing (on failure, a partial graph); otherwise it is kept off the terminal.
+    `batch_only` keeps every size but the batch fixed (torch.export traces faster).
     """
     kwargs = dict(kwargs or {})
     if not isinstance(model, torch.nn.Module):
@@ -78,7 +80,7 @@ def capture(
     batch = batch_size_of(args, kwargs)
     if method == "export":
         captured = _capture_export(model, tuple(args), kwargs, batch, static_batch_size,
-                                   opaque, verbose)
+                                   opaque, verbose, batch_only)
     elif method == "fx":
         captured = _capture_fx(model, tuple(args), kwargs, batch)
     else:
@@ -109,16 +111,18 @@ def seed_captured(captured: CapturedModel, seed: int) -> CapturedModel:
 # torch.export
 
 
-def _capture_export(model, args, kwargs, batch, static_batch_size, opaque, verbose) -> CapturedModel:
+def _capture_export(model, args, kwargs, batch, static_batch_size, opaque, verbose,
+                    batch_only: bool = False) -> CapturedModel:
     from torch.export import Dim
 
     notes: list[str] = []
     specs: dict[str, OpaqueModule] = {}
     # Tried in order: every size of a batched input symbolic (sequence lengths too), then the
-    # batch alone, then static shapes. Export specialises sizes 0 and 1, so a batch below 2
-    # starts static.
+    # batch alone (`batch_only`: from there), then static shapes. Export specialises sizes 0
+    # and 1, so a batch below 2 starts static.
     attempts: list[Any] = ([_dynamic_shapes(model, args, kwargs, batch, Dim("batch"), rest)
-                            for rest in (True, False)] if batch >= 2 else []) + [None]
+                            for rest in ((False,) if batch_only else (True, False))]
+                           if batch >= 2 else []) + [None]
     first_error: BaseException | None = None
     while True:
         shapes = attempts[0]

@@ -68,6 +68,7 @@ def compile(  # noqa: A001 - the public name of the design
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
     split_points: Sequence[str] | None = None,
     capture: str = "export",
+    symbolic_sizes: str = "all",
     granularity: str | None = None,
     virtual_stages: int | str | None = "auto",
     profile: bool = False,
@@ -95,7 +96,10 @@ def compile(  # noqa: A001 - the public name of the design
     `rng="per-microbatch"` draws every random op from a stream of (`rng_seed`, step,
     micro-batch, op), the same on any stage count and schedule; `verbose=True` shows torch's
     own output while capturing. `compile_stages=True` runs each stage graph through
-    `torch.compile` (inductor; see runtime/compiled.py).
+    `torch.compile` (inductor; see runtime/compiled.py). `symbolic_sizes="all"` captures every
+    size of a batched input symbolic where the model allows (any sequence length runs);
+    `"batch"` keeps the others at the example's, which torch.export traces several times
+    faster on deep models (fixed-length training).
 
     `schedule`, `microbatches`, `virtual_stages` and `checkpoint` default to "auto": the search
     pass costs every combination (synchronous schedules, micro-batch counts dividing the batch,
@@ -112,7 +116,8 @@ def compile(  # noqa: A001 - the public name of the design
             example, devices=devices, microbatches=microbatches, schedule=schedule,
             virtual_stages=virtual_stages, memory_limit=memory_limit, bandwidth=bandwidth,
             data_parallel=data_parallel, timeout=timeout, split_points=split_points,
-            loss_fn=loss_fn, optimizer=optimizer, capture=capture, granularity=granularity,
+            loss_fn=loss_fn, optimizer=optimizer, capture=capture,
+            symbolic_sizes=symbolic_sizes, granularity=granularity,
             profile=profile, checkpoint=checkpoint, vertical_sync=vertical_sync,
             verbose=verbose, rng=rng, rng_seed=rng_seed, compile_stages=compile_stages)
         return run_passes(Plan(options), PASSES, example) if example is not None else Plan(options)
@@ -133,7 +138,7 @@ def _capture(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
     captured = capture_model(example.model, example.args, dict(example.kwargs), method=o.capture,
                              static_batch_size=example_microbatch_size(example, o),
-                             verbose=o.verbose)
+                             verbose=o.verbose, batch_only=o.symbolic_sizes == "batch")
     if o.rng == "per-microbatch":
         captured = seed_captured(captured, o.rng_seed)
     return replace(plan, captured=captured), (

@@ -97,9 +97,10 @@ def _check_sizes(captured: CapturedModel, flat: list[Any], where: str) -> None:
                 raise ConfigError(
                     f"{where}: input {name!r} has size {size} in dimension {axis}, but the "
                     f"model was captured with that size fixed at {int(dim)} (shape "
-                    f"{_shape_text(shape)}: the model's code makes it constant, or capture "
-                    f"fell back to static shapes); pass inputs of size {int(dim)} there, or "
-                    f"compile with an example of the size you need")
+                    f"{_shape_text(shape)}: the model's code makes it constant, capture fell "
+                    f"back to static shapes, or compile had symbolic_sizes='batch'); pass "
+                    f"inputs of size {int(dim)} there, or compile with an example of the size "
+                    f"you need")
 
 
 def _shape_text(shape: tuple) -> str:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["Example", "CompileOptions", "resolve_options", "example_microbatch_size",
            "check_async_ties", "AUTO"]
 
+SYMBOLIC_SIZES = ("all", "batch")  # compile(symbolic_sizes=...)
 AUTO = "auto"  # the value that lets the search pass choose an option
 
 _RANK_BANDWIDTH = 3e9  # bytes/s between ranks when not told: gloo on loopback
@@ -72,6 +73,9 @@ class CompileOptions:
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None
     split_points: tuple[str, ...] | None = None
     capture: str = "export"
+    # "all": every size of a batched input symbolic where the model allows (sequence lengths
+    # too); "batch": the batch alone (faster torch.export; other sizes fixed at the example's)
+    symbolic_sizes: str = "all"
     granularity: str | None = None
     virtual_stages: int = 1  # resolved: 2 for interleaved-1f1b, zb-v, interleaved-zb unless given
     profile: bool = False
@@ -144,6 +148,9 @@ def resolve_options(
     schedule = "gpipe" if schedule == AUTO else schedule
     if not isinstance(virtual_stages, int):
         virtual_stages = 2 if schedule in TWO_STAGES_PER_DEVICE else 1
+    if rest.get("symbolic_sizes", "all") not in SYMBOLIC_SIZES:
+        raise ConfigError(f"symbolic_sizes={rest['symbolic_sizes']!r} is not supported; use "
+                          f"'all' (every size of a batched input) or 'batch' (the batch alone)")
     if rest.get("rng", "global") not in RNG_MODES:
         raise ConfigError(f"rng={rest['rng']!r} is not a random-stream mode; use one of "
                           f"{', '.join(RNG_MODES)}")

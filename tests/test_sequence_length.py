@@ -4,10 +4,13 @@ unsplit model's loss and gradients; a size the model fixes gets an error naming 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import pipecompile as pc
+from pipecompile import zoo
 from tests.dist import run_ranks
 from tests.dist_training_cases import sequence_lengths
 from tests.models import CASES
@@ -104,3 +107,23 @@ def test_size_outside_the_range_export_assumed_is_refused_not_miscomputed():
     torch.testing.assert_close(pipe(x[:, :5]), model(x[:, :5]))  # in the range: symbolic
     with pytest.raises(pc.ConfigError, match=r"input 'x' has size 3 in dimension 1.*sizes 5\.\."):
         pipe(x[:, :3])  # the graph holds the branch of lengths > 4 only
+
+
+def test_symbolic_sizes_batch_keeps_the_other_sizes_fixed():
+    """symbolic_sizes="batch": only the batch varies (a faster capture for fixed lengths); the
+    step is still exact and another length gets the fixed-size error."""
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab=32, dim=8, layers=2, heads=2, seq=8).double()
+    x, y = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    reference = copy.deepcopy(model)
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2, schedule="1f1b",
+                      loss_fn=zoo.lm_loss, symbolic_sizes="batch")
+    captured = pipe.program.captured
+    assert captured.values[captured.input_names[0]].shape[1] == 8
+    want = zoo.lm_loss(reference(x), y)
+    torch.testing.assert_close(pipe.step(x, target=y), want.detach(), rtol=1e-12, atol=0)
+    with pytest.raises(pc.ConfigError, match=r"size 5 in dimension 1.*symbolic_sizes='batch'"):
+        pipe.step(x[:, :5], target=y[:, :5])
+    assert pipe.step(torch.cat([x, x]), target=torch.cat([y, y])).dim() == 0  # the batch varies
+    with pytest.raises(pc.ConfigError, match="symbolic_sizes='sequence'"):
+        pc.compile(model, (x,), devices=2, symbolic_sizes="sequence")
