@@ -146,12 +146,15 @@ def probe(linear: LinearGraph, costs: CostTable, example: Example, device: torch
            _layout(example.kwargs), _layout(example.target), microbatches, id(loss_fn),
            str(device), threads, cores)
     if key not in _PROBES:
+        if len(_PROBES) >= _KEEP:  # the oldest goes (dicts keep insertion order)
+            del _PROBES[next(iter(_PROBES))]
         _PROBES[key] = _probe(linear, costs, example, device, microbatches=microbatches,
                               loss_fn=loss_fn, threads=threads, cores=cores)
     return _PROBES[key]
 
 
 _PROBES: dict[tuple, Probe] = {}
+_KEEP = 32  # probes a process keeps (a key holds the graph's code)
 
 
 def _layout(value: Any) -> tuple:

@@ -167,3 +167,7 @@ def test_symbolic_costs_are_computed_once_per_graph_and_shapes(monkeypatch):
     wider.layers[2] = nn.Linear(48, 32)
     assert costs(wider) != first and len(calls) == 2
     assert costs(Chain(), factor=2.0) != first and len(calls) == 3
+    monkeypatch.setattr(annotate_module, "_KEEP", 2)  # a bounded cache: the oldest goes
+    costs(Chain(), factor=3.0)
+    assert len(calls) == 4 and len(annotate_module._SYMBOLIC) <= 3
+    assert costs(Chain()) == first and len(calls) == 5  # the first entry was evicted

@@ -143,11 +143,14 @@ def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0) 
     passes over symbolic shapes take seconds on a transformer."""
     key = _cost_key(linear, optimizer_factor)
     if key not in _SYMBOLIC:
+        if len(_SYMBOLIC) >= _KEEP:  # the oldest goes (dicts keep insertion order)
+            del _SYMBOLIC[next(iter(_SYMBOLIC))]
         _SYMBOLIC[key] = _symbolic_block_costs(linear, optimizer_factor)
     return _SYMBOLIC[key]
 
 
 _SYMBOLIC: dict[tuple, tuple[BlockCost, ...]] = {}
+_KEEP = 32  # graphs whose costs a process keeps (a key holds the graph's code)
 
 
 def _cost_key(linear: LinearGraph, optimizer_factor: float) -> tuple:
