@@ -141,11 +141,9 @@ def _forward_backward(worker: StageWorker, inputs) -> None:
 
 def _worker(program, index: int, values, grad_values, loss) -> tuple[StageWorker, dict]:
     stage = program.stages[index]
-    # I and W as zero-bubble stages run them (deferred linears); one thread, so W may add
-    # into .grad in place as for a parameter no other stage holds
+    # one thread: W may add into .grad in place, as for a parameter no other stage holds
     worker = StageWorker(index, stage.module, stage.inputs, stage.outputs,
                          frozenset(n for n in stage.inputs if n in grad_values), loss,
-                         split_weights=True,
                          exclusive_params=frozenset(id(p) for p in stage.module.parameters()))
     return worker, {n: _to(values[n], stage.device) for n in stage.inputs}
 
@@ -176,9 +174,15 @@ def _time_stage(worker: StageWorker, inputs, target, repeats: int,
         grads = {n: torch.ones_like(v) for n, v in outputs.items()
                  if isinstance(v, torch.Tensor) and v.requires_grad}
         t_b = _clock(lambda: worker.backward(0, grads))
-        worker.forward(0, inputs, target)
-        t_i = _clock(lambda: worker.backward_input(0, grads))
-        t_w = _clock(lambda: worker.backward_weight(0))
+        # I and W as zero-bubble stages run them, from a forward with deferred linears; F and
+        # B above as the other schedules run them, from the plain graph
+        worker.split_weights = True
+        try:
+            worker.forward(0, inputs, target)
+            t_i = _clock(lambda: worker.backward_input(0, grads))
+            t_w = _clock(lambda: worker.backward_weight(0))
+        finally:
+            worker.split_weights = False
         t_loss = _time_loss(worker, outputs, target) if worker.loss is not None else 0.0
         samples.append((t_f, t_b, t_i, t_w, t_loss))
     return StageTimes(*(statistic([s[k] for s in samples[1:]]) for k in range(5)))
