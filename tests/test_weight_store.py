@@ -172,3 +172,26 @@ def test_a_fused_backward_after_a_deferred_forward_runs_the_queued_work():
     torch.testing.assert_close(got_input, want_input, rtol=1e-14, atol=0)
     for name, p in gm.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-13, atol=0, msg=name)
+
+
+def test_stage_timing_runs_b_on_the_plain_graph_and_i_w_on_the_deferred_one(monkeypatch):
+    """measure_stages (profile=True, the planning probe) times B as 1f1b runs it, from the
+    plain graph, and I and W as zero-bubble runs them, through the store."""
+    from pipecompile.runtime.stage_worker import StageWorker
+
+    plain_b, flushes = [], []
+    backward, flush = StageWorker.backward, WeightGradStore.flush
+
+    def timed_backward(self, mb, grads):
+        plain_b.append(self.saved[mb].store is None)
+        return backward(self, mb, grads)
+
+    monkeypatch.setattr(StageWorker, "backward", timed_backward)
+    monkeypatch.setattr(WeightGradStore, "flush", lambda store: flushes.append(1) or flush(store))
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab=64, dim=16, layers=4, heads=2, seq=8)
+    x = torch.randint(0, 64, (4, 8))
+    pc.compile(model, (x,), devices=2, microbatches=2, schedule="1f1b", loss_fn=zoo.lm_loss,
+               profile=True)
+    assert plain_b and all(plain_b)
+    assert flushes  # the later stage's W ran the queued work
