@@ -101,8 +101,10 @@ def test_bf16_autocast_gives_the_plain_graphs_gradients():
         got_input, _, got = _run(gm, x, z, grad, deferred)
     assert got_input.dtype == torch.float32 and all(g.dtype == torch.float32 for g in got.values())
     torch.testing.assert_close(got_input, want_input, rtol=0, atol=0)
-    for name in want:  # the same bf16 kernels; only the order of a tie's sum may differ
-        torch.testing.assert_close(got[name], want[name], rtol=1e-2, atol=1e-3, msg=name)
+    for name in want:  # the same bf16 kernels: equal, but where a tie's two uses are summed
+        # (the plain graph adds them in float32 after the casts' backward; W too, in its order)
+        scale = 1e-2 * want[name].abs().max().item() if name == "b.weight" else 0.0
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=scale, msg=name)
 
 
 def test_without_a_store_the_graph_runs_plain_linears():
