@@ -72,8 +72,7 @@ class WeightGradStore:
             # parameter, hooks, and it takes a fresh gradient over instead of copying it)
             with torch.enable_grad():
                 root = _Accumulate.apply(self, *params)
-            torch.autograd.backward(root)
-        self.queued = []
+            torch.autograd.backward(root)  # its backward (`gradients`) empties the queue
 
     def _fusable(self, param: torch.Tensor, g: torch.Tensor) -> bool:
         """May W add into `param.grad` in place, bypassing autograd's accumulation? Only where
