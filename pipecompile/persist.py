@@ -80,7 +80,8 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
         "checkpoint": (list(options.checkpoint) if isinstance(options.checkpoint, tuple)
                        else options.checkpoint),  # per stage, or one flag for all
         "timeout": float(options.timeout), "vertical_sync": options.vertical_sync,
-        "compile_stages": options.compile_stages, "schedule": "schedule.json", "bounds": list(program.bounds), "stages": stages,
+        "compile_stages": options.compile_stages,
+        "schedule": "schedule.json", "bounds": list(program.bounds), "stages": stages,
         "producer": dict(program.producer),
         "consumers": {k: list(v) for k, v in program.consumers.items()},
         "tensors": _tensor_groups(program),

@@ -7,9 +7,9 @@ micro-batch size batch/m (`costs_for`), are placed optimally under memory (`part
 each stage may recompute only where memory needs it), the step is predicted by the simulator
 from the placement's per-stage costs (a fixed cost per action and message included), and the
 peak memory per device is summed from the stages. The fastest candidate that fits wins; near
-ties (within `TIE`) go to the one with the least peak memory summed over the devices, then to the earlier one in the
-fixed enumeration order (schedules as listed, then m, then v), so every rank given the same
-costs picks the same plan. Nothing here measures or reads globals.
+ties (within `TIE`) go to the one with the least peak memory summed over the devices, then to
+the earlier one in the fixed enumeration order (schedules as listed, then m, then v), so every
+rank given the same costs picks the same plan. Nothing here measures or reads globals.
 """
 
 from __future__ import annotations
