@@ -94,15 +94,14 @@ def ratio(rounds: int) -> None:
         graph = torch.export.export(module, (x,)).module()
         deferred = defer_weight_grads(graph)
         grad = torch.randn_like(graph(x))
-        times: dict = {"B": [], "frontier": [], "deferred": []}
+        runs = {"B": lambda: (_fused(graph, x, grad), 0.0),
+                "frontier": lambda: _frontier(graph, x, grad),
+                "deferred": lambda: _deferred(deferred, x, grad)}
+        times: dict = {what: [] for what in runs}
         for r in range(rounds + 2):
-            for what in times:
+            for what, run in runs.items():
                 graph.zero_grad(set_to_none=False)  # .grad exists, as after micro-batch 0
-                if what == "B":
-                    t = (_fused(graph, x, grad), 0.0)
-                else:
-                    t = (_frontier if what == "frontier" else _deferred)(
-                        graph if what == "frontier" else deferred, x, grad)
+                t = run()
                 if r >= 2:  # warm-up rounds
                     times[what].append(t)
         b = statistics.median(i for i, _ in times["B"])
