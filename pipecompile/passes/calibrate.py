@@ -175,11 +175,13 @@ def _time_stage(worker: StageWorker, inputs, target, repeats: int,
                  if isinstance(v, torch.Tensor) and v.requires_grad}
         t_b = _clock(lambda: worker.backward(0, grads))
         # I and W as zero-bubble stages run them, from a forward with deferred linears; F and
-        # B above as the other schedules run them, from the plain graph
+        # B above as the other schedules run them, from the plain graph. That forward's extra
+        # time (the deferred linears' Python) is charged to I: (I + W) / B then prices all
+        # that splitting costs
         worker.split_weights = True
         try:
-            worker.forward(0, inputs, target)
-            t_i = _clock(lambda: worker.backward_input(0, grads))
+            extra = max(0.0, _clock(lambda: worker.forward(0, inputs, target)) - t_f)
+            t_i = _clock(lambda: worker.backward_input(0, grads)) + extra
             t_w = _clock(lambda: worker.backward_weight(0))
         finally:
             worker.split_weights = False
