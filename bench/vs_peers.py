@@ -18,8 +18,14 @@ Rounds alternate the order (round r rotates the list of systems by r); each roun
 steps of every system between two barriers after one warm-up step. The 1F1B bound is measured in
 the same job and rotation: the unsplit model's step (same micro-batches, same SGD step, one
 process) timed on rank 0 while rank 1 waits at the barrier; bound = T1 / 2 * (m + 1) / m, and
-efficiency = bound / measured 2-rank step. The first step's loss of every system (from the same
-initial weights) is printed and checked: equal losses show that the systems do the same work.
+efficiency = bound / measured 2-rank step. "halves at once" has each rank train its own half
+of the model at the same moment, without messages: the stages' compute with both cores busy,
+which T1 / 2 does not see; machine bound = that * (m + 1) / m. "pipecompile compiled" is
+pipecompile with `compile_stages=True` (torch.compile per stage) and "deepspeed compiled" is
+DeepSpeed's own `engine.compile()` (inductor): both reported apart from the eager, like-for-like
+targets. The first two steps' losses of every pipeline
+(from the same initial weights) are printed and checked: equal losses show that the systems do
+the same work.
 
     DS_BUILD_OPS=0 pip install deepspeed==0.19.8      # benchmark-only; skipped if not importable
     torchrun --nproc-per-node 2 bench/vs_peers.py             # d=128, 8 layers, batch 16x64
@@ -49,7 +55,11 @@ __all__ = ["FlatGPT", "main"]
 
 LR = 1e-3
 BOUND = "1-process bound"
-SYSTEMS = ("pipecompile", "deepspeed", "torch.pipelining", BOUND)
+HALVES = "halves at once"
+COMPILED = "pipecompile compiled"
+DS_COMPILED = "deepspeed compiled"
+SYSTEMS = ("pipecompile", "deepspeed", "torch.pipelining", BOUND, HALVES, COMPILED, DS_COMPILED)
+NOT_PEERS = ("pipecompile", COMPILED, BOUND, HALVES)  # rows without a speedup column
 
 
 class Embed(nn.Module):
@@ -118,6 +128,16 @@ def _pipecompile(x, y, opts, rank: int) -> System:
     return System(lambda: pipe.step(x, target=y), " | ".join(C.block_names(pipe)))
 
 
+def _pipecompile_compiled(x, y, opts, rank: int) -> System:
+    """pipecompile with `compile_stages=True`: each stage graph through torch.compile. Not a
+    like-for-like row (the peers run eager); it shows what the option buys on the same split."""
+    cut = f"layers.{opts.layers // 2}"
+    pipe = pc.compile(FlatGPT(opts), (x,), devices=2, microbatches=opts.m, schedule="1f1b",
+                      loss_fn=C.ce, optimizer=_sgd, split_points=[cut], checkpoint=False,
+                      compile_stages=True)
+    return System(lambda: pipe.step(x, target=y), " | ".join(C.block_names(pipe)))
+
+
 def _torch_pipelining(x, y, opts, rank: int) -> System:
     cut = f"layers.{opts.layers // 2}"
     stage, sched = C.pipelining_stage(FlatGPT(opts), x, cut, rank, opts.m, "1f1b", C.ce)
@@ -136,7 +156,7 @@ def _torch_pipelining(x, y, opts, rank: int) -> System:
     return System(step, f"embed..layers.{opts.layers // 2 - 1} | {cut}..head")
 
 
-def _deepspeed(x, y, opts, rank: int) -> System:
+def _deepspeed(x, y, opts, rank: int, compiled: bool = False) -> System:
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
@@ -154,6 +174,10 @@ def _deepspeed(x, y, opts, rank: int) -> System:
     if engine.gradient_clipping():
         raise RuntimeError(f"DeepSpeed clips gradients at {engine.gradient_clipping()}; the "
                            f"others do not: the comparison would not be equal work")
+    if compiled:
+        engine.compile()  # torch.compile of the stage's module (DeepSpeed's own option)
+        if not engine.is_compiled:
+            raise RuntimeError("DeepSpeed's engine.compile() left the module uncompiled")
     torch.set_num_threads(1)  # whatever deepspeed set, one intra-op thread as the others
     data = itertools.cycle(list(zip(x.chunk(opts.m), y.chunk(opts.m))))
     parts = pm.parts  # layer index bounds per stage
@@ -182,8 +206,42 @@ def _unsplit(x, y, opts, rank: int) -> System:
     return System(step, "embed..head on rank 0")
 
 
+def _halves(x, y, opts, rank: int) -> System:
+    """Each rank trains its own half of the model at the same time, with no messages: rank 0
+    embed + the first L/2 blocks (backward from a fixed gradient), rank 1 the other blocks + the
+    head and the loss (from a fixed input: the first half's output at the initial weights). The
+    step time is what the two stages' compute alone takes when both cores work at once, the
+    floor under any 2-rank pipeline on this machine, which T1 / 2 does not see (two processes
+    computing at once slow each other down: shared caches, memory bandwidth, the VM)."""
+    model, cut, m = FlatGPT(opts), opts.layers // 2, opts.m
+    layers = model.flat()
+    first, second = nn.Sequential(*layers[:cut + 1]), nn.Sequential(*layers[cut + 1:])
+    with torch.no_grad():
+        mid = first(x)
+    g = torch.Generator().manual_seed(2)
+    grads = torch.randn(mid.shape, generator=g).chunk(m)
+    half = first if rank == 0 else second
+    opt = _sgd(half.parameters())
+    inputs = list(zip(x.chunk(m) if rank == 0 else mid.chunk(m), y.chunk(m), grads))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        for xi, yi, gi in inputs:
+            out = half(xi)
+            if rank == 0:
+                out.backward(gi)
+            else:
+                (C.ce(out, yi) / m).backward()
+        opt.step()
+        return None  # not the pipeline's loss after step 1: left out of the loss check
+
+    return System(step, f"embed..layers.{cut - 1} | layers.{cut}..head, no messages")
+
+
 BUILDERS = {"pipecompile": _pipecompile, "deepspeed": _deepspeed,
-            "torch.pipelining": _torch_pipelining, BOUND: _unsplit}
+            "torch.pipelining": _torch_pipelining, BOUND: _unsplit, HALVES: _halves,
+            COMPILED: _pipecompile_compiled,
+            DS_COMPILED: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, compiled=True)}
 
 
 def _timed(step: Callable[[], Any], steps: int) -> tuple[float, float]:
@@ -254,7 +312,7 @@ def _report(per_rank: list[dict], opts, load_before: str) -> None:
     rows = []
     for n, ts in times.items():
         t, best = C.med(ts), min(ts)
-        if pc_t and n not in ("pipecompile", BOUND):
+        if pc_t and n not in NOT_PEERS:
             speed = f"{t / C.med(pc_t):.2f}x / {best / min(pc_t):.2f}x"
         else:
             speed = "-"
@@ -271,19 +329,36 @@ def _report(per_rank: list[dict], opts, load_before: str) -> None:
         print(f"\n1F1B bound = T1 / 2 * (m + 1) / m: median {C.fmt_ms(t1 * factor)} ms "
               f"(T1 {C.fmt_ms(t1)}), best {C.fmt_ms(t1_best * factor)} ms (T1 {C.fmt_ms(t1_best)})")
         for n, ts in times.items():
-            if n != BOUND:
-                print(f"  {n:<18} efficiency = bound / step: {t1 * factor / C.med(ts):.0%} "
+            if n not in (BOUND, HALVES):
+                print(f"  {n:<20} efficiency = bound / step: {t1 * factor / C.med(ts):.0%} "
                       f"(median), {t1_best * factor / min(ts):.0%} (best)")
+    if HALVES in times:
+        h, h_best = C.med(times[HALVES]), min(times[HALVES])
+        factor = (opts.m + 1) / opts.m
+        print(f"\nmachine bound = halves at once * (m + 1) / m: median {C.fmt_ms(h * factor)} ms, "
+              f"best {C.fmt_ms(h_best * factor)} ms (the stages' compute with both cores busy)")
+        if BOUND in times:
+            print(f"  two cores at once run each half {h / (C.med(times[BOUND]) / 2):.2f}x "
+                  f"slower than half the 1-process step (medians)")
+        for n, ts in times.items():
+            if n not in (BOUND, HALVES):
+                print(f"  {n:<20} efficiency = machine bound / step: {h * factor / C.med(ts):.0%} "
+                      f"(median), {h_best * factor / min(ts):.0%} (best)")
     if pc_t:
         print("\ntargets (medians): ", end="")
         checks = [("deepspeed", 1.15), ("torch.pipelining", 1.3)]
-        out = [f">= {need}x {n}: {C.med(times[n]) / C.med(pc_t):.2f}x "
+        out = [f">= {need}x {n} (eager pipecompile): {C.med(times[n]) / C.med(pc_t):.2f}x "
                f"{'met' if C.med(times[n]) / C.med(pc_t) >= need else 'NOT met'}"
                for n, need in checks if n in times]
         if BOUND in times:
             eff = C.med(times[BOUND]) * (opts.m + 1) / opts.m / 2 / C.med(pc_t)
             out.append(f">= 90% of the bound: {eff:.0%} {'met' if eff >= 0.9 else 'NOT met'}")
         print("; ".join(out))
+    if COMPILED in times:
+        ct = C.med(times[COMPILED])
+        print(f"compiled stages (compile_stages=True): "
+              + "; ".join(f"{C.med(times[n]) / ct:.2f}x {n}" for n in
+                          ("pipecompile", "deepspeed", "torch.pipelining") if n in times))
 
 
 def _check_losses(first0: dict, first1: dict) -> None:
@@ -291,7 +366,7 @@ def _check_losses(first0: dict, first1: dict) -> None:
     whether they agree: equal losses mean equal weights, data, split and SGD step."""
     print("\nloss of step 1 (initial weights) and step 2 (after one SGD step), same data:")
     losses = {n: tuple(b if b is not None else a for a, b in zip(first0[n], first1[n]))
-              for n in first0}
+              for n in first0 if n != HALVES}
     for n, (a, b) in losses.items():
         print(f"  {n:<18} {a:.8f}  {b:.8f}")
     for i in (0, 1):
