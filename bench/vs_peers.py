@@ -23,7 +23,11 @@ of the model at the same moment, without messages: the stages' compute with both
 which T1 / 2 does not see; machine bound = that * (m + 1) / m. "pipecompile compiled" is
 pipecompile with `compile_stages=True` (torch.compile per stage) and "deepspeed compiled" is
 DeepSpeed's own `engine.compile()` (inductor): both reported apart from the eager, like-for-like
-targets. The first two steps' losses of every pipeline
+targets. "pipecompile auto" is the declarative call, `compile(model, devices=2)` with the same
+loss and optimizer: the compiler picks schedule, micro-batch count and cuts. It is compared with
+DeepSpeed at m = 8 and at the other micro-batch counts a user would try by hand ("deepspeed
+m=4", "deepspeed m=2": the same 16-sample batch in fewer, larger micro-batches, same update).
+The first two steps' losses of every pipeline
 (from the same initial weights) are printed and checked: equal losses show that the systems do
 the same work.
 
@@ -58,8 +62,12 @@ BOUND = "1-process bound"
 HALVES = "halves at once"
 COMPILED = "pipecompile compiled"
 DS_COMPILED = "deepspeed compiled"
-SYSTEMS = ("pipecompile", "deepspeed", "torch.pipelining", BOUND, HALVES, COMPILED, DS_COMPILED)
-NOT_PEERS = ("pipecompile", COMPILED, BOUND, HALVES)  # rows without a speedup column
+AUTO = "pipecompile auto"
+DS_M4, DS_M2 = "deepspeed m=4", "deepspeed m=2"
+SYSTEMS = ("pipecompile", "deepspeed", "torch.pipelining", BOUND, HALVES, COMPILED, DS_COMPILED,
+           AUTO, DS_M4, DS_M2)
+NOT_PEERS = ("pipecompile", COMPILED, BOUND, HALVES, AUTO)  # rows without a speedup column
+OTHER_M = (AUTO, DS_M4, DS_M2)  # rows at another micro-batch count: not against the m=8 bounds
 
 
 class Embed(nn.Module):
@@ -128,6 +136,15 @@ def _pipecompile(x, y, opts, rank: int) -> System:
     return System(lambda: pipe.step(x, target=y), " | ".join(C.block_names(pipe)))
 
 
+def _pipecompile_auto(x, y, opts, rank: int) -> System:
+    """`compile(model, devices=2)`: the compiler picks schedule, micro-batch count, virtual
+    stages, cuts and recomputation itself (same batch, loss and SGD step as every row)."""
+    pipe = pc.compile(FlatGPT(opts), (x,), devices=2, loss_fn=C.ce, optimizer=_sgd)
+    sched = pipe.plan.schedule
+    return System(lambda: pipe.step(x, target=y),
+                  f"{' | '.join(C.block_names(pipe))} ({sched.name}, m={sched.num_microbatches})")
+
+
 def _pipecompile_compiled(x, y, opts, rank: int) -> System:
     """pipecompile with `compile_stages=True`: each stage graph through torch.compile. Not a
     like-for-like row (the peers run eager); it shows what the option buys on the same split."""
@@ -156,7 +173,7 @@ def _torch_pipelining(x, y, opts, rank: int) -> System:
     return System(step, f"embed..layers.{opts.layers // 2 - 1} | {cut}..head")
 
 
-def _deepspeed(x, y, opts, rank: int, compiled: bool = False) -> System:
+def _deepspeed(x, y, opts, rank: int, compiled: bool = False, m: int | None = None) -> System:
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
@@ -167,8 +184,9 @@ def _deepspeed(x, y, opts, rank: int, compiled: bool = False) -> System:
     pm = PipelineModule(layers=model.flat(), num_stages=2, loss_fn=C.ce,
                         partition_method="uniform")
     # gradient_clipping: DeepSpeed clips at norm 1.0 unless told (0 = off); the others do not
-    config = {"train_batch_size": opts.batch, "train_micro_batch_size_per_gpu": opts.batch // opts.m,
-              "gradient_accumulation_steps": opts.m, "gradient_clipping": 0.0,
+    m = m or opts.m
+    config = {"train_batch_size": opts.batch, "train_micro_batch_size_per_gpu": opts.batch // m,
+              "gradient_accumulation_steps": m, "gradient_clipping": 0.0,
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=pm, optimizer=_sgd(pm.parameters()), config=config)
     if engine.gradient_clipping():
@@ -179,7 +197,7 @@ def _deepspeed(x, y, opts, rank: int, compiled: bool = False) -> System:
         if not engine.is_compiled:
             raise RuntimeError("DeepSpeed's engine.compile() left the module uncompiled")
     torch.set_num_threads(1)  # whatever deepspeed set, one intra-op thread as the others
-    data = itertools.cycle(list(zip(x.chunk(opts.m), y.chunk(opts.m))))
+    data = itertools.cycle(list(zip(x.chunk(m), y.chunk(m))))
     parts = pm.parts  # layer index bounds per stage
     split = " | ".join(f"{names[a]}..{names[b - 1]}" for a, b in zip(parts, parts[1:]))
     return System(lambda: engine.train_batch(data), split)
@@ -241,7 +259,10 @@ def _halves(x, y, opts, rank: int) -> System:
 BUILDERS = {"pipecompile": _pipecompile, "deepspeed": _deepspeed,
             "torch.pipelining": _torch_pipelining, BOUND: _unsplit, HALVES: _halves,
             COMPILED: _pipecompile_compiled,
-            DS_COMPILED: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, compiled=True)}
+            DS_COMPILED: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, compiled=True),
+            AUTO: _pipecompile_auto,
+            DS_M4: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, m=4),
+            DS_M2: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, m=2)}
 
 
 def _timed(step: Callable[[], Any], steps: int) -> tuple[float, float]:
@@ -329,7 +350,7 @@ def _report(per_rank: list[dict], opts, load_before: str) -> None:
         print(f"\n1F1B bound = T1 / 2 * (m + 1) / m: median {C.fmt_ms(t1 * factor)} ms "
               f"(T1 {C.fmt_ms(t1)}), best {C.fmt_ms(t1_best * factor)} ms (T1 {C.fmt_ms(t1_best)})")
         for n, ts in times.items():
-            if n not in (BOUND, HALVES):
+            if n not in (BOUND, HALVES, *OTHER_M):
                 print(f"  {n:<20} efficiency = bound / step: {t1 * factor / C.med(ts):.0%} "
                       f"(median), {t1_best * factor / min(ts):.0%} (best)")
     if HALVES in times:
@@ -341,7 +362,7 @@ def _report(per_rank: list[dict], opts, load_before: str) -> None:
             print(f"  two cores at once run each half {h / (C.med(times[BOUND]) / 2):.2f}x "
                   f"slower than half the 1-process step (medians)")
         for n, ts in times.items():
-            if n not in (BOUND, HALVES):
+            if n not in (BOUND, HALVES, *OTHER_M):
                 print(f"  {n:<20} efficiency = machine bound / step: {h * factor / C.med(ts):.0%} "
                       f"(median), {h_best * factor / min(ts):.0%} (best)")
     if pc_t:
@@ -354,6 +375,16 @@ def _report(per_rank: list[dict], opts, load_before: str) -> None:
             eff = C.med(times[BOUND]) * (opts.m + 1) / opts.m / 2 / C.med(pc_t)
             out.append(f">= 90% of the bound: {eff:.0%} {'met' if eff >= 0.9 else 'NOT met'}")
         print("; ".join(out))
+    if AUTO in times:
+        at = C.med(times[AUTO])
+        ds = {n: C.med(times[n]) for n in ("deepspeed", DS_M4, DS_M2) if n in times}
+        line = f"declarative (compile(model, devices=2), {r0['splits'][AUTO].rsplit('(', 1)[-1]}: "
+        line += "; ".join(f"{C.med(times[n]) / at:.2f}x {n}" for n in
+                          ("pipecompile", *ds, "torch.pipelining") if n in times)
+        if ds:
+            best = min(ds, key=ds.get)
+            line += f"; vs DeepSpeed's best m ({best}): {ds[best] / at:.2f}x"
+        print(line)
     if COMPILED in times:
         ct = C.med(times[COMPILED])
         print(f"compiled stages (compile_stages=True): "
