@@ -26,7 +26,8 @@ DeepSpeed's own `engine.compile()` (inductor): both reported apart from the eage
 targets. "pipecompile auto" is the declarative call, `compile(model, devices=2)` with the same
 loss and optimizer: the compiler picks schedule, micro-batch count and cuts. It is compared with
 DeepSpeed at m = 8 and at the other micro-batch counts a user would try by hand ("deepspeed
-m=4", "deepspeed m=2": the same 16-sample batch in fewer, larger micro-batches, same update).
+m=4", "deepspeed m=2": the same 16-sample batch in fewer, larger micro-batches, same update), and
+pipecompile's 1F1B at those counts ("pipecompile m=4", "pipecompile m=2").
 The first two steps' losses of every pipeline
 (from the same initial weights) are printed and checked: equal losses show that the systems do
 the same work.
@@ -64,10 +65,11 @@ COMPILED = "pipecompile compiled"
 DS_COMPILED = "deepspeed compiled"
 AUTO = "pipecompile auto"
 DS_M4, DS_M2 = "deepspeed m=4", "deepspeed m=2"
+PC_M4, PC_M2 = "pipecompile m=4", "pipecompile m=2"
 SYSTEMS = ("pipecompile", "deepspeed", "torch.pipelining", BOUND, HALVES, COMPILED, DS_COMPILED,
-           AUTO, DS_M4, DS_M2)
-NOT_PEERS = ("pipecompile", COMPILED, BOUND, HALVES, AUTO)  # rows without a speedup column
-OTHER_M = (AUTO, DS_M4, DS_M2)  # rows at another micro-batch count: not against the m=8 bounds
+           AUTO, DS_M4, DS_M2, PC_M4, PC_M2)
+NOT_PEERS = ("pipecompile", COMPILED, BOUND, HALVES, AUTO, PC_M4, PC_M2)  # no speedup column
+OTHER_M = (AUTO, DS_M4, DS_M2, PC_M4, PC_M2)  # at another micro-batch count: not vs m=8 bounds
 
 
 class Embed(nn.Module):
@@ -129,9 +131,9 @@ def _sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
 
 
-def _pipecompile(x, y, opts, rank: int) -> System:
+def _pipecompile(x, y, opts, rank: int, m: int | None = None) -> System:
     cut = f"layers.{opts.layers // 2}"
-    pipe = pc.compile(FlatGPT(opts), (x,), devices=2, microbatches=opts.m, schedule="1f1b",
+    pipe = pc.compile(FlatGPT(opts), (x,), devices=2, microbatches=m or opts.m, schedule="1f1b",
                       loss_fn=C.ce, optimizer=_sgd, split_points=[cut], checkpoint=False)
     return System(lambda: pipe.step(x, target=y), " | ".join(C.block_names(pipe)))
 
@@ -262,7 +264,9 @@ BUILDERS = {"pipecompile": _pipecompile, "deepspeed": _deepspeed,
             DS_COMPILED: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, compiled=True),
             AUTO: _pipecompile_auto,
             DS_M4: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, m=4),
-            DS_M2: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, m=2)}
+            DS_M2: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, m=2),
+            PC_M4: lambda x, y, opts, rank: _pipecompile(x, y, opts, rank, m=4),
+            PC_M2: lambda x, y, opts, rank: _pipecompile(x, y, opts, rank, m=2)}
 
 
 def _timed(step: Callable[[], Any], steps: int) -> tuple[float, float]:
@@ -385,6 +389,11 @@ def _report(per_rank: list[dict], opts, load_before: str) -> None:
             best = min(ds, key=ds.get)
             line += f"; vs DeepSpeed's best m ({best}): {ds[best] / at:.2f}x"
         print(line)
+    same_m = [(pm, dm) for pm, dm in (("pipecompile", "deepspeed"), (PC_M4, DS_M4),
+                                      (PC_M2, DS_M2)) if pm in times and dm in times]
+    if same_m:
+        print("1F1B at the same m and split: " + "; ".join(
+            f"{pm} {C.med(times[dm]) / C.med(times[pm]):.2f}x {dm}" for pm, dm in same_m))
     if COMPILED in times:
         ct = C.med(times[COMPILED])
         print(f"compiled stages (compile_stages=True): "
