@@ -18,19 +18,18 @@ Rounds alternate the order (round r rotates the list of systems by r); each roun
 steps of every system between two barriers after one warm-up step. The 1F1B bound is measured in
 the same job and rotation: the unsplit model's step (same micro-batches, same SGD step, one
 process) timed on rank 0 while rank 1 waits at the barrier; bound = T1 / 2 * (m + 1) / m, and
-efficiency = bound / measured 2-rank step. "halves at once" has each rank train its own half
-of the model at the same moment, without messages: the stages' compute with both cores busy,
-which T1 / 2 does not see; machine bound = that * (m + 1) / m. "pipecompile compiled" is
-pipecompile with `compile_stages=True` (torch.compile per stage) and "deepspeed compiled" is
-DeepSpeed's own `engine.compile()` (inductor): both reported apart from the eager, like-for-like
-targets. "pipecompile auto" is the declarative call, `compile(model, devices=2)` with the same
-loss and optimizer: the compiler picks schedule, micro-batch count and cuts. It is compared with
-DeepSpeed at m = 8 and at the other micro-batch counts a user would try by hand ("deepspeed
-m=4", "deepspeed m=2": the same 16-sample batch in fewer, larger micro-batches, same update), and
-pipecompile's 1F1B at those counts ("pipecompile m=4", "pipecompile m=2").
-The first two steps' losses of every pipeline
-(from the same initial weights) are printed and checked: equal losses show that the systems do
-the same work.
+efficiency = bound / measured 2-rank step. "halves at once" has each rank train its own half of
+the model at the same moment, without messages: the stages' compute with both cores busy, which
+T1 / 2 does not see; machine bound = that * (m + 1) / m. "pipecompile compiled" is pipecompile
+with `compile_stages=True` (torch.compile per stage) and "deepspeed compiled" is DeepSpeed's own
+`engine.compile()` (inductor): both reported apart from the eager, like-for-like targets.
+"pipecompile auto" is the declarative call, `compile(model, devices=2)` with the same loss and
+optimizer (and `example_target=`, so that planning times the loss): the compiler picks schedule,
+micro-batch count and cuts. It is compared with DeepSpeed at m = 8 and at the other micro-batch
+counts a user would try by hand ("deepspeed m=4", "deepspeed m=2": the same 16-sample batch in
+fewer, larger micro-batches, same update), and pipecompile's 1F1B at those counts ("pipecompile
+m=4", "pipecompile m=2"). The first two steps' losses of every pipeline (from the same initial
+weights) are printed and checked: equal losses show that the systems do the same work.
 
     DS_BUILD_OPS=0 pip install deepspeed==0.19.8      # benchmark-only; skipped if not importable
     torchrun --nproc-per-node 2 bench/vs_peers.py             # d=128, 8 layers, batch 16x64
@@ -141,7 +140,9 @@ def _pipecompile(x, y, opts, rank: int, m: int | None = None) -> System:
 def _pipecompile_auto(x, y, opts, rank: int) -> System:
     """`compile(model, devices=2)`: the compiler picks schedule, micro-batch count, virtual
     stages, cuts and recomputation itself (same batch, loss and SGD step as every row)."""
-    pipe = pc.compile(FlatGPT(opts), (x,), devices=2, loss_fn=C.ce, optimizer=_sgd)
+    # the example target lets the planning probe time the loss, as a lazy compile's first step
+    pipe = pc.compile(FlatGPT(opts), (x,), devices=2, loss_fn=C.ce, optimizer=_sgd,
+                      example_target=y)
     sched = pipe.plan.schedule
     return System(lambda: pipe.step(x, target=y),
                   f"{' | '.join(C.block_names(pipe))} ({sched.name}, m={sched.num_microbatches})")

@@ -315,7 +315,8 @@ def _calibrate(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     program = split(linear, before, _stage_devices(plan, example), placed=example.placed)
     measured = measure(program, need(plan.schedule, "schedule"), example,
                        microbatches=o.microbatches, loss_fn=o.loss_fn, ranks=o.ranks)
-    calibration = fit_calibration(estimated, before, measured)
+    calibration = fit_calibration(estimated, before, measured,
+                                  loss_timed=example.target is not None or o.loss_fn is None)
     costs = calibrate_blocks(estimated, calibration)
     placement = place(linear, costs, _target(plan))
     kept = program if placement.bounds == before else None

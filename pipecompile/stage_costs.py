@@ -180,7 +180,8 @@ def _probe(linear: LinearGraph, costs: CostTable, example: Example, device: torc
     actual = sum(t.forward + t.backward - t.loss for t in measured.values())
     size = linear.captured.microbatch_size(microbatches)
     calibration = Calibration(actual / predicted if predicted > 0 else 1.0, measured[1].loss,
-                              microbatch_size=size)
+                              microbatch_size=size,
+                              loss_timed=target is not None or loss_fn is None)
     rest = measured[1]
     ratio = ((rest.backward_input + rest.backward_weight) / rest.backward
              if rest.backward > 0 else 1.0)

@@ -260,6 +260,19 @@ def test_the_probe_measures_the_model_as_it_runs():
     assert case.args[0].shape[0] == 8 and plan.calibration.microbatch_size == 2  # at m = 4
     assert plan.split_ratio > 0 and plan.efficiency > 0  # timings: their size is the machine's
     assert "measured: block times" in pipe.explain()
+    assert plan.calibration.loss_timed and "loss not timed" not in pipe.explain()
+
+
+def test_without_a_target_explain_says_the_loss_was_not_timed():
+    """Compiled eagerly from inputs alone, the probe cannot run the loss: explain() says so
+    (and how to give it a target) instead of showing a loss time of 0."""
+    torch.manual_seed(0)
+    case = gpt()
+    pipe = pc.compile(case.model, case.args, devices=2, loss_fn=case.loss_fn)
+    assert pipe.plan.calibration is not None and not pipe.plan.calibration.loss_timed
+    assert pipe.plan.calibration.loss_time == 0.0
+    assert "loss not timed (no target at compile" in pipe.explain()
+    assert "example_target=" in pipe.explain()
 
 
 def test_a_loaded_pipeline_keeps_the_candidate_table(tmp_path):

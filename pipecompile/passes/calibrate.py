@@ -219,8 +219,12 @@ class Calibration:
     factor: float = 1.0
     loss_time: float = 0.0
     microbatch_size: int = 0  # the size the loss was timed at (0: the size it is applied to)
+    loss_timed: bool = True  # False: no target at compile, so the loss was not run (time 0)
 
     def __str__(self) -> str:
+        if not self.loss_timed:
+            return (f"block times x{self.factor:.2f}, loss not timed (no target at compile: "
+                    f"compile lazily or pass example_target=)")
         return f"block times x{self.factor:.2f}, loss {self.loss_time * 1e3:.3f} ms/mb"
 
     def at(self, microbatch_size: int) -> "Calibration":
@@ -233,17 +237,19 @@ class Calibration:
 
 
 def fit_calibration(
-    costs: CostTable, bounds: Sequence[int], measured: Mapping[int, StageTimes]
+    costs: CostTable, bounds: Sequence[int], measured: Mapping[int, StageTimes], *,
+    loss_timed: bool = True,
 ) -> Calibration:
     """The factor is the median over the stages of measured / predicted F+B (the loss's own
-    measured time left out); the loss is measured directly on the last stage."""
+    measured time left out); the loss is measured directly on the last stage (`loss_timed`
+    False: it was not run, for want of a target)."""
     predicted = [sum(costs.blocks[b].time for b in range(lo, hi))
                  for lo, hi in zip(bounds, bounds[1:])]
     loss = measured[len(predicted) - 1].loss
     actual = [measured[s].forward + measured[s].backward - measured[s].loss
               for s in range(len(predicted))]
     ratios = [a / p for a, p in zip(actual, predicted) if p > 0]
-    return Calibration(statistics.median(ratios) if ratios else 1.0, loss)
+    return Calibration(statistics.median(ratios) if ratios else 1.0, loss, loss_timed=loss_timed)
 
 
 def calibrate_blocks(costs: CostTable, calibration: Calibration) -> CostTable:
