@@ -354,10 +354,7 @@ def _report(per_rank: list[dict], opts, load_before: str) -> None:
         factor = (opts.m + 1) / opts.m / 2
         print(f"\n1F1B bound = T1 / 2 * (m + 1) / m: median {C.fmt_ms(t1 * factor)} ms "
               f"(T1 {C.fmt_ms(t1)}), best {C.fmt_ms(t1_best * factor)} ms (T1 {C.fmt_ms(t1_best)})")
-        for n, ts in times.items():
-            if n not in (BOUND, HALVES, *OTHER_M):
-                print(f"  {n:<20} efficiency = bound / step: {t1 * factor / C.med(ts):.0%} "
-                      f"(median), {t1_best * factor / min(ts):.0%} (best)")
+        _efficiencies(times, "bound", t1 * factor, t1_best * factor)
     if HALVES in times:
         h, h_best = C.med(times[HALVES]), min(times[HALVES])
         factor = (opts.m + 1) / opts.m
@@ -366,10 +363,7 @@ def _report(per_rank: list[dict], opts, load_before: str) -> None:
         if BOUND in times:
             print(f"  two cores at once run each half {h / (C.med(times[BOUND]) / 2):.2f}x "
                   f"slower than half the 1-process step (medians)")
-        for n, ts in times.items():
-            if n not in (BOUND, HALVES, *OTHER_M):
-                print(f"  {n:<20} efficiency = machine bound / step: {h * factor / C.med(ts):.0%} "
-                      f"(median), {h_best * factor / min(ts):.0%} (best)")
+        _efficiencies(times, "machine bound", h * factor, h_best * factor)
     if pc_t:
         print("\ntargets (medians): ", end="")
         checks = [("deepspeed", 1.15), ("torch.pipelining", 1.3)]
@@ -400,6 +394,14 @@ def _report(per_rank: list[dict], opts, load_before: str) -> None:
         print(f"compiled stages (compile_stages=True): "
               + "; ".join(f"{C.med(times[n]) / ct:.2f}x {n}" for n in
                           ("pipecompile", "deepspeed", "torch.pipelining") if n in times))
+
+
+def _efficiencies(times: dict, label: str, bound: float, bound_best: float) -> None:
+    """Per m=8 pipeline row: `label` / its step, for the medians and for the best rounds."""
+    for n, ts in times.items():
+        if n not in (BOUND, HALVES, *OTHER_M):
+            print(f"  {n:<20} efficiency = {label} / step: {bound / C.med(ts):.0%} "
+                  f"(median), {bound_best / min(ts):.0%} (best)")
 
 
 def _check_losses(first0: dict, first1: dict) -> None:
