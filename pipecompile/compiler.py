@@ -33,7 +33,7 @@ from .ir import CapturedModel, CostTable, LinearGraph
 from .options import (CompileOptions, Example, check_async_ties, example_microbatch_size,
                       resolve_options)
 from .passes.annotate import optimizer_state_factor
-from .passes.calibrate import calibrate_blocks, fit_calibration
+from .passes.calibrate import calibrate_blocks, fit_calibration, loss_runs
 from .passes.linearize import GRANULARITIES, linearize
 from .passes.partition import DeviceSpec
 from .passes.split import split
@@ -316,7 +316,7 @@ def _calibrate(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     measured = measure(program, need(plan.schedule, "schedule"), example,
                        microbatches=o.microbatches, loss_fn=o.loss_fn, ranks=o.ranks)
     calibration = fit_calibration(estimated, before, measured,
-                                  loss_timed=example.target is not None or o.loss_fn is None)
+                                  loss_timed=loss_runs(o.loss_fn, example.target))
     costs = calibrate_blocks(estimated, calibration)
     placement = place(linear, costs, _target(plan))
     kept = program if placement.bounds == before else None

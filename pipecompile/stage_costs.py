@@ -17,7 +17,8 @@ import torch
 
 from .ir import CostTable, LinearGraph, StageCost
 from .options import Example
-from .passes.calibrate import Calibration, StageTimes, measure_stages, thread_efficiency
+from .passes.calibrate import (Calibration, StageTimes, loss_runs, measure_stages,
+                               thread_efficiency)
 from .passes.partition import DeviceSpec, Partition
 from .passes.profile import record_values
 from .passes.split import Stage, StagedProgram, split
@@ -181,7 +182,7 @@ def _probe(linear: LinearGraph, costs: CostTable, example: Example, device: torc
     size = linear.captured.microbatch_size(microbatches)
     calibration = Calibration(actual / predicted if predicted > 0 else 1.0, measured[1].loss,
                               microbatch_size=size,
-                              loss_timed=target is not None or loss_fn is None)
+                              loss_timed=loss_runs(loss_fn, target))
     rest = measured[1]
     ratio = ((rest.backward_input + rest.backward_weight) / rest.backward
              if rest.backward > 0 else 1.0)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .split import StagedProgram
 
 __all__ = ["StageTimes", "Calibration", "measure_stages", "thread_efficiency", "fit_calibration",
-           "calibrate_blocks"]
+           "calibrate_blocks", "loss_runs"]
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,18 @@ def measure_stages(
     result = {}
     with _restoring(program):
         for index in chosen:
-            with_loss = index == last and loss is not None and (
-                target is not None or loss.loss_fn is None)
+            with_loss = index == last and loss is not None and loss_runs(loss.loss_fn, target)
             worker, inputs = _worker(program, index, values, grad_values,
                                      loss if with_loss else None)
             device = program.stages[index].device
             result[index] = _time_stage(worker, inputs, _to(target, device), repeats, statistic)
     return result
+
+
+def loss_runs(loss_fn: Any, target: Any) -> bool:
+    """Does timing run the loss? A `loss_fn` needs a target; without one (a model that returns
+    its own loss) the loss is part of the graph."""
+    return target is not None or loss_fn is None
 
 
 def thread_efficiency(
