@@ -43,6 +43,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is imported
@@ -130,10 +131,14 @@ def _sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
 
 
-def _pipecompile(x, y, opts, rank: int, m: int | None = None) -> System:
+def _pipecompile(x, y, opts, rank: int, m: int | None = None,
+                 compile_stages: bool = False) -> System:
+    """1F1B at the shared cut. `compile_stages=True` ("pipecompile compiled") puts each stage
+    graph through torch.compile: not like-for-like (the peers run eager), reported apart."""
     cut = f"layers.{opts.layers // 2}"
     pipe = pc.compile(FlatGPT(opts), (x,), devices=2, microbatches=m or opts.m, schedule="1f1b",
-                      loss_fn=C.ce, optimizer=_sgd, split_points=[cut], checkpoint=False)
+                      loss_fn=C.ce, optimizer=_sgd, split_points=[cut], checkpoint=False,
+                      compile_stages=compile_stages)
     return System(lambda: pipe.step(x, target=y), " | ".join(C.block_names(pipe)))
 
 
@@ -146,16 +151,6 @@ def _pipecompile_auto(x, y, opts, rank: int) -> System:
     sched = pipe.plan.schedule
     return System(lambda: pipe.step(x, target=y),
                   f"{' | '.join(C.block_names(pipe))} ({sched.name}, m={sched.num_microbatches})")
-
-
-def _pipecompile_compiled(x, y, opts, rank: int) -> System:
-    """pipecompile with `compile_stages=True`: each stage graph through torch.compile. Not a
-    like-for-like row (the peers run eager); it shows what the option buys on the same split."""
-    cut = f"layers.{opts.layers // 2}"
-    pipe = pc.compile(FlatGPT(opts), (x,), devices=2, microbatches=opts.m, schedule="1f1b",
-                      loss_fn=C.ce, optimizer=_sgd, split_points=[cut], checkpoint=False,
-                      compile_stages=True)
-    return System(lambda: pipe.step(x, target=y), " | ".join(C.block_names(pipe)))
 
 
 def _torch_pipelining(x, y, opts, rank: int) -> System:
@@ -261,13 +256,13 @@ def _halves(x, y, opts, rank: int) -> System:
 
 BUILDERS = {"pipecompile": _pipecompile, "deepspeed": _deepspeed,
             "torch.pipelining": _torch_pipelining, BOUND: _unsplit, HALVES: _halves,
-            COMPILED: _pipecompile_compiled,
-            DS_COMPILED: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, compiled=True),
+            COMPILED: partial(_pipecompile, compile_stages=True),
+            DS_COMPILED: partial(_deepspeed, compiled=True),
             AUTO: _pipecompile_auto,
-            DS_M4: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, m=4),
-            DS_M2: lambda x, y, opts, rank: _deepspeed(x, y, opts, rank, m=2),
-            PC_M4: lambda x, y, opts, rank: _pipecompile(x, y, opts, rank, m=4),
-            PC_M2: lambda x, y, opts, rank: _pipecompile(x, y, opts, rank, m=2)}
+            DS_M4: partial(_deepspeed, m=4),
+            DS_M2: partial(_deepspeed, m=2),
+            PC_M4: partial(_pipecompile, m=4),
+            PC_M2: partial(_pipecompile, m=2)}
 
 
 def _timed(step: Callable[[], Any], steps: int) -> tuple[float, float]:
