@@ -17,6 +17,7 @@ __all__ = [
     "ConfigError",
     "LossError",
     "StageExecutionError",
+    "CheckpointError",
 ]
 
 
@@ -54,3 +55,7 @@ class LossError(PipecompileError, ValueError):
 
 class StageExecutionError(PipecompileError, RuntimeError):
     """An action of a stage failed while a pipeline ran; names the stage and the action."""
+
+
+class CheckpointError(PipecompileError, ValueError):
+    """A weights checkpoint is missing, in no format pipecompile reads, or inconsistent."""
