@@ -36,3 +36,26 @@ def keyword_tuple():
     torch.manual_seed(0)
     model = zoo.KeywordTupleModel(dim=6, hidden=8, layers=4)
     return model, (torch.randn(BATCH, 6),), {"scale": torch.rand(BATCH, 1) + 0.5}
+
+
+def llama3_70b(layers=80, batch=32, seq=4096):
+    """A Llama-3-70B-shaped transformers LlamaForCausalLM on the meta device (no weights are
+    allocated): hidden 8192, MLP 28672, 64 heads with 8 KV heads, vocab 128256, bfloat16,
+    untied embeddings, no KV cache; `layers` of them (80 in Llama 3 70B). The example batch
+    (token ids, and the same as labels so that the model computes its own loss) is on meta too.
+    Plan it for hardware that is not here; nothing runs:
+
+        pipecompile plan examples/factories.py:llama3_70b --devices 32 --device h100
+        pipecompile plan examples/factories.py:llama3_70b --arg layers=8 --devices 8 --device h100
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=layers, hidden_size=8192, intermediate_size=28672,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, use_cache=False, torch_dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return model, (ids,), {"labels": ids}

@@ -3,6 +3,13 @@
     torchrun --nproc-per-node 2 examples/train_llm.py --steps 20       # one stage per rank
     python examples/train_llm.py --steps 20 --devices 2                # one process, 2 workers
     torchrun --nproc-per-node 2 examples/train_llm.py --steps 40 --ckpt-every 10 --resume
+    torchrun --nproc-per-node 2 examples/train_llm.py --meta --weights DIR   # big-model recipe
+
+`--meta` builds the model with its parameters on the meta device (no weights anywhere), compiles
+it, and gives each rank memory for its own stages only (`pipe.to_empty()`), then loads them from
+`--weights` (a transformers `save_pretrained` directory, one .safetensors file or a DCP
+checkpoint) or initialises them (`pipe.init_weights`, seeded per module name: the same weights
+on any number of ranks).
 
 A complete training loop over a `Pipeline`: your AdamW over `pipe.parameters()`, linear warmup
 then cosine decay (LambdaLR), global-norm clipping with `pipe.clip_grad_norm_`, bf16 autocast
@@ -60,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default="checkpoints/llm")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--meta", action="store_true",
+                   help="build on meta; each rank materialises only its stages")
+    p.add_argument("--weights", default=None,
+                   help="with --meta: load from this checkpoint (else initialise)")
     return p.parse_args(argv)
 
 
@@ -73,9 +84,26 @@ def llama_config(args: argparse.Namespace) -> LlamaConfig:
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
-    """The same random initial weights on every rank (seeded)."""
+    """The same random initial weights on every rank (seeded); with --meta, parameters on the
+    meta device and buffers real (the RoPE table), as transformers checkpoints expect."""
     torch.manual_seed(args.seed)
+    if args.meta:
+        with pc.meta_parameters():
+            return LlamaForCausalLM(llama_config(args))
     return LlamaForCausalLM(llama_config(args))
+
+
+def materialise(args: argparse.Namespace, pipe: pc.Pipeline, model: LlamaForCausalLM) -> str:
+    """--meta: this rank's stages get memory, then weights from --weights or initialised."""
+    pipe.to_empty()
+    if args.weights:
+        result = pipe.load_weights(args.weights)
+        if result.missing_keys:
+            raise SystemExit(f"{args.weights} lacks {result.missing_keys[:5]}")
+        return f"loaded this rank's tensors from {args.weights}"
+    torch.manual_seed(args.seed)
+    pipe.init_weights(fn=model._init_weights)  # transformers' own per-module initialisation
+    return "initialised this rank's tensors (seeded per module name)"
 
 
 def causal_lm_loss(out, target: torch.Tensor) -> torch.Tensor:
@@ -160,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     pipe = pc.compile(model, (example,), devices=devices, schedule=args.schedule,
                       loss_fn=causal_lm_loss, **options)
     log(pipe)
+    if args.meta:
+        log(materialise(args, pipe, model))
 
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -8,6 +8,7 @@
 from .compiler import compile
 from .errors import (
     CaptureError,
+    CheckpointError,
     ConfigError,
     InPlaceError,
     LossError,
@@ -17,6 +18,7 @@ from .errors import (
     ScheduleError,
     StageExecutionError,
 )
+from .materialize import meta_parameters
 from .passes.partition import DeviceSpec, PartitionMemoryError
 from .pipeline import Pipeline, load
 from .runtime.memory import DeviceMemory, format_memory
@@ -24,12 +26,14 @@ from .runtime.memory import DeviceMemory, format_memory
 __all__ = [
     "compile",
     "load",
+    "meta_parameters",
     "Pipeline",
     "DeviceMemory",
     "format_memory",
     "DeviceSpec",
     "PipecompileError",
     "CaptureError",
+    "CheckpointError",
     "ConfigError",
     "InPlaceError",
     "LossError",

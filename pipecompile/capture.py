@@ -95,8 +95,21 @@ def capture(
         module=module,
         notes=notes,
         parameter_names=tuple(n for n, _ in model.named_parameters()),
-        state_keys=tuple(model.state_dict().keys()),
+        state_keys=tensor_keys(model),
+        checkpoint_keys=tuple(model.state_dict(keep_vars=True).keys()),
     )
+
+
+def tensor_keys(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names `model.state_dict()` would have without its hooks: every parameter and
+    persistent buffer, in state_dict order, a tied one under each name."""
+    keys = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        keys += [dot + n for n, p in module._parameters.items() if p is not None]
+        keys += [dot + n for n, b in module._buffers.items()
+                 if b is not None and n not in module._non_persistent_buffers_set]
+    return tuple(dict.fromkeys(keys))
 
 
 def seed_captured(captured: CapturedModel, seed: int) -> CapturedModel:

@@ -3,6 +3,7 @@
     pipecompile inspect FILE.py:FACTORY --devices 4 [--schedule 1f1b] [--microbatches 8]
                         [--code] [--draw partition.svg] [--json]
     pipecompile plan    FILE.py:FACTORY ... [--gantt timeline.png] [--json]
+    pipecompile plan    FILE.py:FACTORY --devices 32 --device h100 [--arg layers=80]
     pipecompile export  FILE.py:FACTORY ... [--onnx DIR] [--save DIR] [--json]
 
 FACTORY is a function in FILE.py returning `(model, example_inputs)` or `(model,
@@ -17,12 +18,21 @@ predicted timeline. `export` writes ONNX files and a manifest (--onnx) and/or th
 program (--save, read back by `pipecompile.load`). --json prints one JSON object on stdout
 instead of text. Progress goes to stderr. A bad FILE, FACTORY or option prints a one-line error
 on stderr and exits with status 2.
+
+`--device NAME` plans for --devices devices of a named preset (`pipecompile.hardware`: h100,
+a100; `--link nvlink` or `infiniband`) that need not be on this machine: nothing is measured or
+run, and `plan` prints the stage table (each stage's memory and the predicted step) and
+`pipe.explain()` instead of the action grid. `--arg KEY=VALUE` (repeatable) passes a keyword
+argument to FACTORY (a Python literal, else the string). `--optimizer adamw` counts that
+optimizer's state in each stage's memory (default: none).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -32,7 +42,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .errors import PipecompileError
-from .report import explain_search, format_bytes
+from .report import explain_search, format_bytes, stage_table
 from .runtime.schedules import SCHEDULE_NAMES
 
 __all__ = ["main"]
@@ -116,6 +126,13 @@ def _plan(args: argparse.Namespace) -> tuple[dict, str]:
                             "step_time_s": c.step if c.fits else None,
                             "memory": list(c.memory), "verdict": c.reason or "chosen"}
                            for c in search.candidates]}
+    if args.device:  # hardware that is not here: the stage table and the pass log
+        result["devices"] = [dict(name=d.name, hardware=d.hardware, flops=d.flops,
+                                  memory=d.memory, bandwidth=d.bandwidth, latency=d.latency)
+                             for d in pipe.plan.options.devices]
+        table = stage_table(pipe.program, schedule, microbatches=pipe.microbatches,
+                            predicted=pipe.predicted, specs=pipe.plan.stage_specs)
+        return result, "\n".join([table, "", pipe.explain()])
     lines = [str(schedule), ""]
     if pipe.predicted is not None:
         lines += [f"predicted step time  {pipe.predicted.makespan * 1e3:.3f} ms",
@@ -154,19 +171,25 @@ def _export(args: argparse.Namespace) -> tuple[dict, str]:
 def _compile(args: argparse.Namespace):
     import pipecompile
 
-    model, inputs, kwargs = _call_factory(args.target)
-    log.info("compiling %s for %d devices (capture, cost, partition, split)",
-             type(model).__name__, args.devices)
+    model, inputs, kwargs = _call_factory(args.target, dict(args.arg))
+    devices: Any = args.devices
+    if args.device:
+        devices = [pipecompile.DeviceSpec.preset(args.device, link=args.link)] * args.devices
+    log.info("compiling %s for %d %s (capture, cost, partition, split)", type(model).__name__,
+             args.devices, devices[0].hardware if args.device else "devices")
     start = time.perf_counter()
-    pipe = pipecompile.compile(model, inputs, kwargs, devices=args.devices,
+    pipe = pipecompile.compile(model, inputs, kwargs, devices=devices,
                                microbatches=args.microbatches, schedule=args.schedule,
-                               capture=args.capture)
+                               capture=args.capture,
+                               optimizer=None if args.optimizer == "none"
+                               else functools.partial(_optimizer, args.optimizer))
     log.info("compiled in %.1f s", time.perf_counter() - start)
     return pipe
 
 
-def _call_factory(target: str) -> tuple[Any, tuple, dict]:
-    """Import FILE.py and call FACTORY(); check what it returns."""
+def _call_factory(target: str, arguments: dict[str, Any] | None = None
+                  ) -> tuple[Any, tuple, dict]:
+    """Import FILE.py and call FACTORY(**arguments); check what it returns."""
     import torch
 
     path, sep, name = target.rpartition(":")
@@ -194,11 +217,13 @@ def _call_factory(target: str) -> tuple[Any, tuple, dict]:
                        == module.__name__)
         raise UsageError(f"{path} has no function {name!r}; functions there: "
                          f"{', '.join(found) or 'none'}")
-    log.info("building the model: %s()", name)
+    arguments = arguments or {}
+    call = f"{name}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})"
+    log.info("building the model: %s", call)
     try:
-        made = factory()
+        made = factory(**arguments)
     except Exception as error:  # noqa: BLE001
-        raise UsageError(f"{name}() raised {type(error).__name__}: {error}") from None
+        raise UsageError(f"{call} raised {type(error).__name__}: {error}") from None
     if not isinstance(made, tuple) or len(made) not in (2, 3):
         raise UsageError(f"{name}() returned {type(made).__name__}; return (model, "
                          f"example_inputs) or (model, example_inputs, example_kwargs)")
@@ -277,6 +302,26 @@ def _progress_on_stderr():
         logger.propagate = saved[1]
 
 
+def _optimizer(name: str, params: list) -> Any:
+    """The --optimizer NAME over `params` (its state is what the stages' memory counts)."""
+    import torch
+
+    return {"sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+            "adam": lambda: torch.optim.Adam(params), "adamw": lambda: torch.optim.AdamW(params)
+            }[name]()
+
+
+def _argument(text: str) -> tuple[str, Any]:
+    """KEY=VALUE of --arg: the value as a Python literal (8, 0.5, 'x', True), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. layers=8)")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def _count_or_auto(text: str) -> int | str:
     if text == "auto":
         return text
@@ -300,6 +345,15 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--schedule", default="auto",
                         help=f"auto, {', '.join(SCHEDULE_NAMES)} (default auto)")
     common.add_argument("--capture", default="export", choices=("export", "fx"))
+    common.add_argument("--device", metavar="NAME",
+                        help="plan for devices of a named preset that need not be here "
+                             "(h100, a100); nothing is measured or run")
+    common.add_argument("--link", default="nvlink", choices=("nvlink", "infiniband"),
+                        help="the preset's link between pipeline devices (default nvlink)")
+    common.add_argument("--arg", type=_argument, action="append", default=[],
+                        metavar="KEY=VALUE", help="a keyword argument for FACTORY (repeatable)")
+    common.add_argument("--optimizer", default="none", choices=("none", "sgd", "adam", "adamw"),
+                        help="count this optimizer's state in the stages' memory")
     common.add_argument("--json", action="store_true", help="print one JSON object")
     inspect_ = commands.add_parser("inspect", parents=[common],
                                   help="stage table, cuts and boundary tensors, code")

@@ -14,6 +14,7 @@
     threads   profile=True: how much CPU device threads slow each other  -> plan.efficiency
     simulate  the predicted timeline                                     -> plan.predicted
     agree     under torch.distributed: every rank planned the same       (checked)
+    shard     fsdp=True: this rank's stages fully_shard-ed over "dp"      -> plan.program
 
 Each pass is `pass(plan, example) -> (plan, summary) | None` (plan.py); the decisions are the
 pure functions of planning.py. `pipe.explain()` prints the pass records.
@@ -30,8 +31,9 @@ from .capture import capture as capture_model, seed_captured
 from .deferred import Planner
 from .errors import ConfigError, PartitionError
 from .ir import CapturedModel, CostTable, LinearGraph
-from .options import (CompileOptions, Example, check_async_ties, example_microbatch_size,
-                      resolve_options)
+from .materialize import is_meta_model, on_meta
+from .options import (CompileOptions, Example, check_async_ties, compute_dtype, device_present,
+                      example_microbatch_size, resolve_options)
 from .passes.annotate import optimizer_state_factor
 from .passes.calibrate import calibrate_blocks, fit_calibration, loss_runs
 from .passes.linearize import GRANULARITIES, linearize
@@ -39,16 +41,17 @@ from .passes.partition import DeviceSpec
 from .passes.split import split
 from .pipeline import Pipeline
 from .plan import Pass, Plan, need, run_passes
-from .planning import (Choice, CostModel, Target, action_overhead, cost, device_model, inflight,
-                       place, refine)
+from .planning import (Choice, CostModel, Target, action_cost, analytic as all_described, cost,
+                       device_model, inflight, place, refine)
 from .search import SPLIT_BACKWARD_RATIO, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
 from .search import search as search_plans
-from .report import format_count
+from .report import describe_devices, format_count, format_stages
 from .runtime.lowering import relower
 from .runtime.messages import Dataflow, message_bytes, transfer_seconds
-from .runtime.schedules import make_schedule
+from .runtime.schedules import SPLIT_BACKWARD_SCHEDULES, make_schedule
 from .runtime.simulate import simulate
 from .runtime.distributed import local_device
+from .runtime.sharding import data_parallel_mesh, local_tensor, shard_stages
 from .stage_costs import (Probe, efficiency, measure, probe, shared_cores, simulator_costs,
                           with_stage_costs)
 
@@ -82,6 +85,8 @@ def compile(  # noqa: A001 - the public name of the design
     rng: str = "global",
     rng_seed: int = 0,
     compile_stages: bool = False,
+    fsdp: bool = False,
+    mesh: Any = None,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices`.
 
@@ -109,7 +114,9 @@ def compile(  # noqa: A001 - the public name of the design
 
     Under torch.distributed (an initialised process group, or torchrun's environment) the same
     call runs on every rank: `devices` is the number of pipeline ranks and `data_parallel` the
-    number of pipeline replicas; each rank keeps only its own stages.
+    number of pipeline replicas; each rank keeps only its own stages. With `fsdp=True` each
+    stage is sharded over the replicas with torch's `fully_shard` (its parameters become
+    DTensors); `mesh` is a DeviceMesh with "dp" and "pp" dimensions to use instead of a new one.
     """
     def plan_for(example: Example | None) -> Plan:
         options = resolve_options(
@@ -119,7 +126,8 @@ def compile(  # noqa: A001 - the public name of the design
             loss_fn=loss_fn, optimizer=optimizer, capture=capture,
             symbolic_sizes=symbolic_sizes, granularity=granularity,
             profile=profile, checkpoint=checkpoint, vertical_sync=vertical_sync,
-            verbose=verbose, rng=rng, rng_seed=rng_seed, compile_stages=compile_stages)
+            verbose=verbose, rng=rng, rng_seed=rng_seed, compile_stages=compile_stages,
+            fsdp=fsdp, mesh=mesh)
         return run_passes(Plan(options), PASSES, example) if example is not None else Plan(options)
 
     if not example_inputs and not example_kwargs:  # lazy: plans on the first call
@@ -128,7 +136,7 @@ def compile(  # noqa: A001 - the public name of the design
         plan_for(None)  # check the options now, not at the first step
         return Pipeline(planner=Planner(model, plan_for))
     return Pipeline(plan_for(Example(model, tuple(example_inputs), dict(example_kwargs or {}),
-                                     example_target)))
+                                     example_target)), model=model)
 
 
 # -- the passes ---------------------------------------------------------------------------------
@@ -136,11 +144,19 @@ def compile(  # noqa: A001 - the public name of the design
 
 def _capture(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
-    captured = capture_model(example.model, example.args, dict(example.kwargs), method=o.capture,
+    meta = is_meta_model(example.model)
+    args, kwargs = (on_meta((example.args, dict(example.kwargs))) if meta
+                    else (example.args, dict(example.kwargs)))
+    captured = capture_model(example.model, args, kwargs, method=o.capture,
                              static_batch_size=example_microbatch_size(example, o),
                              verbose=o.verbose, batch_only=o.symbolic_sizes == "batch")
     if o.rng == "per-microbatch":
         captured = seed_captured(captured, o.rng_seed)
+    if meta:  # traced on meta inputs too (no op mixes devices); nothing can be timed
+        note = ("model on the meta device: analytic costs only (no planning probe"
+                + (", profile=True ignored" if o.profile else "") + ")")
+        captured = replace(captured, notes=captured.notes + (note,))
+        plan = replace(plan, options=replace(o, profile=False))
     return replace(plan, captured=captured), (
         f"{o.capture}: {len(captured.module.graph.nodes)} nodes, "
         f"{'dynamic' if captured.dynamic_batch else 'static'} batch"
@@ -161,11 +177,14 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
     """Choose the "auto" options by predicted step time (search.py); record the candidates."""
     o = plan.options
     captured = need(plan.captured, "capture")
-    plan = replace(plan, device_model=device_model(o.devices[0], o.ranks),
-                   overhead=o.ranks.rate(action_overhead(o.devices[0].name)))
+    dtype = compute_dtype(example.model)
+    plan = replace(plan, device_model=device_model(o.devices[0], o.ranks, dtype),
+                   overhead=action_cost(o.devices[0], o.ranks))
+    # every device described by its figures (hardware that need not be here): nothing measured
+    described = f"; {describe_devices(o.devices, dtype)}" if all_described(o.devices) else ""
     if not o.auto:
         return plan, ("nothing searched: schedule, micro-batches, virtual stages and "
-                      "checkpoint were given")
+                      "checkpoint were given" + described)
     fewest = len(o.devices) * (1 if "virtual_stages" in o.auto else o.virtual_stages)
     _enough_blocks(_coarsest(captured, o.granularity, fewest), fewest, o.granularity)
     linears: dict[int, LinearGraph | None] = {}
@@ -195,12 +214,13 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
         plan = replace(plan, efficiency=measured.efficiency, split_ratio=measured.split_ratio,
                        calibration=None if o.profile else measured.calibration)
     space = Space(
-        schedules=SYNC_SCHEDULES if "schedule" in o.auto else (o.schedule,),
+        schedules=(tuple(s for s in SYNC_SCHEDULES if not (o.fsdp and s in SPLIT_BACKWARD_SCHEDULES))
+                   if "schedule" in o.auto else (o.schedule,)),
         microbatches=(choices if "microbatches" in o.auto and captured.dynamic_batch
                       else (o.microbatches,)),
         virtual_stages=(_split_point_stages(o) if "virtual_stages" in o.auto
                         else (o.virtual_stages,)),
-        checkpoint=None if "checkpoint" in o.auto else bool(o.checkpoint))
+        checkpoint=None if "checkpoint" in o.auto and not o.fsdp else bool(o.checkpoint))
     found = search_plans(space, o.devices, costs_for, overhead=plan.overhead,
                          split_ratio=plan.split_ratio or SPLIT_BACKWARD_RATIO,
                          cores=shared_cores(o.devices, o.ranks), efficiency=plan.efficiency,
@@ -216,22 +236,25 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
                                                      captured.microbatch_size(best.microbatches)])
     return replace(plan, options=options, search=found), (
         f"{best.schedule}, {best.microbatches} micro-batches, {best.virtual_stages} virtual "
-        f"stage(s), recompute stages {list(best.recomputed)}: predicted step "
+        f"stage(s), recompute stages {format_stages(best.recomputed)}: predicted step "
         f"{best.step * 1e3:.3f} ms ({len(found.candidates)} candidates, {fits} fit"
         + ("" if captured.dynamic_batch else "; static batch: micro-batches fixed") + ")"
-        + ("" if measured is None else f"; measured: {measured}"))
+        + ("" if measured is None else f"; measured: {measured}") + described)
 
 
 def _probe(plan: Plan, example: Example, choices: Sequence[int],
            analytic: dict[str, CostTable]) -> Probe | None:
     """What the analytic costs miss on this machine, measured on the model cut after its first
     block at about 4 micro-batches (`stage_costs.probe`); rank 0's numbers under
-    torch.distributed. None for a model of one block. The analytic cost table it compares
+    torch.distributed. None for a model of one block, or for devices described by their
+    figures (`planning.analytic`: they need not be here). The analytic cost table it compares
     with is kept in `analytic` for the search to evaluate at other sizes."""
     o = plan.options
+    if all_described(o.devices):
+        return None
     captured = need(plan.captured, "capture")
     linear = _coarsest(captured, o.granularity, 2)
-    if linear.num_blocks < 2:
+    if linear.num_blocks < 2 or is_meta_model(example.model):  # no weights to run: analytic
         return None
     m = (min(choices, key=lambda c: (abs(c - 4), c)) if "microbatches" in o.auto
          else o.microbatches)
@@ -363,10 +386,27 @@ def _split(plan: Plan, example: Example) -> tuple[Plan, str]:
     # the schedule that runs moves the program's messages: relower it with the real wiring
     schedule = relower(schedule, Dataflow.of(program))
     transfers = transfer_seconds(message_bytes(program, example_microbatch_size(example, o)),
-                                 lambda stage: specs[stage].bandwidth)
+                                 lambda stage: specs[stage].bandwidth,
+                                 lambda stage: specs[stage].latency)
     return replace(plan, program=program, measured=measured, stage_costs=stage_costs,
                    schedule=schedule, transfers=transfers), (
         f"{program.num_stages} stage graphs, {len(program.ties)} tied parameter groups")
+
+
+def _shard(plan: Plan, example: Example) -> tuple[Plan, str] | None:
+    """fsdp=True: this rank's stages fully_shard-ed over its data-parallel group."""
+    o = plan.options
+    if not o.fsdp or o.ranks.topology is None:
+        return None
+    topology = o.ranks.topology
+    own = o.ranks.own_stages(need(plan.schedule, "schedule"))
+    mesh = data_parallel_mesh(topology, local_device(), o.mesh)
+    program = shard_stages(need(plan.program, "split"), own, mesh)
+    local = sum(local_tensor(p).numel() for s in own for p in program.stages[s].module.parameters())
+    return replace(plan, program=program), (
+        f"stages {list(own)} fully_shard-ed over {topology.data_parallel} data-parallel ranks "
+        f"(mesh dp x pp = {topology.data_parallel} x {topology.pipeline_size}): "
+        f"{local:,} parameter elements held here")
 
 
 def _threads(plan: Plan, example: Example) -> tuple[Plan, str] | None:
@@ -401,7 +441,7 @@ PASSES: tuple[tuple[str, Pass], ...] = (
     ("capture", _capture), ("search", _search), ("schedule", _schedule), ("linearize", _linearize),
     ("annotate", _annotate), ("partition", _partition), ("calibrate", _calibrate),
     ("refine", _refine), ("split", _split), ("threads", _threads), ("simulate", _simulate),
-    ("plan check", _agree),
+    ("plan check", _agree), ("shard", _shard),
 )
 
 
@@ -428,8 +468,10 @@ def _target(plan: Plan) -> Target:
 
 def _stage_devices(plan: Plan, example: Example) -> list[torch.device]:
     """Each stage's device; under torch.distributed other ranks' stages stay where the model
-    is (nothing is copied for them)."""
-    devices = [torch.device(s.name) for s in plan.stage_specs]
+    is (nothing is copied for them), and so do the stages of a device this machine lacks (a
+    plan for hardware that is not here: printed and saved, not run)."""
+    devices = [torch.device(s.name) if device_present(s.name) else example.device
+               for s in plan.stage_specs]
     ranks = plan.options.ranks
     if not ranks.distributed:
         return devices

@@ -30,7 +30,7 @@ from .inputs import check_inputs
 from .options import Example
 from .plan import Plan
 
-__all__ = ["Planner", "cannot_run"]
+__all__ = ["Planner", "cannot_run", "check_same_tensors"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +80,17 @@ def cannot_run(plan: Plan, args: tuple, kwargs: Mapping[str, Any], *, where: str
         return (f"it was captured with static shapes for micro-batches of "
                 f"{captured.captured_batch_size}, not {size}")
     return None
+
+
+def check_same_tensors(before: Mapping[str, torch.Tensor],
+                        after: Mapping[str, torch.Tensor | None]) -> None:
+    """A lazy pipeline's parameters, read before its first plan, must be the tensors the plan
+    trains: an optimizer built over them would otherwise update tensors no stage uses."""
+    moved = [n for n, t in before.items() if after.get(n) is not t]
+    if moved:
+        raise ConfigError(
+            f"pipe.parameters() was read before the pipeline was planned, and the plan keeps "
+            f"{moved[0]!r}{f' and {len(moved) - 1} more' if len(moved) > 1 else ''} as another "
+            f"tensor (a copy on its stage's device, or on another rank); an optimizer built "
+            f"then would update tensors no stage uses. Create the optimizer after the first "
+            f"pipe.step(...), or pass example_inputs to compile so that it plans at once")

@@ -27,7 +27,7 @@ import torch
 from .errors import ConfigError
 from .ir import CapturedModel
 
-__all__ = ["check_inputs", "compiled_signature"]
+__all__ = ["batch_parts", "check_inputs", "compiled_signature"]
 
 
 def compiled_signature(captured: CapturedModel) -> str:
@@ -112,3 +112,15 @@ def _spec_parts(captured: CapturedModel) -> tuple[int, list[str]]:
     spec = captured.in_spec
     args_spec, kwargs_spec = spec.child(0), spec.child(1)
     return args_spec.num_children, list(kwargs_spec.context or [])
+
+
+def batch_parts(batch: tuple) -> tuple[tuple, dict, Any]:
+    """(args, kwargs, target) of one `fit` batch given as (args, target) or (args, kwargs, target)."""
+    if len(batch) == 2:
+        args, target = batch
+        kwargs: Mapping[str, Any] = {}
+    elif len(batch) == 3:
+        args, kwargs, target = batch
+    else:
+        raise ConfigError("each fit batch must be (args, target) or (args, kwargs, target)")
+    return (args if isinstance(args, tuple) else (args,)), dict(kwargs), target

@@ -98,7 +98,8 @@ class CapturedModel:
     # sequence length above 4 where the model's code branches on `seq > 4`
     size_ranges: Mapping[sympy.Symbol, tuple[int, int | None]] = field(default_factory=dict)
     parameter_names: tuple[str, ...] = ()  # model.named_parameters() order (ties once)
-    state_keys: tuple[str, ...] = ()  # model.state_dict() keys (persistent buffers only)
+    state_keys: tuple[str, ...] = ()  # parameter and persistent buffer names (state_dict order)
+    checkpoint_keys: tuple[str, ...] = ()  # model.state_dict() keys, through its hooks
     notes: tuple[str, ...] = ()
 
     def flatten_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:

@@ -11,6 +11,9 @@ nothing is registered twice or under a stage prefix.
     model.transformer.h[0].attn.c_attn.weight     (user's model)
     stage0.module.transformer.h.0.attn.c_attn.weight  (the same tensor on a CPU stage)
     pipe.transformer.h.0.attn.c_attn.weight       (registered here: that same object)
+
+The model's state-dict hooks are copied onto the same paths, so checkpoint keys are the model's
+even where a hook renames them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["mirror"]
+__all__ = ["copy_state_dict_hooks", "mirror"]
 
 
 def mirror(root: torch.nn.Module,
@@ -44,3 +47,21 @@ def mirror(root: torch.nn.Module,
             owner._buffers[leaf] = tensor
             if not persistent:
                 owner._non_persistent_buffers_set.add(leaf)
+
+
+_HOOKS = ("_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+          "_load_state_dict_post_hooks")
+
+
+def copy_state_dict_hooks(root: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Give `root`'s tree the state-dict hooks of `model`'s modules, path by path, so that
+    `state_dict()` and `load_state_dict()` speak the model's checkpoint keys (a fused `wqkv`
+    saved as `wq`/`wk`/`wv` by its post-hook)."""
+    for name, module in model.named_modules():
+        if not any(getattr(module, h) for h in _HOOKS):
+            continue
+        owner = root
+        for part in name.split(".") if name else ():
+            owner = owner._modules.setdefault(part, torch.nn.Module())  # type: ignore[assignment]
+        for hooks in _HOOKS:
+            getattr(owner, hooks).update(getattr(module, hooks))

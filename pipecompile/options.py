@@ -6,6 +6,11 @@
                     the options given as "auto" are named in `auto` and hold placeholders until
                     the search pass (search.py) replaces them with its choice
 
+Devices given by their figures (absolute `DeviceSpec`s: `flops=`, or `DeviceSpec.preset("h100")`)
+get their relative `speed` here, at the model's compute dtype (`compute_dtype`); they need not be
+on this machine (`device_present`), and a plan for absent devices can be printed and saved but
+not run (`require_present`).
+
 `resolve_options` raises a `ConfigError` naming the bad value and what to pass instead; every
 pass after it trusts the options.
 """
@@ -13,7 +18,7 @@ pass after it trusts the options.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -26,13 +31,13 @@ from .ranks import Ranks
 from .rng import RNG_MODES
 from .runtime.distributed import local_device, topology_from_environment
 from .runtime.schedules import (ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES,
-                                TWO_STAGES_PER_DEVICE)
+                                SPLIT_BACKWARD_SCHEDULES, TWO_STAGES_PER_DEVICE)
 
 if TYPE_CHECKING:
     from .passes.split import StagedProgram
 
 __all__ = ["Example", "CompileOptions", "resolve_options", "example_microbatch_size",
-           "check_async_ties", "AUTO"]
+           "check_async_ties", "compute_dtype", "device_present", "require_present", "AUTO"]
 
 SYMBOLIC_SIZES = ("all", "batch")  # compile(symbolic_sizes=...)
 AUTO = "auto"  # the value that lets the search pass choose an option
@@ -87,6 +92,8 @@ class CompileOptions:
     rng: str = "global"  # "per-microbatch": random streams from (seed, step, micro-batch, op)
     rng_seed: int = 0
     compile_stages: bool = False  # each stage graph through torch.compile (runtime/compiled.py)
+    fsdp: bool = False  # each stage fully_shard-ed over the data-parallel ranks (FSDP2)
+    mesh: Any = None  # the user's DeviceMesh with "dp" and "pp" dimensions (None: built)
     ranks: Ranks = Ranks()
     auto: frozenset[str] = frozenset()  # options the search pass chooses (placeholders until then)
 
@@ -119,6 +126,9 @@ def resolve_options(
     count = devices if isinstance(devices, int) else len(devices)
     if not isinstance(data_parallel, int) or data_parallel < 1:
         raise ConfigError(f"data_parallel must be a positive int, got {data_parallel!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"timeout must be a positive number of seconds (every blocking wait "
+                          f"gives up after it), got {timeout!r}")
     topology = topology_from_environment(count, data_parallel, timeout)
     if topology is None and data_parallel > 1:
         raise ConfigError(
@@ -154,13 +164,15 @@ def resolve_options(
     if rest.get("rng", "global") not in RNG_MODES:
         raise ConfigError(f"rng={rest['rng']!r} is not a random-stream mode; use one of "
                           f"{', '.join(RNG_MODES)}")
+    dtype = compute_dtype(example.model) if example is not None else None
     options = CompileOptions(
-        devices=tuple(_device_specs(devices, memory_limit, bandwidth)),
+        devices=tuple(_device_specs(devices, memory_limit, bandwidth, dtype)),
         microbatches=microbatches, schedule=schedule,
         split_points=None if split_points is None else tuple(split_points),
         virtual_stages=virtual_stages, checkpoint=checkpoint is True,
         data_parallel=data_parallel, timeout=timeout, ranks=Ranks(topology), auto=auto, **rest)
     _check_async(options)
+    _check_fsdp(options)
     if example is not None and example.batch < microbatches:
         raise ConfigError(
             f"the example batch has {example.batch} samples, fewer than microbatches="
@@ -198,6 +210,29 @@ def _check_async(options: CompileOptions) -> None:
                           f"supported; use a synchronous schedule for data parallelism")
 
 
+def _check_fsdp(options: CompileOptions) -> None:
+    """fsdp=True: sharding over data-parallel ranks, with schedules whose backward is one
+    autograd call per micro-batch (FSDP's hooks reduce the gradients)."""
+    if options.mesh is not None and options.ranks.topology is None:
+        raise ConfigError("mesh= needs torch.distributed: launch the ranks with torchrun")
+    if not options.fsdp:
+        return
+    if options.ranks.topology is None or options.data_parallel < 2:
+        raise ConfigError(
+            f"fsdp=True shards each stage over data-parallel replicas: pass data_parallel=D "
+            f"(D >= 2) and launch devices x D = {len(options.devices)} x D ranks with torchrun")
+    refused = {"pipedream/2bw": options.asynchronous,
+               "zero-bubble (split backward)": options.schedule in SPLIT_BACKWARD_SCHEDULES,
+               "compile_stages=True": options.compile_stages,
+               "checkpoint=True": options.checkpoint is True}
+    for what, given in refused.items():
+        if given:
+            raise ConfigError(
+                f"fsdp=True with {what} is not supported; use schedule='gpipe', '1f1b' or "
+                f"'interleaved-1f1b' (or 'auto'), without recomputation or compiled stages, "
+                f"or fsdp=False")
+
+
 def _device_names(devices: int | Sequence[Any]) -> list[Any]:
     if not isinstance(devices, int):
         return list(devices)
@@ -212,7 +247,7 @@ def _device_names(devices: int | Sequence[Any]) -> list[Any]:
     return [f"cuda:{i}" for i in range(devices)]
 
 
-def _device_specs(devices, memory_limit, bandwidth) -> list[DeviceSpec]:
+def _device_specs(devices, memory_limit, bandwidth, dtype: str | None) -> list[DeviceSpec]:
     names = _device_names(devices)
     if not names:
         raise ConfigError("devices is empty; pass a count or a list of device names")
@@ -229,9 +264,63 @@ def _device_specs(devices, memory_limit, bandwidth) -> list[DeviceSpec]:
             spec = DeviceSpec(name=name, memory=_device_memory(name),
                               bandwidth=bandwidth or (math.inf if name == "cpu" else 10e9))
         if limit is not None:
-            spec = DeviceSpec(spec.name, spec.speed, float(limit), spec.bandwidth)
+            spec = replace(spec, memory=float(limit))
         specs.append(spec)
-    return specs
+    return _absolute(specs, dtype) if any(s.absolute for s in specs) else specs
+
+
+def _absolute(specs: list[DeviceSpec], dtype: str | None) -> list[DeviceSpec]:
+    """Absolute specs (given FLOP/s): each one's `speed` relative to the first at the model's
+    dtype, and plain "cuda" numbered per device when this machine has that many GPUs."""
+    measured = [i for i, s in enumerate(specs) if not s.absolute]
+    if measured:
+        raise ConfigError(
+            f"devices mixes specs with flops= (hardware described, planned without measuring) "
+            f"and device {measured[0]} ({specs[measured[0]].name!r}) without (measured on this "
+            f"machine); give every device flops= (e.g. DeviceSpec.preset('h100')) or none")
+    first = specs[0].rate(dtype)
+    if (all(s.name == "cuda" for s in specs) and torch.cuda.is_available()
+            and torch.cuda.device_count() >= len(specs)):
+        specs = [replace(s, name=f"cuda:{i}") for i, s in enumerate(specs)]
+    return [replace(s, speed=s.rate(dtype) / first) for s in specs]
+
+
+def compute_dtype(model: torch.nn.Module) -> str:
+    """The floating dtype holding most of `model`'s parameters ("bfloat16"; "float32" if it
+    has none): the dtype an absolute device's FLOP rate is taken in."""
+    counts: dict[str, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            key = str(p.dtype).removeprefix("torch.")
+            counts[key] = counts.get(key, 0) + p.numel()
+    return max(counts, key=lambda k: counts[k]) if counts else "float32"
+
+
+def device_present(name: str) -> bool:
+    """Whether this machine has the torch device `name` ("cuda:3" needs 4 GPUs)."""
+    device = torch.device(name)
+    if device.type in ("cpu", "meta"):
+        return True
+    backend = getattr(torch, device.type, None)
+    if backend is None or not backend.is_available():
+        return False
+    return device.index is None or device.index < backend.device_count()
+
+
+def require_present(devices: Sequence[DeviceSpec], *, where: str) -> None:
+    """Raise a `ConfigError` at `where` ("pipe.step()") when a device of the plan is absent:
+    a plan for hardware that is not here can be printed, explained and saved, not run."""
+    absent = [(i, d) for i, d in enumerate(devices) if not device_present(d.name)]
+    if not absent:
+        return
+    i, spec = absent[0]
+    what = spec.hardware or spec.name
+    raise ConfigError(
+        f"{where}: this plan is for {len(devices)} x {what} (device {i} is {spec.name!r}), which "
+        f"this machine does not have; its stages were kept where the model is, for planning "
+        f"only. print(pipe), pipe.explain() and pipe.save() work; to run it, compile on a "
+        f"machine with these devices, or compile again with devices present here (e.g. "
+        f"devices=['cpu'] * {len(devices)})")
 
 
 def _device_memory(name: str) -> float:

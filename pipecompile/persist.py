@@ -345,7 +345,8 @@ def _captured_from_json(data: dict[str, Any], state: dict[str, torch.Tensor]) ->
         size_ranges={symbols[k]: (v[0], v[1]) for k, v in data.get("size_ranges", {}).items()},
         captured_batch_size=data["captured_batch_size"],
         parameter_names=tuple(data["parameter_names"]), state_keys=tuple(data["state_keys"]),
-        notes=tuple(data["notes"]),
+        # no model code, so no state-dict hooks: the checkpoint keys are the tensor names
+        checkpoint_keys=tuple(data["state_keys"]), notes=tuple(data["notes"]),
     )
 
 

@@ -23,10 +23,14 @@ from torch.utils import _pytree as pytree
 
 from .capture import batch_size_of
 from .draw import draw_partition
-from .deferred import Planner, cannot_run
+from .deferred import Planner, cannot_run, check_same_tensors
 from .errors import ConfigError
-from .inputs import check_inputs
-from .mirror import mirror
+from .inputs import batch_parts, check_inputs
+from .options import require_present
+from .materialize import (check_materialised, copy_to_ties, init_weights as init_modules,
+                          load_weights)
+from .materialize import to_empty as allocate
+from .mirror import copy_state_dict_hooks, mirror
 from .passes.split import Stage, StagedProgram
 from .persist import load_plan, save_plan
 from .plan import PassRecord, Plan
@@ -36,10 +40,10 @@ from .runtime.assemble import Runtime, assemble
 from .runtime.distributed import Topology
 from .runtime.executor import Executor
 from .runtime.memory import DeviceMemory, device_memory
-from .runtime.microbatch import MicroBatch, split_microbatches
+from .runtime.microbatch import MicroBatch, forward_in_chunks, split_microbatches
 from .runtime.schedules import make_schedule
 from .runtime.simulate import StageCosts, Timeline, simulate
-from .runtime.training import loss_scale_value
+from .runtime.training import check_num_items, loss_scale_value
 
 __all__ = ["Pipeline", "PassRecord", "load"]
 
@@ -47,12 +51,17 @@ __all__ = ["Pipeline", "PassRecord", "load"]
 class Pipeline(torch.nn.Module):
     """A model split into pipeline stages, trained by interpreting a schedule."""
 
-    def __init__(self, plan: Plan | None = None, *, planner: Planner | None = None):
+    def __init__(self, plan: Plan | None = None, *, planner: Planner | None = None,
+                 model: torch.nn.Module | None = None):
         super().__init__()
         assert (plan is None) != (planner is None), "a plan, or a planner for a lazy pipeline"
         self._plan: Plan | None = None
         self._runtime: Runtime | None = None
         self._planner = planner
+        # the user's model (not a submodule: its tensors are registered by mirror), whose own
+        # modules init_weights runs and whose state-dict hooks the mirror copies
+        self._source = (planner.model if planner is not None else model,)
+        self._materialised = False  # checked once: no meta tensor left in this process
         self._plans: list[tuple[Plan, Runtime]] = []  # lazy: every plan made so far
         self._read_unplanned = False  # lazy: parameters were read before the first plan
         if plan is not None:
@@ -74,18 +83,22 @@ class Pipeline(torch.nn.Module):
         names = [*captured.state_keys, *(n for n in plan.program.tensors if n not in persistent)]
         owned = [(n, runtime.own_copy(n)) for n in dict.fromkeys(names)]
         if self._plan is None and self._read_unplanned:
-            _check_same_tensors(dict(self.named_parameters()), dict(owned))
+            check_same_tensors(dict(self.named_parameters()), dict(owned))
         self._plan, self._runtime = plan, runtime
         for table in (self._modules, self._parameters, self._buffers):
             table.clear()
         self._non_persistent_buffers_set.clear()
         mirror(self, ((n, t, n in persistent) for n, t in owned if t is not None))
+        if self._source[0] is not None:
+            copy_state_dict_hooks(self, self._source[0])
+        self._materialised = False
 
     def _ready(self, args: tuple, kwargs: Mapping[str, Any], target: Any, *, where: str,
                microbatched: bool = True) -> None:
         """Check a call's inputs; a lazy pipeline first finds or makes a plan that runs them."""
         if self._planner is None:
             check_inputs(self.program.captured, args, kwargs, where=where)
+            self._check_materialised(where)
             return
         reasons = []
         for plan, runtime in self._plans:
@@ -93,6 +106,7 @@ class Pipeline(torch.nn.Module):
             if reason is None:
                 if plan is not self._plan:
                     self._use(plan, runtime)
+                self._check_materialised(where)
                 return
             reasons.append(reason)
         if self._plans:
@@ -102,6 +116,18 @@ class Pipeline(torch.nn.Module):
         self._plans.append((plan, runtime))
         self._use(plan, runtime)
         check_inputs(self.program.captured, args, kwargs, where=where)
+        self._check_materialised(where)
+
+    def _check_materialised(self, where: str) -> None:
+        """Once per plan: its devices are here and no meta tensor is left in this process."""
+        if not self._materialised:
+            require_present(self.plan.options.devices, where=where)
+            check_materialised(self._own_state(), where)
+            self._materialised = True
+
+    def _own_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from super().named_parameters(remove_duplicate=False)
+        yield from self.named_buffers(remove_duplicate=False)
 
     def _check_can_replan(self, reason: str) -> None:
         options = self.plan.options
@@ -217,31 +243,11 @@ class Pipeline(torch.nn.Module):
         captured = self.program.captured
         batch = batch_size_of(args, kwargs)
         if not captured.dynamic_batch and batch != captured.captured_batch_size:
-            return self._call_in_chunks(args, kwargs, batch)
+            return forward_in_chunks(self.runtime.forward, captured, args, kwargs, batch)
         return self.runtime.forward(args, kwargs)
 
-    def _call_in_chunks(self, args: tuple, kwargs: dict, batch: int) -> Any:
-        captured = self.program.captured
-        size = captured.captured_batch_size
-        if batch % size:
-            raise ConfigError(
-                f"this model was captured with static shapes for batch {size} "
-                f"({'; '.join(captured.notes)}); call it with a multiple of {size}")
-        chunks = split_microbatches(args, kwargs, None, batch // size)
-        leaves = [pytree.tree_flatten(self.runtime.forward(c.args, dict(c.kwargs)))
-                  for c in chunks]
-        merged = []
-        for parts in zip(*[l for l, _ in leaves]):
-            if not (isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0
-                    and parts[0].shape[0] == size):
-                raise ConfigError(
-                    "a statically captured model's output has no batch dimension to join chunks "
-                    f"along; call it with the captured batch size {size}")
-            merged.append(torch.cat(parts))
-        return pytree.tree_unflatten(merged, leaves[0][1])
-
     def step(self, *args: Any, target: Any = None, loss_scale: Any = None,
-             **kwargs: Any) -> torch.Tensor:
+             num_items_in_batch: Any = None, **kwargs: Any) -> torch.Tensor:
         """One training step over `microbatches` micro-batches; returns the mean loss.
 
         Synchronous schedules: gradients start from zero and end as those of the mean
@@ -250,11 +256,19 @@ class Pipeline(torch.nn.Module):
         A `torch.autocast` active around the call applies in every stage. `loss_scale` (a
         number or a `torch.amp.GradScaler`) multiplies the loss before backward, so the
         gradients are that many times larger; the returned loss is not scaled.
+
+        `num_items_in_batch=N` (the transformers Trainer's global-token normalisation): each
+        micro-batch's loss is `loss_fn(out, target, num_items_in_batch=N)` and the step's loss
+        is their sum over micro-batches and replicas, as are the gradients: the unsplit
+        model's loss over the N items of the global batch, however padding falls.
         """
         self._ready(args, kwargs, target, where="pipe.step()")
+        if num_items_in_batch is not None:
+            check_num_items(self.plan.options.loss_fn, num_items_in_batch)
         mbs = split_microbatches(args, kwargs, target, self.microbatches)
         scale = loss_scale_value(loss_scale, self.runtime.wiring.devices[-1])
-        return self.runtime.run(self.schedule, mbs, batches=1, loss_scale=scale)[0]
+        return self.runtime.run(self.schedule, mbs, batches=1, loss_scale=scale,
+                                num_items=num_items_in_batch)[0]
 
     def eval_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """The validation loss of a batch: the mean over micro-batches of
@@ -291,7 +305,7 @@ class Pipeline(torch.nn.Module):
         inputs. PipeDream and 2BW run the whole stream as one schedule, without draining the
         pipeline between batches; synchronous schedules flush after every batch (a `step` each).
         """
-        batches = [_batch_parts(b) for b in batches]
+        batches = [batch_parts(b) for b in batches]
         if batches:
             self._ready(*batches[0], where="pipe.fit()")
         if not self.runtime.asynchronous:
@@ -312,7 +326,7 @@ class Pipeline(torch.nn.Module):
         process's, and a tied weight's copies on other devices. `strict` asks for the keys
         this process holds (under torch.distributed: its stages', as `set_state_dict` passes
         them) and accepts any of the model's keys."""
-        keys = set(self.program.captured.state_keys)
+        keys = set(self.program.captured.checkpoint_keys)
         held = set(super().state_dict(keep_vars=True))
         missing, unexpected = sorted(held - set(state_dict)), sorted(set(state_dict) - keys)
         if strict and (missing or unexpected):
@@ -323,11 +337,41 @@ class Pipeline(torch.nn.Module):
             raise ConfigError("load_state_dict(assign=True) would replace the stages' tensors; "
                               "a Pipeline loads by copying (assign=False)")
         super().load_state_dict({k: v for k, v in state_dict.items() if k in keys}, strict=False)
-        with torch.no_grad():
-            for key in keys & set(state_dict):
-                for _, tensor in self.program.tensors[key]:
-                    tensor.copy_(state_dict[key])
+        copy_to_ties(self.program.tensors, dict(self._own_state()))
         return _IncompatibleKeys(missing, unexpected)
+
+    # -- models bigger than one process (materialize.py) ---------------------------------
+
+    def to_empty(self, *, device: Any = None, recurse: bool = True) -> "Pipeline":
+        """Give this process's meta tensors memory on their stages' devices (uninitialised);
+        tensors already real keep their values. Then `load_weights` or `init_weights`."""
+        if device is not None:
+            raise ConfigError("pipe.to_empty() allocates each stage's tensors on the device "
+                              "compile placed it on; call it without device=")
+        allocate(self.program.tensors, {s: self.stages[s].device for s in self.own_stages})
+        self._materialised = False
+        return self
+
+    def init_weights(self, fn: Callable[[torch.nn.Module], None] | None = None) -> list[str]:
+        """Initialise this process's tensors: `fn(module)` (default: the module's own
+        `reset_parameters()`) for every submodule of the model holding one of them, seeded by
+        (torch's seed, the module's name), so any stage count gives the same weights.
+        Returns the names of the modules initialised."""
+        if self._source[0] is None:
+            raise ConfigError("init_weights needs the model's modules; a pipeline rebuilt by "
+                              "pipecompile.load has only its graphs: use load_weights(path)")
+        check_materialised(self._own_state(), "pipe.init_weights()")
+        held = {id(t) for _, t in self._own_state()}
+        return init_modules(self._source[0], held, fn)
+
+    def load_weights(self, path: str | os.PathLike) -> _IncompatibleKeys:
+        """Load this process's tensors from `path`: one .safetensors file, a directory of
+        transformers shards (model.safetensors.index.json) or a torch.distributed.checkpoint
+        directory, reading only the files and tensors this process holds. Keys are the
+        model's state_dict keys; returns the missing and unexpected keys."""
+        check_materialised(self._own_state(), "pipe.load_weights()")
+        return load_weights(self, path, self.program.captured.checkpoint_keys,
+                            [t.names for t in self.program.ties])
 
     def weight_versions(self) -> dict[int, int]:
         """Asynchronous schedules: per stage, the most weight versions held at once so far."""
@@ -391,7 +435,7 @@ class Pipeline(torch.nn.Module):
             return f"Pipeline({type(self._planner.model).__name__ if self._planner else ''}: " \
                    f"{_NOT_PLANNED})"
         return stage_table(self.program, self.schedule, microbatches=self.microbatches,
-                           predicted=self.predicted)
+                           predicted=self.predicted, specs=self.plan.stage_specs)
 
     def explain(self) -> str:
         """The passes the compiler ran, how long each took and what it produced; the plan the
@@ -402,11 +446,13 @@ class Pipeline(torch.nn.Module):
         """Write one ONNX file per stage (eval mode) and manifest.json; returns its path."""
         from .export import export_onnx
 
+        check_materialised(self._own_state(), "pipe.export_onnx()")
         return export_onnx(self.program, directory)
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write the plan (code, weights, schedule, costs, pass log); returns plan.json's path.
         `pipecompile.load(directory)` rebuilds the pipeline without the model's code."""
+        check_materialised(self._own_state(), "pipe.save()")
         return save_plan(self.plan, directory)
 
     def draw(self, path: str, *, backend: str = "auto") -> str:
@@ -443,29 +489,3 @@ def _program(plan: Plan) -> StagedProgram:
 def _schedule(plan: Plan) -> Schedule:
     assert plan.schedule is not None, "a finished plan has its schedule"
     return plan.schedule
-
-
-def _check_same_tensors(before: Mapping[str, torch.Tensor],
-                        after: Mapping[str, torch.Tensor | None]) -> None:
-    """A lazy pipeline's parameters, read before its first plan, must be the tensors the plan
-    trains: an optimizer built over them would otherwise update tensors no stage uses."""
-    moved = [n for n, t in before.items() if after.get(n) is not t]
-    if moved:
-        raise ConfigError(
-            f"pipe.parameters() was read before the pipeline was planned, and the plan keeps "
-            f"{moved[0]!r}{f' and {len(moved) - 1} more' if len(moved) > 1 else ''} as another "
-            f"tensor (a copy on its stage's device, or on another rank); an optimizer built "
-            f"then would update tensors no stage uses. Create the optimizer after the first "
-            f"pipe.step(...), or pass example_inputs to compile so that it plans at once")
-
-
-def _batch_parts(batch: tuple) -> tuple[tuple, dict, Any]:
-    """(args, kwargs, target) of one `fit` batch given as (args, target) or (args, kwargs, target)."""
-    if len(batch) == 2:
-        args, target = batch
-        kwargs: Mapping[str, Any] = {}
-    elif len(batch) == 3:
-        args, kwargs, target = batch
-    else:
-        raise ConfigError("each fit batch must be (args, target) or (args, kwargs, target)")
-    return (args if isinstance(args, tuple) else (args,)), dict(kwargs), target

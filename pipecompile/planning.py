@@ -7,12 +7,16 @@
 `CostModel` says how blocks are costed (device FLOP rate, micro-batch size, profiling,
 calibration); `Target` what they are placed on (one `DeviceSpec` per stage, in-flight
 micro-batches per stage, the schedule). The compiler's passes call these; they read no globals
-and change nothing they are given.
+and change nothing they are given. The FLOP rate and the fixed cost per action are measured on
+this machine (`matmul_rate`, `action_overhead`) unless every device is an absolute `DeviceSpec`
+(its own FLOP/s, bandwidths and overheads: `analytic`), which `device_model` and `action_cost`
+then read instead.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -36,7 +40,7 @@ from .runtime.schedules import make_schedule
 from .runtime.simulate import StageCosts, simulate
 
 __all__ = ["CostModel", "Target", "Choice", "cost", "place", "refine", "device_model",
-           "matmul_rate", "action_overhead", "inflight"]
+           "action_cost", "analytic", "matmul_rate", "action_overhead", "inflight"]
 
 
 @dataclass(frozen=True)
@@ -142,10 +146,28 @@ def refine(captured: CapturedModel, current: Choice, *, model: CostModel, target
     return best
 
 
-def device_model(spec: DeviceSpec, ranks: Ranks) -> DeviceModel:
-    """The analytic model's FLOP rate, measured on the first device (rank 0's under
-    torch.distributed, so that every rank plans with the same numbers)."""
+def device_model(spec: DeviceSpec, ranks: Ranks, dtype: str | None = None) -> DeviceModel:
+    """The analytic model of the first device. An absolute spec (`spec.flops` given: hardware
+    that need not be here) gives its own figures, at its rate for the model's `dtype`; a figure
+    it leaves out costs nothing. Otherwise the FLOP rate is measured on this machine (rank 0's
+    under torch.distributed, so that every rank plans with the same numbers)."""
+    if spec.absolute:
+        return DeviceModel(flops=spec.rate(dtype), bandwidth=spec.memory_bandwidth or math.inf,
+                           op_overhead=spec.op_overhead or 0.0)
     return DeviceModel(flops=ranks.rate(matmul_rate(spec.name)))
+
+
+def action_cost(spec: DeviceSpec, ranks: Ranks) -> float:
+    """Fixed seconds per pipeline action and message: an absolute spec's `action_overhead`
+    (0 if it gives none), else `action_overhead` measured on this machine (rank 0's)."""
+    if spec.absolute:
+        return spec.action_overhead or 0.0
+    return ranks.rate(action_overhead(spec.name))
+
+
+def analytic(specs: Sequence[DeviceSpec]) -> bool:
+    """Whether a compile for `specs` measures nothing: every device gives its own figures."""
+    return all(s.absolute for s in specs)
 
 
 @functools.lru_cache(maxsize=None)

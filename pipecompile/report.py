@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
+    from .passes.partition import DeviceSpec
     from .passes.split import StagedProgram
     from .search import SearchResult
     from .plan import PassRecord
     from .runtime.actions import Schedule
     from .runtime.simulate import Timeline
 
-__all__ = ["stage_table", "explain_passes", "explain_search", "format_count", "format_bytes"]
+__all__ = ["stage_table", "explain_passes", "explain_search", "describe_devices", "format_count",
+           "format_bytes", "format_stages"]
 
 
 def format_count(x: float, unit: str = "") -> str:
@@ -35,9 +37,34 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def format_stages(stages: Sequence[int], *, limit: int = 8) -> str:
+    """[0, 2, 3] as a list; more than `limit` as runs: [0-26, 28, 30-31]."""
+    if len(stages) <= limit:
+        return str(list(stages))
+    runs: list[list[int]] = []
+    for s in stages:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return "[" + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) + "]"
+
+
+def _memory(per_device: Sequence[float], *, limit: int = 8) -> str:
+    """Each device's bytes, or with more than `limit` devices the fullest and the emptiest."""
+    if len(per_device) <= limit:
+        return " ".join(format_bytes(m) for m in per_device)
+    top = max(range(len(per_device)), key=lambda d: per_device[d])
+    low = min(range(len(per_device)), key=lambda d: per_device[d])
+    return (f"max {format_bytes(per_device[top])} (device {top}), min "
+            f"{format_bytes(per_device[low])} (device {low})")
+
+
 def stage_table(program: "StagedProgram", schedule: "Schedule", *, microbatches: int,
-                predicted: "Timeline | None") -> str:
-    """One row per stage: blocks, parameters, FLOPs, predicted time and memory, boundary."""
+                predicted: "Timeline | None", specs: "Sequence[DeviceSpec] | None" = None) -> str:
+    """One row per stage: blocks, parameters, FLOPs, predicted time and memory, boundary.
+    With `specs` (the plan's `stage_specs`), a stage planned for a device this machine lacks
+    shows both: "cuda (absent; on meta)"."""
     blocks = program.linear.blocks
     captured = program.captured
     head = (f"Pipeline: {program.num_stages} stages, schedule {schedule.name}, "
@@ -49,11 +76,15 @@ def stage_table(program: "StagedProgram", schedule: "Schedule", *, microbatches:
         first, last = blocks[stage.blocks[0]].name, blocks[stage.blocks[-1]].name
         span = first if first == last else f"{first} .. {last}"
         c = stage.cost
+        device = str(stage.device)
+        planned = specs[stage.index].name if specs is not None else device
+        if planned != device:  # planned for a device that is not here (see options)
+            device = f"{planned} (absent; on {device})"
         if c is None:
-            rows.append((str(stage.index), str(stage.device), f"{len(stage.blocks)}: {span}",
+            rows.append((str(stage.index), device, f"{len(stage.blocks)}: {span}",
                          "-", "-", "-", "-", "-"))
             continue
-        rows.append((str(stage.index), str(stage.device), f"{c.num_blocks}: {span}",
+        rows.append((str(stage.index), device, f"{c.num_blocks}: {span}",
                      format_count(c.params), format_count(c.forward_flops),
                      f"{(c.forward_time + c.backward_time) * 1e3:.3f}",
                      f"{format_bytes(c.memory)} ({c.inflight} mb)",
@@ -68,6 +99,24 @@ def stage_table(program: "StagedProgram", schedule: "Schedule", *, microbatches:
         lines.append(f"predicted step {predicted.makespan * 1e3:.2f} ms, "
                      f"bubble {predicted.bubble_fraction:.1%}")
     return "\n".join(lines)
+
+
+def describe_devices(specs: "Sequence[DeviceSpec]", dtype: str | None) -> str:
+    """What analytic costs assume about absolute devices, for `explain()`: "costs analytic for
+    32 x NVIDIA H100 80GB SXM (...): bfloat16 at 494.7 TFLOP/s, ...; nothing measured here"."""
+    kinds: dict[str, int] = {}
+    for s in specs:
+        kinds[s.hardware or s.name] = kinds.get(s.hardware or s.name, 0) + 1
+    first = specs[0]
+    figures = [f"{dtype or 'default dtype'} at {first.rate(dtype) / 1e12:.1f} TFLOP/s"]
+    if first.memory_bandwidth is not None:
+        figures.append(f"memory {first.memory_bandwidth / 1e9:.0f} GB/s")
+    figures.append(f"link {first.bandwidth / 1e9:.0f} GB/s + {first.latency * 1e6:g} us/message")
+    if first.action_overhead is not None:
+        figures.append(f"{first.action_overhead * 1e6:g} us/action")
+    return (f"costs analytic for {', '.join(f'{n} x {k}' for k, n in kinds.items())}: "
+            f"{', '.join(figures)}{' (the first device)' if len(kinds) > 1 else ''}; nothing "
+            f"measured on this machine")
 
 
 def explain_passes(records: Sequence["PassRecord"]) -> str:
@@ -86,8 +135,9 @@ def explain_search(search: "SearchResult | None", *, top: int = 8) -> str:
                 "were all given explicitly, or the plan was loaded)")
     best = search.best
     gap = best.step / search.lower_bound - 1 if search.lower_bound > 0 else 0.0
+    recomputed = format_stages(best.recomputed) if best.recomputed else "none"
     lines = [f"plan: {best.schedule}, {best.microbatches} micro-batches, {best.virtual_stages} "
-             f"virtual stage(s), recompute stages {list(best.recomputed) or 'none'}; predicted "
+             f"virtual stage(s), recompute stages {recomputed}; predicted "
              f"step {best.step * 1e3:.3f} ms, {gap:.1%} above the lower bound "
              f"{search.lower_bound * 1e3:.3f} ms (compute / devices, no bubble, no overhead)",
              f"searched {', '.join(search.searched)}: {len(search.candidates)} candidates"
@@ -95,13 +145,17 @@ def explain_search(search: "SearchResult | None", *, top: int = 8) -> str:
     rows = [("schedule", "m", "v", "recompute", "step ms", "peak memory per device", "verdict")]
     for c in search.candidates[:top]:
         rows.append((c.schedule, str(c.microbatches), str(c.virtual_stages),
-                     ",".join(map(str, c.recomputed)) or "-",
+                     format_stages(c.recomputed)[1:-1] or "-",
                      f"{c.step * 1e3:.3f}" if c.fits else "-",
-                     " ".join(format_bytes(m) for m in c.memory) or "-",
+                     _memory(c.memory) or "-",
                      c.reason or "chosen"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for k, row in enumerate(rows):
         lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         if k == 0:
             lines.append("  " + "  ".join("-" * w for w in widths))
+    if len(best.memory) > 8:  # the table shows only the extremes: every device of the winner
+        cells = [f"{d}: {format_bytes(m)}" for d, m in enumerate(best.memory)]
+        lines.append("chosen plan's peak memory per device:")
+        lines += ["  " + ", ".join(cells[i:i + 8]) for i in range(0, len(cells), 8)]
     return "\n".join(lines)

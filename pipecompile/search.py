@@ -250,8 +250,7 @@ def _stage_costs(table: BlockTable, placement: Partition, specs: tuple[DeviceSpe
         again = f if recompute[s] else 0.0
         if table.cut_bytes[a] == 0:
             i, w = 0.0, i + w
-        send = (0.0 if math.isinf(spec.bandwidth) else table.cut_bytes[b] / spec.bandwidth,
-                0.0 if math.isinf(spec.bandwidth) else table.cut_bytes[a] / spec.bandwidth)
+        send = (spec.send_time(table.cut_bytes[b]), spec.send_time(table.cut_bytes[a]))
         out.append(StageCosts(forward=f, backward=(i + w) + again,
                               backward_input=ratio * i + again, backward_weight=ratio * w,
                               send_forward=send[0], send_backward=send[1]))

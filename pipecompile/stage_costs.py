@@ -8,7 +8,6 @@ slow each other down (`thread_efficiency`).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
@@ -202,4 +201,4 @@ def _first_microbatch(linear: LinearGraph, example: Example,
 
 
 def _transfer(nbytes: float, spec: DeviceSpec) -> float:
-    return 0.0 if math.isinf(spec.bandwidth) else nbytes / spec.bandwidth
+    return spec.send_time(nbytes)

@@ -139,3 +139,20 @@ def test_one_process_with_two_workers_matches_the_two_ranks(runs, tmp_path, caps
         assert abs(float(loss) - float(ranks[step][0])) < 1e-5
         assert lr == ranks[step][1]  # both still in the 2-step warmup
         assert abs(float(norm) - float(ranks[step][2])) <= 2e-4
+
+
+def test_meta_run_loading_saved_weights_repeats_the_eager_steps(tmp_path, capsys):
+    """`--meta --weights DIR`: built on meta, each worker's stages loaded from the
+    save_pretrained shards of the model the eager run builds: the same losses and norms."""
+    example = _example()
+    argv = TINY + ["--devices", "2"]
+    argv[argv.index("--steps") + 1] = "2"
+    argv[argv.index("--ckpt-every") + 1] = "0"
+    example.build_model(example.parse_args(argv)).save_pretrained(
+        tmp_path / "weights", max_shard_size="10KB")
+    example.main(argv)
+    eager = _steps(capsys.readouterr().out, total=2)
+    example.main(argv + ["--meta", "--weights", str(tmp_path / "weights")])
+    out = capsys.readouterr().out
+    assert "loaded this rank's tensors" in out
+    assert _steps(out, total=2) == eager

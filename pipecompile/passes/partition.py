@@ -9,8 +9,9 @@ Terms:
 
 Cost model, per micro-batch, for stage j holding blocks [a, b):
 
-  stage_time   = sum(block_times[a:b]) / speed_j + (cut_bytes[a] + cut_bytes[b]) / bandwidth_j
-                 (compute, plus sending activations over cut b and input gradients over cut a)
+  stage_time   = sum(block_times[a:b]) / speed_j + send_j(cut_bytes[a]) + send_j(cut_bytes[b])
+                 (compute, plus sending activations over cut b and input gradients over cut a;
+                 send_j(x) = x / bandwidth_j + latency_j for a message of x > 0 bytes, else 0)
   stage_memory = sum(static_bytes[a:b]) + inflight_j * (sum(activation_bytes[a:b]) + cut_bytes[a])
                  (parameters, gradients and optimizer state, plus saved activations and the
                  received input of every in-flight micro-batch)
@@ -79,19 +80,76 @@ class PartitionMemoryError(PartitionError):
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device of the pipeline, as the cost model sees it."""
+    """One device of the pipeline, as the cost model sees it.
 
-    name: str = "cpu"
+    Relative (the default): block times are estimated or measured on this machine's first
+    device and a stage's time is divided by `speed`. Absolute: `flops` (sustained FLOP/s in the
+    model's compute dtype) with `memory`, link `bandwidth` and `latency` describe hardware that
+    need not be on this machine; a compile whose devices are all absolute plans analytically
+    and measures nothing (see `hardware.py`, whose `preset` names real devices:
+    `DeviceSpec.preset("h100")`). Then `speed` is derived: flops / the first device's flops.
+
+        >>> DeviceSpec("cuda", memory=80e9, bandwidth=450e9, flops=495e12, latency=1e-5).absolute
+        True
+    """
+
+    name: str = "cpu"  # the torch device a stage runs on ("cpu", "cuda", "cuda:3")
     speed: float = 1.0  # relative: a block's time on this device is block_time / speed
     memory: float = math.inf  # bytes available for this stage
     bandwidth: float = math.inf  # bytes/s of the link this device sends over
+    flops: float | None = None  # sustained FLOP/s in the compute dtype (None: measured here)
+    latency: float = 0.0  # seconds per message on the link, on top of bytes / bandwidth
+    memory_bandwidth: float | None = None  # sustained bytes/s of device memory (absolute only)
+    op_overhead: float | None = None  # seconds per graph op: launch, dispatch (absolute only)
+    action_overhead: float | None = None  # seconds per pipeline action and message (absolute)
+    hardware: str = ""  # what the device is, for reports ("NVIDIA H100 80GB SXM")
+    dtype_flops: tuple[tuple[str, float], ...] = ()  # sustained FLOP/s by dtype ("bfloat16")
 
     def __post_init__(self) -> None:
-        for field, value in (("speed", self.speed), ("bandwidth", self.bandwidth)):
-            if not value > 0:
+        positive = [("speed", self.speed), ("bandwidth", self.bandwidth),
+                    ("flops", self.flops), ("memory_bandwidth", self.memory_bandwidth),
+                    *((f"dtype_flops[{d!r}]", v) for d, v in self.dtype_flops)]
+        for field, value in positive:
+            if value is not None and not value > 0:
                 raise ConfigError(f"DeviceSpec {self.name!r}: {field} must be > 0, got {value}")
-        if not self.memory >= 0:
-            raise ConfigError(f"DeviceSpec {self.name!r}: memory must be >= 0, got {self.memory}")
+        for field, value in (("memory", self.memory), ("latency", self.latency),
+                             ("op_overhead", self.op_overhead),
+                             ("action_overhead", self.action_overhead)):
+            if value is not None and not value >= 0:
+                raise ConfigError(f"DeviceSpec {self.name!r}: {field} must be >= 0, got {value}")
+        if self.flops is None and (self.dtype_flops or self.memory_bandwidth is not None
+                                   or self.op_overhead is not None
+                                   or self.action_overhead is not None):
+            raise ConfigError(
+                f"DeviceSpec {self.name!r}: dtype_flops, memory_bandwidth, op_overhead and "
+                f"action_overhead describe an absolute device; give flops= too (sustained "
+                f"FLOP/s), or leave them out to measure this machine")
+
+    @property
+    def absolute(self) -> bool:
+        """Whether the spec gives its own FLOP rate (hardware that need not be here)."""
+        return self.flops is not None
+
+    def rate(self, dtype: str | None = None) -> float:
+        """Sustained FLOP/s for `dtype` ("bfloat16", "float32", ...): its `dtype_flops` entry,
+        else `flops`. Only for absolute specs."""
+        if self.flops is None:
+            raise ConfigError(f"DeviceSpec {self.name!r} has no flops: it is measured, not given")
+        return dict(self.dtype_flops).get(dtype or "", self.flops)
+
+    def send_time(self, nbytes: float) -> float:
+        """Seconds to send one message of `nbytes` over this device's link (0 for no bytes)."""
+        if nbytes <= 0:
+            return 0.0
+        return (0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth) + self.latency
+
+    @classmethod
+    def preset(cls, name: str, **options: float | str) -> "DeviceSpec":
+        """A named accelerator with its datasheet figures, e.g. `DeviceSpec.preset("h100")`;
+        see `pipecompile.hardware.preset` for the names, the options and the sources."""
+        from pipecompile.hardware import preset
+
+        return preset(name, **options)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -180,14 +238,15 @@ def _stage(problem: PartitionProblem, j: int, a: int, b: int) -> tuple[float, fl
     t, s, act = (_prefix(x) for x in (problem.block_times, problem.static_bytes,
                                       problem.activation_bytes))
     d, cut, k = problem.devices[j], problem.cut_bytes, problem.inflight[j]
-    time = (t[b] - t[a]) / d.speed + (cut[a] + cut[b]) / d.bandwidth
+    send = d.send_time(cut[a]) + d.send_time(cut[b])
+    time = (t[b] - t[a]) / d.speed + send
     memory = (s[b] - s[a]) + k * ((act[b] - act[a]) + cut[a])
     mode = None if problem.recompute is None else problem.recompute[j]
     if problem.recompute is None or mode is False or (mode is None and memory <= d.memory):
         return time, memory, False
     assert problem.forward_times is not None, "checked in PartitionProblem"
     f = _prefix(problem.forward_times)
-    return (((t[b] - t[a]) + (f[b] - f[a])) / d.speed + (cut[a] + cut[b]) / d.bandwidth,
+    return (((t[b] - t[a]) + (f[b] - f[a])) / d.speed + send,
             (s[b] - s[a]) + k * cut[a] + (act[b] - act[a]), True)
 
 
@@ -252,7 +311,8 @@ def _time_costs(problem: PartitionProblem) -> tuple[_Cost, _Cost]:
                                       problem.activation_bytes))
     f = _prefix(problem.forward_times or (0.0,) * problem.num_blocks)
     cut, inflight = problem.cut_bytes, problem.inflight
-    speed, bw, mem = zip(*((d.speed, d.bandwidth, d.memory) for d in problem.devices))
+    speed, mem = zip(*((d.speed, d.memory) for d in problem.devices))
+    send = [[d.send_time(x) for x in cut] for d in problem.devices]  # [j][a]: one message
     modes = problem.recompute or (False,) * problem.num_stages
     plain = tuple(m is not True for m in modes)  # may run without recomputation
     again = tuple(m is not False for m in modes)  # may recompute
@@ -260,9 +320,9 @@ def _time_costs(problem: PartitionProblem) -> tuple[_Cost, _Cost]:
     def cost(j: int, a: int, b: int) -> float:
         static, acts = s[b] - s[a], act[b] - act[a]  # the expressions of _stage, bit for bit
         if plain[j] and static + inflight[j] * (acts + cut[a]) <= mem[j]:
-            return (t[b] - t[a]) / speed[j] + (cut[a] + cut[b]) / bw[j]
+            return (t[b] - t[a]) / speed[j] + (send[j][a] + send[j][b])
         if again[j] and static + inflight[j] * cut[a] + acts <= mem[j]:
-            return ((t[b] - t[a]) + (f[b] - f[a])) / speed[j] + (cut[a] + cut[b]) / bw[j]
+            return ((t[b] - t[a]) + (f[b] - f[a])) / speed[j] + (send[j][a] + send[j][b])
         return math.inf
 
     def floor(j: int, a: int, b: int) -> float:  # drops the cut terms, which are not monotone

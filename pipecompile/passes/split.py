@@ -18,6 +18,7 @@ different devices hold copies listed in `StagedProgram.ties`, whose gradients th
 
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -122,6 +123,7 @@ def split(
         module = fx.GraphModule(root, stage_graph, class_name=f"Stage{j}")
         if _clone_written_inputs(module.graph):
             module.recompile()
+        _meta_to(module, placement.devices[j])
         names = tuple(name for name, _ in module.named_parameters())
         stages.append(Stage(j, module, placement.devices[j], inputs, outputs,
                             tuple(range(bounds[j], bounds[j + 1])), names))
@@ -220,6 +222,37 @@ def _clone_written_inputs(graph: fx.Graph) -> bool:
     return True
 
 
+def _meta_to(module: fx.GraphModule, device: torch.device) -> None:
+    """Point the `device=meta` literals of a model captured on the meta device (a position
+    table made on its embedding's device) at the stage's device, in the stage graph and the
+    graphs of its higher-order ops (`wrap_with_set_grad_enabled` bodies)."""
+    meta = torch.device("meta")
+    if device == meta:
+        return
+
+    def move(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value == meta else value
+
+    def rewrite(gm: fx.GraphModule) -> bool:
+        changed = False
+        for node in gm.graph.nodes:
+            args, kwargs = (fx.node.map_aggregate(node.args, move),
+                            fx.node.map_aggregate(node.kwargs, move))
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs = args, kwargs
+                changed = True
+        if changed:
+            gm.recompile()
+        return changed
+
+    rewrite(module)
+    for name, body in list(module.named_children()):
+        if isinstance(body, fx.GraphModule):  # shared with the captured graph: a stage copy
+            mine = copy.deepcopy(body)
+            if rewrite(mine):
+                setattr(module, name, mine)
+
+
 def _check_writes(graph: fx.Graph, stage_of: Mapping[str, int], output_node, last: int) -> None:
     """Refuse cuts that would let a stage miss another stage's in-place write."""
     hazards = cross_stage_writes(graph, {**stage_of, output_node.name: last})
@@ -248,8 +281,20 @@ class _Placement:
         device = self.devices[stage]
         key = (id(value), device)
         if key not in self._copies:
-            self._copies[key] = _to_device(value, device)
+            if value.is_meta:  # no data to copy: allocated later (Pipeline.to_empty)
+                self._copies[key] = self._meta(value, device)
+            else:
+                self._copies[key] = _to_device(value, device)
         return self._copies[key]
+
+
+    def _meta(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The model's own meta tensor for the first real device that uses it (so the model's
+        modules hold what this process materialises), a meta copy for any other device; a
+        stage of another rank (device meta) always gets a copy that is never allocated."""
+        taken = any(k[0] == id(value) and k[1].type != "meta" and c is value
+                    for k, c in self._copies.items())
+        return value if device.type != "meta" and not taken else _meta_copy(value)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -259,6 +304,15 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(tensor, torch.nn.Parameter):
         return torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
     return moved
+
+
+def _meta_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """Another meta tensor like `tensor` (a tied weight's copy for a second device): the
+    stages' meta tensors get their memory from `Pipeline.to_empty` on their stage's device."""
+    copy = torch.empty_like(tensor, device="meta")
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    return copy
 
 
 def _state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..passes.eval_mode import eval_graph
@@ -40,6 +41,7 @@ from .mailbox import Mailbox
 from .microbatch import MicroBatch, split_microbatches
 from .p2p import P2PTransport, Waiter
 from .schedules import ASYNC_SCHEDULE_NAMES
+from .sharding import MicrobatchSync
 from .stage_worker import LossSpec, StageWorker
 from .training import AutocastState, TiedCopies, clip_grad_norm, counted_parameters
 from .versions import VersionRule, WeightVersions
@@ -85,8 +87,10 @@ class Runtime:
         self.training = True  # False: the workers run the stages' eval-mode graphs
         self._eval_modules: dict[int, torch.nn.Module] = {}
         self.compile_stages = options.compile_stages
+        self.fsdp = options.fsdp
         self._train_modules = {i: w.module for i, w in self.workers.items()}
         self.last_schedule = schedule  # the schedule the last step ran
+        self.summed = False  # the last step's losses are summed (num_items_in_batch), not meaned
         self.communication: Any = None  # the last step's message statistics (P2P transport)
 
     def own_copy(self, name: str) -> torch.Tensor | None:
@@ -98,10 +102,13 @@ class Runtime:
         return None
 
     def run(self, schedule: Schedule, mbs: Sequence[MicroBatch], *, batches: int,
-            loss_scale: float | None = None) -> list[torch.Tensor]:
+            loss_scale: float | None = None, num_items: Any = None) -> list[torch.Tensor]:
         """Run `schedule` over micro-batches `mbs`; the mean loss of each batch. The caller's
         autocast applies in every device thread; `loss_scale` multiplies the loss before
-        backward (a GradScaler's scale), not the returned loss."""
+        backward (a GradScaler's scale), not the returned loss. With `num_items` (the global
+        number of items the loss is normalised by, transformers' `num_items_in_batch`), the
+        loss function is given it, and micro-batch losses and replicas' gradients are summed."""
+        self.summed = num_items is not None
         captured = self.program.captured
         flat = [captured.flatten_inputs(mb.args, mb.kwargs) for mb in mbs]
         self.ties.follow()
@@ -114,7 +121,10 @@ class Runtime:
                 worker.versions.begin_call()
         transport = self.transport(mbs)
         self.executor.autocast = AutocastState.current(self.device_types)
-        with self._scaled_loss(loss_scale):
+        for worker in self.workers.values():
+            if worker.sync is not None:
+                worker.sync.summed(self.summed)
+        with self._scaled_loss(loss_scale, num_items):
             steps = self.executor.run(schedule, transport, mbs, flat)
         self.last_schedule = schedule
         self.communication = getattr(transport, "stats", None)  # P2P: messages, bytes, waits
@@ -150,6 +160,12 @@ class Runtime:
             return
         for index, worker in self.workers.items():
             stage = self.program.stages[index]
+            if self.fsdp:  # the eval graph reads the gathered weights, gathered for it
+                if mode:
+                    stage.module.reshard()  # type: ignore[operator]
+                else:
+                    stage.module.unshard()  # type: ignore[operator]
+                    self._eval_modules.pop(index, None)
             if mode:
                 worker.module = self._train_modules[index]
             else:
@@ -184,13 +200,14 @@ class Runtime:
         return None
 
     @contextlib.contextmanager
-    def _scaled_loss(self, loss_scale: float | None) -> Iterator[None]:
+    def _scaled_loss(self, loss_scale: float | None, num_items: Any = None) -> Iterator[None]:
         last = self.workers.get(self.program.num_stages - 1)
-        if loss_scale is None or last is None or last.loss is None:
+        if (loss_scale is None and num_items is None) or last is None or last.loss is None:
             yield
             return
         spec = last.loss
-        last.loss = replace(spec, scale=spec.scale * loss_scale)
+        scale = 1.0 if num_items is not None else spec.scale  # a sum, not a mean
+        last.loss = replace(spec, scale=scale * (loss_scale or 1.0), num_items=num_items)
         try:
             yield
         finally:
@@ -237,7 +254,8 @@ class LocalRuntime(Runtime):
         return [self.mean_loss(chunk) for chunk in losses]
 
     def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([l.to(losses[0].device) for l in losses]).mean()
+        stacked = torch.stack([l.to(losses[0].device) for l in losses])
+        return stacked.sum() if self.summed else stacked.mean()
 
     def forward(self, args: tuple, kwargs: dict) -> Any:
         captured = self.program.captured
@@ -273,7 +291,8 @@ class DistributedRuntime(Runtime):
         super().__init__(program, schedule, options, own, executor_rows=[topology.position],
                          label=lambda st: f"rank {topology.rank} (stage {st})")
         self.topology = topology
-        self.sync = GradientSync(topology, program, schedule, self.own_stages)
+        self.sync = GradientSync(topology, program, schedule, self.own_stages,
+                                 sharded=options.fsdp)
         self.waiter = Waiter()
         # constant per plan: the receive buffers' specs, and their shapes per distinct sizes
         self.specs = value_specs(program)
@@ -296,15 +315,17 @@ class DistributedRuntime(Runtime):
 
     def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         if not self.asynchronous:
-            self.sync.reduce(self.parameters)
+            self.sync.reduce(self.parameters, summed=self.summed)
         return [self.mean_loss(chunk) for chunk in losses]
 
     def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        return reduce_mean_loss(losses, self.wiring.devices[self.own_stages[0]])
+        return reduce_mean_loss(losses, self.wiring.devices[self.own_stages[0]],
+                                summed=self.summed)
 
     @property
     def norm_group(self) -> Any:
-        return self.sync.replica_group
+        # sharded gradients differ between replicas: the norm sums every rank's shards
+        return dist.group.WORLD if self.sync.sharded else self.sync.replica_group
 
     def forward(self, args: tuple, kwargs: dict) -> Any:
         """Forward only across the ranks of this replica; every rank gets the outputs."""
@@ -361,7 +382,8 @@ def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOption
             loss if s.index == last else None, options.stage_checkpoint(s.index),
             versions=versions,
             fused_backward=options.compile_stages, own_streams=own_streams,
-            split_weights=splits, exclusive_params=exclusive)
+            split_weights=splits, exclusive_params=exclusive,
+            sync=MicrobatchSync(s.module, m, options.data_parallel) if options.fsdp else None)
     return workers
 
 

@@ -128,8 +128,9 @@ class GradientSync:
     """Process groups and reductions for tied parameters and data-parallel replicas."""
 
     def __init__(self, topology: Topology, program: StagedProgram, schedule: Schedule,
-                 own_stages: Sequence[int]):
+                 own_stages: Sequence[int], *, sharded: bool = False):
         self.topology = topology
+        self.sharded = sharded  # fsdp=True: FSDP reduce-scatters over replicas in backward
         position = schedule.stage_to_device
         P, D = topology.pipeline_size, topology.data_parallel
         # Every rank must create every group, in the same order.
@@ -156,13 +157,16 @@ class GradientSync:
                     copy = next(t for s, t in program.tensors[tie.names[0]] if s in own)
                     self.ties.append((group, copy))
 
-    def reduce(self, params: Sequence[torch.Tensor]) -> None:
-        """Sum tied copies' gradients within the replica, then average over replicas."""
+    def reduce(self, params: Sequence[torch.Tensor], *, summed: bool = False) -> None:
+        """Sum tied copies' gradients within the replica, then average over replicas (sum,
+        when the loss was normalised by the global item count)."""
+        from .sharding import local_tensor
+
         for group, tensor in self.ties:
             if tensor.grad is None:
                 tensor.grad = torch.zeros_like(tensor)
-            dist.all_reduce(tensor.grad, group=group)
-        if self.dp_group is None:
+            dist.all_reduce(local_tensor(tensor.grad), group=group)  # a shard: the same part
+        if self.dp_group is None or self.sharded:
             return
         grads: list[torch.Tensor] = []
         for p in params:
@@ -173,19 +177,22 @@ class GradientSync:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.topology.data_parallel
+        if not summed:
+            flat /= self.topology.data_parallel
         for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
 
 
-def reduce_mean_loss(losses: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Mean of every replica's micro-batch losses, on every rank (only last stages have any)."""
+def reduce_mean_loss(losses: Sequence[torch.Tensor], device: torch.device, *,
+                     summed: bool = False) -> torch.Tensor:
+    """Mean (or with `summed`, sum) of every replica's micro-batch losses, on every rank (only
+    last stages have any)."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
     if losses:
         total[0] = sum(float(l) for l in losses)
         total[1] = len(losses)
     dist.all_reduce(total)
-    return total[0] / total[1]
+    return total[0] if summed else total[0] / total[1]
 
 
 def value_specs(program: StagedProgram) -> dict[str, ValueSpec]:

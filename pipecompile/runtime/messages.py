@@ -183,10 +183,15 @@ def message_bytes(program: Any, microbatch_size: int) -> dict[MessageKey, int]:
 
 
 def transfer_seconds(nbytes: Mapping[MessageKey, int],
-                     bandwidth: float | Callable[[int], float]) -> dict[MessageKey, float]:
-    """Seconds per message: its bytes over the sending stage's bandwidth (bytes/s; inf: free)."""
+                     bandwidth: float | Callable[[int], float],
+                     latency: float | Callable[[int], float] = 0.0) -> dict[MessageKey, float]:
+    """Seconds per message: its bytes over the sending stage's bandwidth (bytes/s; inf: free)
+    plus the sending stage's latency (seconds per message; `DeviceSpec.latency`)."""
     def rate(stage: int) -> float:
         return bandwidth(stage) if callable(bandwidth) else bandwidth
 
-    return {key: 0.0 if math.isinf(rate(key[0])) else n / rate(key[0])
+    def delay(stage: int) -> float:
+        return latency(stage) if callable(latency) else latency
+
+    return {key: (0.0 if math.isinf(rate(key[0])) else n / rate(key[0])) + delay(key[0])
             for key, n in nbytes.items()}

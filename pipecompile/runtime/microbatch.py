@@ -9,15 +9,16 @@ split with `torch.chunk`, in order; every other value is given unchanged to each
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ..capture import batch_size_of
 from ..errors import ConfigError
+from ..ir import CapturedModel
 
-__all__ = ["MicroBatch", "split_microbatches"]
+__all__ = ["MicroBatch", "forward_in_chunks", "split_microbatches"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +70,25 @@ def _chunk_sizes(batch: int, num: int) -> list[int]:
     size = -(-batch // num)
     pieces = -(-batch // size)
     return [size] * (pieces - 1) + [batch - size * (pieces - 1)]
+
+
+def forward_in_chunks(forward: Callable[[tuple, dict], Any], captured: CapturedModel,
+                      args: tuple, kwargs: dict, batch: int) -> Any:
+    """A statically captured model called with a multiple of its captured batch size: run in
+    chunks of that size, outputs with that leading size concatenated."""
+    size = captured.captured_batch_size
+    if batch % size:
+        raise ConfigError(
+            f"this model was captured with static shapes for batch {size} "
+            f"({'; '.join(captured.notes)}); call it with a multiple of {size}")
+    chunks = split_microbatches(args, kwargs, None, batch // size)
+    leaves = [pytree.tree_flatten(forward(c.args, dict(c.kwargs))) for c in chunks]
+    merged = []
+    for parts in zip(*[l for l, _ in leaves]):
+        if not (isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0
+                and parts[0].shape[0] == size):
+            raise ConfigError(
+                "a statically captured model's output has no batch dimension to join chunks "
+                f"along; call it with the captured batch size {size}")
+        merged.append(torch.cat(parts))
+    return pytree.tree_unflatten(merged, leaves[0][1])

@@ -58,6 +58,7 @@ __all__ = [
     "SCHEDULES",
     "ASYNC_SCHEDULE_NAMES",
     "SCHEDULE_NAMES",
+    "SPLIT_BACKWARD_SCHEDULES",
     "make_schedule",
 ]
 
@@ -219,6 +220,8 @@ ASYNC_SCHEDULE_NAMES: tuple[str, ...] = ("pipedream", "2bw")
 SCHEDULE_NAMES: tuple[str, ...] = (*SCHEDULES, *ASYNC_SCHEDULE_NAMES)
 #: The schedules that place two stages on every device unless told otherwise.
 TWO_STAGES_PER_DEVICE: tuple[str, ...] = ("interleaved-1f1b", "zb-v", "interleaved-zb")
+#: The zero-bubble schedules: backward split into input (I) and weight (W) gradients.
+SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("zb-h1", "zb-v", "interleaved-zb")
 
 
 def make_schedule(

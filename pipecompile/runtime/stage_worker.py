@@ -49,8 +49,9 @@ class LossSpec:
     """How the last stage turns flat model outputs into a loss."""
 
     unflatten: Callable[[list], Any]  # flat outputs -> the model's output structure
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    loss_fn: Callable[..., torch.Tensor] | None
     scale: float  # each micro-batch loss is multiplied by this before backward (1/m: the mean)
+    num_items: Any = None  # a step's num_items_in_batch: loss_fn gets it, losses are summed
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,8 @@ class StageWorker:
     # linears (`weight_store`), so I is one ordinary backward and W the queued matmuls
     split_weights: bool = False
     exclusive_params: frozenset[int] = frozenset()  # ids of parameters no other stage here holds
+    # fsdp=True: turns FSDP's gradient reduction on for the step's last backward only
+    sync: Any = None
     _deferred: dict[int, tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False)
     # the storages of the stage's parameters and buffers (not activations), found once: they
     # are updated in place, and an eval-mode or compiled graph shares them
@@ -258,6 +261,8 @@ class StageWorker:
         del self.saved[mb]
         if saved.weights is not None:
             return self._backward_versioned(mb, saved, roots, grads)
+        if self.sync is not None:
+            self.sync.before_backward()
         if roots:
             torch.autograd.backward(roots, grads)
         if saved.store is not None:  # a fused B after a forward with deferred linears
@@ -309,6 +314,8 @@ class StageWorker:
         """The first forward of a step (micro-batch 0): new random streams and memory counts."""
         self.steps += 1
         self.activations.reset()
+        if self.sync is not None:
+            self.sync.begin_step()
         tensors = [*inputs.values(), *self.module.parameters()]
         step_started({t.device for t in tensors if isinstance(t, torch.Tensor)}, self.steps)
 
@@ -368,7 +375,12 @@ class StageWorker:
         spec = self.loss
         assert spec is not None, "only the last stage computes the loss"
         result = spec.unflatten(list(outputs))
-        loss = spec.loss_fn(result, target) if spec.loss_fn is not None else result
+        if spec.loss_fn is None:
+            loss = result
+        elif spec.num_items is not None:
+            loss = spec.loss_fn(result, target, num_items_in_batch=spec.num_items)
+        else:
+            loss = spec.loss_fn(result, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
             source = "loss_fn" if spec.loss_fn is not None else "the model (no loss_fn given)"

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.nn.utils import get_total_norm
 
 from ..errors import ConfigError
 
-__all__ = ["AutocastState", "TiedCopies", "clip_grad_norm", "counted_parameters",
+__all__ = ["check_num_items", "AutocastState", "TiedCopies", "clip_grad_norm", "counted_parameters",
            "loss_scale_value"]
 
 
@@ -97,10 +97,15 @@ def clip_grad_norm(counted: Sequence[torch.Tensor], held: Sequence[torch.Tensor]
     `norm_type`-norm of the gradients of `counted` over all processes of `group` (None: this
     process only) is at most `max_norm`; returns that total norm, as
     `torch.nn.utils.clip_grad_norm_` does on the unsplit model."""
+    from .sharding import local_tensor
+
     norm_type = float(norm_type)
-    grads = [p.grad for p in counted if p.grad is not None]
-    dtype = grads[0].dtype if grads else torch.get_default_dtype()
-    partial = get_total_norm(grads, norm_type).to(device)  # this process's part (0 if none)
+    grads = [local_tensor(p.grad) for p in counted if p.grad is not None]  # a DTensor's shard
+    # in float32 at least: a bf16 norm would depend on how the parameters are split over
+    # stages and ranks (torchtitan PR 4312); float64 stays float64
+    dtype = torch.promote_types(grads[0].dtype if grads else torch.get_default_dtype(),
+                                torch.float32)
+    partial = get_total_norm([g.to(dtype) for g in grads], norm_type).to(device)
     if group is not None:  # the global norm: max of the parts, or (sum of p-th powers)^(1/p)
         import torch.distributed as dist
 
@@ -113,9 +118,13 @@ def clip_grad_norm(counted: Sequence[torch.Tensor], held: Sequence[torch.Tensor]
         raise ConfigError(
             f"the total {norm_type}-norm of the gradients is {float(total)}; pass "
             f"error_if_nonfinite=False to clip_grad_norm_ to scale them anyway")
-    # a gradient shared by several copies is scaled once
-    unique = {id(p.grad): p for p in held if p.grad is not None}
-    clip_grads_with_norm_(list(unique.values()), max_norm, total)
+    # a gradient shared by several copies is scaled once; a DTensor's through its shard
+    unique = {id(p.grad): local_tensor(p.grad) for p in held if p.grad is not None}
+    # torch.nn.utils.clip_grads_with_norm_'s coefficient, applied to the local tensors
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for grad in unique.values():
+            grad.mul_(coef.to(grad.device, grad.dtype))
     return total
 
 
@@ -131,3 +140,27 @@ def loss_scale_value(loss_scale: Any, device: torch.device) -> float | None:
     if not value > 0 or math.isinf(value):
         raise ConfigError(f"loss_scale must be a positive finite number, got {value}")
     return None if value == 1.0 else value
+
+
+def check_num_items(loss_fn: Any, num_items: Any) -> None:
+    """`num_items_in_batch` needs a positive count and a loss function that takes it."""
+    import inspect
+
+    if loss_fn is None:
+        raise ConfigError("num_items_in_batch= is given to loss_fn, but compile got no loss_fn; "
+                          "pass loss_fn=lambda out, y, num_items_in_batch: ... to compile")
+    count = num_items.item() if isinstance(num_items, torch.Tensor) else num_items
+    if isinstance(count, bool) or not isinstance(count, (int, float)) or not count > 0:
+        raise ConfigError(f"num_items_in_batch must be a positive count of items (tokens) in "
+                          f"the global batch, got {num_items!r}")
+    try:
+        params = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return
+    if "num_items_in_batch" not in params and not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        raise ConfigError(
+            f"num_items_in_batch= is passed to loss_fn as a keyword, but "
+            f"{getattr(loss_fn, '__name__', 'loss_fn')}{inspect.signature(loss_fn)} does not "
+            f"take it; add a num_items_in_batch parameter (sum the item losses and divide by "
+            f"it) or leave num_items_in_batch out")

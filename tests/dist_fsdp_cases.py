@@ -1,0 +1,82 @@
+"""Functions run on every rank by tests/test_fsdp.py (importable by spawned processes):
+pipeline x data parallel on 4 gloo ranks, each replica given its half of the global batch."""
+
+from __future__ import annotations
+
+import torch
+
+import pipecompile as pc
+from pipecompile import zoo
+from pipecompile.runtime.sharding import local_tensor
+
+SIZES = dict(vocab=64, dim=16, layers=4, heads=2, seq=8)
+BATCH, STEPS, LR, CLIP = 8, 3, 1e-2, 0.05
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, 64, (BATCH, 8), generator=g), torch.randint(0, 64, (BATCH, 8),
+                                                                        generator=g)
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return zoo.GPT(**SIZES).double()
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a DTensor's all-gather is collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def train(rank: int, fsdp: bool, steps: int = STEPS) -> dict:
+    """Three steps of the user's AdamW with pipe.clip_grad_norm_ on pipeline 2 x data 2."""
+    replica = rank // 2
+    x, y = batch(0)
+    pipe = pc.compile(model(), example_inputs=(x.chunk(2)[replica],), devices=2,
+                      data_parallel=2, fsdp=fsdp, loss_fn=zoo.lm_loss, schedule="1f1b",
+                      microbatches=2, timeout=60)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = batch(step)
+        losses.append(pipe.step(x.chunk(2)[replica], target=y.chunk(2)[replica]).item())
+        norms.append(pipe.clip_grad_norm_(CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    params = {n: full(p).detach().clone() for n, p in pipe.named_parameters()}
+    local = sum(local_tensor(p).numel() for p in pipe.parameters())
+    whole = sum(full(p).numel() for p in pipe.parameters())
+    return {"losses": losses, "norms": norms, "params": params, "local": local,
+            "whole": whole, "dtensor": type(next(pipe.parameters())).__name__,
+            "explain": pipe.explain()}
+
+
+def token_loss(logits, target, num_items_in_batch):
+    """Summed token cross entropy over the valid tokens, divided by the global count."""
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
+        reduction="sum") / num_items_in_batch
+
+
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A batch whose padding (-100 targets) falls unevenly: row i has i padded tokens (the
+    last rows, one replica's, are mostly padding)."""
+    x, y = batch(7)
+    for i in range(BATCH):
+        y[i, 8 - i:] = -100
+    return x, y, int((y != -100).sum())
+
+
+def train_tokens(rank: int, fsdp: bool) -> dict:
+    """One step with num_items_in_batch on pipeline 2 x data 2; the loss and gradients."""
+    replica = rank // 2
+    x, y, n = padded_batch()
+    pipe = pc.compile(model(), example_inputs=(x.chunk(2)[replica],), devices=2,
+                      data_parallel=2, fsdp=fsdp, loss_fn=token_loss, schedule="1f1b",
+                      microbatches=2, timeout=60)
+    loss = pipe.step(x.chunk(2)[replica], target=y.chunk(2)[replica], num_items_in_batch=n)
+    grads = {name: full(p.grad).clone() for name, p in pipe.named_parameters()}
+    return {"loss": loss.item(), "grads": grads}

@@ -1,0 +1,88 @@
+"""Pipeline x data parallel on 4 gloo ranks (2 stages x 2 replicas), with FSDP2 sharding
+(`fsdp=True`) and replicated: three steps of AdamW with clipping equal the unsplit model on
+the global batch (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipecompile as pc
+from pipecompile import zoo
+from tests.dist import run_ranks
+from tests.dist_fsdp_cases import (CLIP, LR, STEPS, batch, model, padded_batch, token_loss, train,
+                                   train_tokens)
+from tests.reference import assert_grads_equal, reference_step
+
+
+def _reference():
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss, _ = reference_step(net, (x,), {}, y, zoo.lm_loss, 4)
+        losses.append(loss.item())
+        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, norms, dict(net.named_parameters())
+
+
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_pipeline_x_data_parallel_equals_the_unsplit_model(fsdp):
+    results = run_ranks(train, 4, fsdp)
+    losses, norms, params = _reference()
+    for rank, r in enumerate(results):
+        assert "error" not in r and "died" not in r, (rank, r)
+        for got, want in zip(r["losses"], losses):
+            assert abs(got - want) < 1e-12, (rank, r["losses"], losses)
+        for got, want in zip(r["norms"], norms):
+            assert abs(got - want) < 1e-10 * want, (rank, r["norms"], norms)
+        for n, p in r["params"].items():
+            assert (p - params[n].detach()).abs().max().item() < 1e-8, (rank, n)
+        if fsdp:
+            assert r["dtensor"] == "DTensor" and "fully_shard" in r["explain"]
+            assert r["local"] * 2 == r["whole"], rank  # half of its stages' parameters
+
+
+def _token_reference():
+    x, y, n = padded_batch()
+    net = model()
+    loss = token_loss(net(x), y, n)
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_num_items_in_batch_sums_to_the_global_token_loss(fsdp):
+    loss, grads = _token_reference()
+    for rank, r in enumerate(run_ranks(train_tokens, 4, fsdp)):
+        assert "error" not in r and "died" not in r, (rank, r)
+        assert abs(r["loss"] - loss) < 1e-12, (rank, r["loss"], loss)
+        for name, g in r["grads"].items():
+            scale = grads[name].abs().max().item()
+            assert (g - grads[name]).abs().max().item() <= 1e-10 * scale, (rank, name)
+
+
+def test_num_items_in_batch_in_one_process():
+    x, y, n = padded_batch()
+    pipe = pc.compile(model(), example_inputs=(x,), devices=2, loss_fn=token_loss,
+                      schedule="1f1b", microbatches=4)
+    loss, grads = _token_reference()
+    assert abs(pipe.step(x, target=y, num_items_in_batch=n).item() - loss) < 1e-12
+    assert_grads_equal(pipe, grads)
+    with pytest.raises(pc.ConfigError, match="positive count"):
+        pipe.step(x, target=y, num_items_in_batch=0)
+    plain = pc.compile(model(), example_inputs=(x,), devices=2, loss_fn=zoo.lm_loss,
+                       schedule="1f1b", microbatches=4)
+    with pytest.raises(pc.ConfigError, match=r"lm_loss\(logits.*does not take it"):
+        plain.step(x, target=y, num_items_in_batch=n)
+
+
+def test_bad_data_parallel_options():
+    x, _ = batch(0)
+    with pytest.raises(pc.ConfigError, match="timeout must be a positive"):
+        pc.compile(model(), example_inputs=(x,), devices=2, timeout=-5)
+    with pytest.raises(pc.ConfigError, match="fsdp=True shards each stage"):
+        pc.compile(model(), example_inputs=(x,), devices=2, fsdp=True)
