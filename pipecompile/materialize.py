@@ -104,15 +104,19 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def init_weights(model: torch.nn.Module, held: set[int],
+def init_weights(model: torch.nn.Module, own: Mapping[str, torch.Tensor],
                  fn: Callable[[torch.nn.Module], None] | None = None) -> list[str]:
     """Run `fn(module)` (default: the module's own `reset_parameters()`) for every submodule of
-    `model` with a parameter of its own (not its children's) in `held` (ids of this process's
-    tensors), each under a generator seeded by `name_seed(torch.initial_seed(), name)`, on
-    every device type. Returns the qualified names of the modules initialised."""
+    `model` with a parameter of its own (not its children's) among `own` (this process's
+    tensors by name), each under a generator seeded by `name_seed(torch.initial_seed(), name)`,
+    on every device type. Returns the qualified names of the modules initialised.
+
+    For the call, the module holds this process's tensors under its attribute names; a sharded
+    one (a DTensor, fsdp=True) is initialised whole, one module at a time, and each rank keeps
+    its shard: the weights do not depend on the sharding either."""
     seed = torch.initial_seed()
     todo = [(name, module) for name, module in model.named_modules()
-            if any(id(t) in held for t in module.parameters(recurse=False))]
+            if any(_join(name, n) in own for n, p in module._parameters.items() if p is not None)]
     if fn is None:
         bare = [name or type(module).__name__ for name, module in todo
                 if _reset(module) is None]
@@ -123,16 +127,51 @@ def init_weights(model: torch.nn.Module, held: set[int],
                 f"initialises one module (a transformers model's own: fn=model._init_weights)")
     done = []
     for name, module in todo:
-        own = [t for _, t in _named_state(module, recurse=False)]
         run = fn if fn is not None else _reset(module)
         assert run is not None
-        devices = sorted({t.device for t in own if t.device.type == "cuda"}, key=str)
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(name_seed(seed, name))
-            with torch.no_grad():
-                run(module)
+        with _holding(module, name, own) as held:
+            devices = sorted({t.device for t in held if t.device.type == "cuda"}, key=str)
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(name_seed(seed, name))
+                with torch.no_grad():
+                    run(module)
         done.append(name)
     return done
+
+
+@contextlib.contextmanager
+def _holding(module: torch.nn.Module, prefix: str,
+             own: Mapping[str, torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """`module` with this process's tensors in place of its own (a DTensor's as a whole
+    tensor, copied into its shard afterwards); its own tensors put back after."""
+    from torch.distributed.tensor import DTensor
+
+    swapped, whole = [], []
+    for table in (module._parameters, module._buffers):
+        for attr, tensor in list(table.items()):
+            target = own.get(_join(prefix, attr))
+            if tensor is None or target is None:
+                continue
+            swapped.append((table, attr, tensor))
+            if isinstance(target, DTensor):
+                full = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+                if isinstance(tensor, torch.nn.Parameter):
+                    full = torch.nn.Parameter(full, requires_grad=tensor.requires_grad)
+                whole.append((full, target))
+                target = full
+            table[attr] = target
+    try:
+        yield [t for table, attr, _ in swapped for t in [table[attr]]]
+        with torch.no_grad():
+            for full, target in whole:
+                _copy_into(target, full)
+    finally:
+        for table, attr, tensor in swapped:
+            table[attr] = tensor
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def copy_to_ties(tensors: Mapping[str, tuple[tuple[int, torch.Tensor], ...]],
@@ -206,7 +245,7 @@ def _copy_in_chunks(path: str | os.PathLike, source: Mapping[str, str],
             with torch.no_grad():
                 for name in batch:
                     for key in targets[name]:
-                        own[key].copy_(read[name])
+                        _copy_into(own[key], read[name])
             batch, size = [], 0
 
 
@@ -232,6 +271,18 @@ def meta_parameters() -> Iterator[None]:
         yield
     finally:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _copy_into(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy a checkpoint's whole tensor into `target`: a sharded parameter (a DTensor, under
+    fsdp=True) takes its own shard, cut locally without communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        whole = distribute_tensor(whole.to(target.device), target.device_mesh, target.placements,
+                                  src_data_rank=None).to_local()
+        target = target.to_local()
+    target.copy_(whole)
 
 
 def check_materialised(named: Iterable[tuple[str, torch.Tensor]], where: str) -> None:

@@ -361,8 +361,7 @@ class Pipeline(torch.nn.Module):
             raise ConfigError("init_weights needs the model's modules; a pipeline rebuilt by "
                               "pipecompile.load has only its graphs: use load_weights(path)")
         check_materialised(self._own_state(), "pipe.init_weights()")
-        held = {id(t) for _, t in self._own_state()}
-        return init_modules(self._source[0], held, fn)
+        return init_modules(self._source[0], dict(self._own_state()), fn)
 
     def load_weights(self, path: str | os.PathLike) -> _IncompatibleKeys:
         """Load this process's tensors from `path`: one .safetensors file, a directory of

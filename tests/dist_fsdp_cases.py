@@ -80,3 +80,56 @@ def train_tokens(rank: int, fsdp: bool) -> dict:
     loss = pipe.step(x.chunk(2)[replica], target=y.chunk(2)[replica], num_items_in_batch=n)
     grads = {name: full(p.grad).clone() for name, p in pipe.named_parameters()}
     return {"loss": loss.item(), "grads": grads}
+
+
+def meta_fsdp_train_and_save(rank: int, weights: str, directory: str) -> dict:
+    """Built on meta, sharded, materialised and loaded from `weights`; STEPS steps of AdamW with
+    clipping, then a DCP checkpoint of model and optimizer (DTensor shards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.dist_checkpoint_cases import OPTIONS
+
+    replica = rank // 2
+    with torch.device("meta"):
+        net = zoo.GPT(**SIZES).double()
+    x, _ = batch(0)
+    pipe = pc.compile(net, example_inputs=(x.chunk(2)[replica],), devices=2, data_parallel=2,
+                      fsdp=True, loss_fn=zoo.lm_loss, schedule="1f1b", microbatches=2,
+                      timeout=60)
+    pipe.to_empty()
+    missing = pipe.load_weights(weights).missing_keys
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        losses.append(pipe.step(x.chunk(2)[replica], target=y.chunk(2)[replica]).item())
+        pipe.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+    model_sd, optim_sd = get_state_dict(pipe, opt, options=OPTIONS)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    return {"losses": losses, "missing": missing}
+
+
+def resume_without_data_parallel(rank: int, directory: str) -> dict:
+    """4 pipeline ranks, no data parallelism: load the FSDP checkpoint, take the next step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from tests.dist_checkpoint_cases import OPTIONS
+
+    x, y = batch(STEPS)
+    pipe = pc.compile(model(), example_inputs=(x,), devices=4, loss_fn=zoo.lm_loss,
+                      schedule="1f1b", microbatches=4, timeout=60)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    model_sd, optim_sd = get_state_dict(pipe, opt, options=OPTIONS)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(pipe, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=OPTIONS)
+    loss = pipe.step(x, target=y).item()
+    norm = pipe.clip_grad_norm_(CLIP).item()
+    opt.step()
+    return {"loss": loss, "norm": norm,
+            "params": {n: p.detach().clone() for n, p in pipe.named_parameters()}}

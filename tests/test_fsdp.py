@@ -10,16 +10,17 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from tests.dist import run_ranks
-from tests.dist_fsdp_cases import (CLIP, LR, STEPS, batch, model, padded_batch, token_loss, train,
+from tests.dist_fsdp_cases import (CLIP, LR, STEPS, batch, meta_fsdp_train_and_save, model,
+                                   padded_batch, resume_without_data_parallel, token_loss, train,
                                    train_tokens)
 from tests.reference import assert_grads_equal, reference_step
 
 
-def _reference():
+def _reference(steps=STEPS):
     net = model()
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = batch(step)
         loss, _ = reference_step(net, (x,), {}, y, zoo.lm_loss, 4)
         losses.append(loss.item())
@@ -86,3 +87,37 @@ def test_bad_data_parallel_options():
         pc.compile(model(), example_inputs=(x,), devices=2, timeout=-5)
     with pytest.raises(pc.ConfigError, match="fsdp=True shards each stage"):
         pc.compile(model(), example_inputs=(x,), devices=2, fsdp=True)
+
+
+def test_meta_fsdp_checkpoint_loads_unsplit_and_resumes_on_four_pipeline_ranks(tmp_path):
+    """Built on meta, sharded and loaded per rank; its DCP checkpoint (DTensor shards) loads
+    into the unsplit model and into 4 pipeline ranks without data parallelism, whose next
+    step equals the unsplit model's."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    state = {k: v for k, v in model().state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "w.safetensors"))
+    saved = run_ranks(meta_fsdp_train_and_save, 4, str(tmp_path / "w.safetensors"),
+                      str(tmp_path / "ckpt"))
+    losses, norms, params = _reference(STEPS + 1)
+    for rank, r in enumerate(saved):
+        assert "error" not in r and "died" not in r, (rank, r)
+        assert r["missing"] == []
+        assert all(abs(a - b) < 1e-12 for a, b in zip(r["losses"], losses)), (rank, r)
+    after = _reference(STEPS)[2]
+    fresh = model()
+    loaded = {"model": fresh.state_dict()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    fresh.load_state_dict(loaded["model"])
+    for name, p in fresh.named_parameters():
+        assert (p - after[name].detach()).abs().max().item() < 1e-8, name
+    seen = set()
+    for rank, r in enumerate(run_ranks(resume_without_data_parallel, 4, str(tmp_path / "ckpt"))):
+        assert "error" not in r and "died" not in r, (rank, r)
+        assert abs(r["loss"] - losses[STEPS]) < 1e-10, (rank, r["loss"], losses[STEPS])
+        assert abs(r["norm"] - norms[STEPS]) < 1e-8 * norms[STEPS], rank
+        for name, p in r["params"].items():
+            assert (p - params[name].detach()).abs().max().item() < 1e-8, (rank, name)
+            seen.add(name)
+    assert seen == set(params)
