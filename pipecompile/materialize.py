@@ -27,7 +27,7 @@ import hashlib
 import math
 import os
 import weakref
-from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
@@ -146,8 +146,11 @@ def _holding(module: torch.nn.Module, prefix: str,
     tensor, copied into its shard afterwards); its own tensors put back after."""
     from torch.distributed.tensor import DTensor
 
-    swapped, whole = [], []
-    for table in (module._parameters, module._buffers):
+    tables: list[dict[str, Any]] = [module._parameters, module._buffers]
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    held: list[torch.Tensor] = []
+    whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for table in tables:
         for attr, tensor in list(table.items()):
             target = own.get(_join(prefix, attr))
             if tensor is None or target is None:
@@ -160,8 +163,9 @@ def _holding(module: torch.nn.Module, prefix: str,
                 whole.append((full, target))
                 target = full
             table[attr] = target
+            held.append(target)
     try:
-        yield [t for table, attr, _ in swapped for t in [table[attr]]]
+        yield held
         with torch.no_grad():
             for full, target in whole:
                 _copy_into(target, full)
