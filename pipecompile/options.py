@@ -171,8 +171,8 @@ def resolve_options(
         split_points=None if split_points is None else tuple(split_points),
         virtual_stages=virtual_stages, checkpoint=checkpoint is True,
         data_parallel=data_parallel, timeout=timeout, ranks=Ranks(topology), auto=auto, **rest)
-    _check_async(options)
     _check_fsdp(options)
+    _check_async(options)
     if example is not None and example.batch < microbatches:
         raise ConfigError(
             f"the example batch has {example.batch} samples, fewer than microbatches="

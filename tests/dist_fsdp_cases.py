@@ -133,3 +133,25 @@ def resume_without_data_parallel(rank: int, directory: str) -> dict:
     opt.step()
     return {"loss": loss, "norm": norm,
             "params": {n: p.detach().clone() for n, p in pipe.named_parameters()}}
+
+
+def bad_options(rank: int) -> dict:
+    """On 2 ranks (1 stage x 2 replicas): the option combinations fsdp=True refuses."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    x, _ = batch(0)
+    tries = {
+        "pipedream": dict(schedule="pipedream", optimizer=lambda p: torch.optim.SGD(p, lr=0.1)),
+        "zb": dict(schedule="zb-h1"),
+        "world": dict(devices=2),
+        "mesh": dict(mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("replicas",))),
+    }
+    errors = {}
+    for name, options in tries.items():
+        options = {"devices": 1, "data_parallel": 2, "fsdp": True, "loss_fn": zoo.lm_loss,
+                   "microbatches": 2, **options}
+        try:
+            pc.compile(model(), example_inputs=(x.chunk(2)[rank],), timeout=60, **options)
+        except pc.PipecompileError as exc:
+            errors[name] = str(exc)
+    return errors

@@ -10,7 +10,7 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from tests.dist import run_ranks
-from tests.dist_fsdp_cases import (CLIP, LR, STEPS, batch, meta_fsdp_train_and_save, model,
+from tests.dist_fsdp_cases import (CLIP, LR, STEPS, bad_options, batch, meta_fsdp_train_and_save, model,
                                    padded_batch, resume_without_data_parallel, token_loss, train,
                                    train_tokens)
 from tests.reference import assert_grads_equal, reference_step
@@ -121,3 +121,27 @@ def test_meta_fsdp_checkpoint_loads_unsplit_and_resumes_on_four_pipeline_ranks(t
             assert (p - params[name].detach()).abs().max().item() < 1e-8, (rank, name)
             seen.add(name)
     assert seen == set(params)
+
+
+def test_fsdp_refuses_what_it_cannot_run_on_every_rank():
+    for rank, errors in enumerate(run_ranks(bad_options, 2)):
+        assert "error" not in errors and "died" not in errors, (rank, errors)
+        assert "fsdp=True with pipedream/2bw is not supported" in errors["pipedream"]
+        assert "zero-bubble" in errors["zb"] and "'1f1b'" in errors["zb"]
+        assert "devices=2 × data_parallel=2 = 4" in errors["world"]
+        assert "needs one named 'dp'" in errors["mesh"] and "'replicas'" in errors["mesh"]
+
+
+def test_clip_norm_in_float32_for_bf16_parameters():
+    """bf16 gradients: the norm is taken in float32 (what the cut placement cannot change)."""
+    x, y = batch(0)
+    torch.manual_seed(0)
+    net = zoo.GPT(vocab=64, dim=16, layers=4, heads=2, seq=8).to(torch.bfloat16)
+    pipe = pc.compile(net, example_inputs=(x,), devices=2, loss_fn=zoo.lm_loss,
+                      schedule="1f1b", microbatches=2)
+    pipe.step(x, target=y)
+    grads = [p.grad for p in pipe.parameters()]
+    exact = torch.cat([g.double().flatten() for g in grads]).norm()
+    norm = pipe.clip_grad_norm_(1e9)  # nothing clipped: the norm alone
+    assert norm.dtype == torch.float32
+    assert abs(norm.item() - exact.item()) <= 1e-6 * exact.item()
