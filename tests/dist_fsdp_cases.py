@@ -7,7 +7,7 @@ import torch
 
 import pipecompile as pc
 from pipecompile import zoo
-from pipecompile.runtime.sharding import local_tensor
+from pipecompile.runtime.data_parallel import local_tensor
 
 SIZES = dict(vocab=64, dim=16, layers=4, heads=2, seq=8)
 BATCH, STEPS, LR, CLIP = 8, 3, 1e-2, 0.05
@@ -47,10 +47,13 @@ def train(rank: int, fsdp: bool, steps: int = STEPS) -> dict:
         opt.step()
         opt.zero_grad()
     params = {n: full(p).detach().clone() for n, p in pipe.named_parameters()}
+    reducers = [w.sync for w in pipe.runtime.workers.values()]
+    buckets = sum(getattr(r, "buckets", 0) for r in reducers)
     local = sum(local_tensor(p).numel() for p in pipe.parameters())
     whole = sum(full(p).numel() for p in pipe.parameters())
     return {"losses": losses, "norms": norms, "params": params, "local": local,
             "whole": whole, "dtensor": type(next(pipe.parameters())).__name__,
+            "buckets": buckets, "after_step": pipe.runtime.sync.replicas_reduced,
             "explain": pipe.explain()}
 
 

@@ -42,9 +42,12 @@ def test_pipeline_x_data_parallel_equals_the_unsplit_model(fsdp):
             assert abs(got - want) < 1e-10 * want, (rank, r["norms"], norms)
         for n, p in r["params"].items():
             assert (p - params[n].detach()).abs().max().item() < 1e-8, (rank, n)
+        assert r["after_step"]  # no reduction loop after the step: torch's hooks did it
         if fsdp:
             assert r["dtensor"] == "DTensor" and "fully_shard" in r["explain"]
             assert r["local"] * 2 == r["whole"], rank  # half of its stages' parameters
+        else:  # DDP's reducer all-reduced buckets during each step's last backward
+            assert r["dtensor"] == "Parameter" and r["buckets"] >= STEPS, rank
 
 
 def _token_reference():

@@ -41,7 +41,7 @@ from .mailbox import Mailbox
 from .microbatch import MicroBatch, split_microbatches
 from .p2p import P2PTransport, Waiter
 from .schedules import ASYNC_SCHEDULE_NAMES
-from .sharding import MicrobatchSync
+from .data_parallel import MicrobatchSync, ReplicaSync, reduces_in_backward
 from .stage_worker import LossSpec, StageWorker
 from .training import AutocastState, TiedCopies, clip_grad_norm, counted_parameters
 from .versions import VersionRule, WeightVersions
@@ -291,8 +291,15 @@ class DistributedRuntime(Runtime):
         super().__init__(program, schedule, options, own, executor_rows=[topology.position],
                          label=lambda st: f"rank {topology.rank} (stage {st})")
         self.topology = topology
+        in_backward = options.fsdp or (options.data_parallel > 1 and reduces_in_backward(
+            schedule.name, any(map(options.stage_checkpoint, self.own_stages)),
+            options.compile_stages))
         self.sync = GradientSync(topology, program, schedule, self.own_stages,
-                                 sharded=options.fsdp)
+                                 sharded=options.fsdp, replicas_reduced=in_backward)
+        if in_backward and not options.fsdp:  # replicated: DDP's reducer, armed per step
+            for index, worker in self.workers.items():
+                worker.sync = ReplicaSync(program.stages[index].module, options.microbatches,
+                                          self.sync.dp_group, options.data_parallel)
         self.waiter = Waiter()
         # constant per plan: the receive buffers' specs, and their shapes per distinct sizes
         self.specs = value_specs(program)

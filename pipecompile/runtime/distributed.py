@@ -9,8 +9,9 @@ of D copies of the whole pipeline.
         replica 1       rank 2   ──▶  rank 3      DP groups: {0, 2}, {1, 3}
 
 After the step's backward passes, `GradientSync.reduce` sums the gradients of a tied parameter
-over the ranks of a replica holding a copy, then averages every gradient over the replicas of
-its stage, so every copy of every parameter sees the same gradient and stays bit-identical.
+over the ranks of a replica holding a copy and, unless torch's hooks already did it during the
+last backward (runtime/data_parallel.py), averages every gradient over the replicas of its
+stage, so every copy of every parameter sees the same gradient and stays bit-identical.
 """
 
 from __future__ import annotations
@@ -128,9 +129,12 @@ class GradientSync:
     """Process groups and reductions for tied parameters and data-parallel replicas."""
 
     def __init__(self, topology: Topology, program: StagedProgram, schedule: Schedule,
-                 own_stages: Sequence[int], *, sharded: bool = False):
+                 own_stages: Sequence[int], *, sharded: bool = False,
+                 replicas_reduced: bool = False):
         self.topology = topology
-        self.sharded = sharded  # fsdp=True: FSDP reduce-scatters over replicas in backward
+        self.sharded = sharded  # fsdp=True: each replica holds a shard of every gradient
+        # torch's hooks reduced the replicas' gradients during backward (FSDP, DDP's reducer)
+        self.replicas_reduced = replicas_reduced
         position = schedule.stage_to_device
         P, D = topology.pipeline_size, topology.data_parallel
         # Every rank must create every group, in the same order.
@@ -160,13 +164,13 @@ class GradientSync:
     def reduce(self, params: Sequence[torch.Tensor], *, summed: bool = False) -> None:
         """Sum tied copies' gradients within the replica, then average over replicas (sum,
         when the loss was normalised by the global item count)."""
-        from .sharding import local_tensor
+        from .data_parallel import local_tensor
 
         for group, tensor in self.ties:
             if tensor.grad is None:
                 tensor.grad = torch.zeros_like(tensor)
             dist.all_reduce(local_tensor(tensor.grad), group=group)  # a shard: the same part
-        if self.dp_group is None or self.sharded:
+        if self.dp_group is None or self.replicas_reduced:
             return
         grads: list[torch.Tensor] = []
         for p in params:

@@ -187,7 +187,8 @@ class StageWorker:
     # linears (`weight_store`), so I is one ordinary backward and W the queued matmuls
     split_weights: bool = False
     exclusive_params: frozenset[int] = frozenset()  # ids of parameters no other stage here holds
-    # fsdp=True: turns FSDP's gradient reduction on for the step's last backward only
+    # data parallel: turns torch's gradient reduction (FSDP's, or DDP's reducer) on for the
+    # step's last backward only (runtime/data_parallel.py)
     sync: Any = None
     _deferred: dict[int, tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False)
     # the storages of the stage's parameters and buffers (not activations), found once: they
@@ -262,7 +263,7 @@ class StageWorker:
         if saved.weights is not None:
             return self._backward_versioned(mb, saved, roots, grads)
         if self.sync is not None:
-            self.sync.before_backward()
+            self.sync.before_backward(roots)
         if roots:
             torch.autograd.backward(roots, grads)
         if saved.store is not None:  # a fused B after a forward with deferred linears

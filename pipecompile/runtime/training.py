@@ -97,7 +97,7 @@ def clip_grad_norm(counted: Sequence[torch.Tensor], held: Sequence[torch.Tensor]
     `norm_type`-norm of the gradients of `counted` over all processes of `group` (None: this
     process only) is at most `max_norm`; returns that total norm, as
     `torch.nn.utils.clip_grad_norm_` does on the unsplit model."""
-    from .sharding import local_tensor
+    from .data_parallel import local_tensor
 
     norm_type = float(norm_type)
     grads = [local_tensor(p.grad) for p in counted if p.grad is not None]  # a DTensor's shard

@@ -1,4 +1,13 @@
-"""Pipeline × data parallelism with torch's FSDP2: each stage sharded over the "dp" dimension.
+"""Pipeline × data parallelism: each stage's gradients reduced over its replicas by torch.
+
+Replicated (`fsdp=False`, `ReplicaSync`): torch's DDP `Reducer` on each stage's parameters
+(bucketed all-reduce, started by autograd hooks as gradients become ready), armed only for the
+step's last backward of the stage, so the reduction overlaps that backward. The stage graphs run
+as they are (the reducer needs no forward of its own). Schedules whose backward bypasses the
+hooks (zero-bubble's split backward), recomputation and compiled stages reduce after the step
+instead (`GradientSync.reduce`).
+
+Sharded (`fsdp=True`): torch's FSDP2, each stage sharded over the "dp" dimension.
 
 The ranks form a torch `DeviceMesh` of shape (D, P) named ("dp", "pp"), the layout of
 `Topology` (rank = replica * P + position). With `fsdp=True` the compiler shards every stage of
@@ -32,7 +41,8 @@ if TYPE_CHECKING:
     from ..passes.split import StagedProgram
     from .distributed import Topology
 
-__all__ = ["data_parallel_mesh", "shard_stages", "MicrobatchSync", "local_tensor"]
+__all__ = ["data_parallel_mesh", "shard_stages", "MicrobatchSync", "ReplicaSync", "local_tensor",
+           "reduces_in_backward"]
 
 
 def data_parallel_mesh(topology: "Topology", device: torch.device, mesh: Any = None) -> Any:
@@ -100,12 +110,74 @@ class MicrobatchSync:
             self.module.set_gradient_divide_factor(factor)
         self.divide_factor = factor
 
-    def before_backward(self) -> None:
+    def before_backward(self, roots: Sequence[torch.Tensor]) -> None:
         self.done += 1
         last = self.done >= self.microbatches
         self.module.set_is_last_backward(last)
         self.module.set_requires_gradient_sync(last)
         self.module.set_reshard_after_backward(last)
+
+
+def reduces_in_backward(schedule: str, checkpoint: bool, compiled: bool) -> bool:
+    """Whether torch's hooks can reduce a replicated stage's gradients during its backward:
+    one autograd backward per micro-batch, through the captured graph."""
+    from .schedules import SPLIT_BACKWARD_SCHEDULES
+
+    return schedule not in SPLIT_BACKWARD_SCHEDULES and not checkpoint and not compiled
+
+
+class ReplicaSync:
+    """A replicated stage's gradients averaged (or summed) over the replicas by torch's DDP
+    reducer, during the step's last backward of the stage: the micro-batches before it
+    accumulate locally (as under DDP's `no_sync`), the last one's hooks all-reduce the
+    buckets as they fill. The reducer is made at the first step, when the parameters are real
+    (a meta model is materialised after compile)."""
+
+    def __init__(self, module: torch.nn.Module, microbatches: int, group: Any, replicas: int):
+        self.module = module
+        self.microbatches = microbatches
+        self.group = group
+        self.replicas = replicas
+        self.done = 0
+        self.sum = False
+        self.ddp: Any = None
+        self.buckets = 0  # buckets all-reduced by the hook so far (each during a backward)
+
+    def begin_step(self) -> None:
+        self.done = 0
+        if self.ddp is None:
+            self.ddp = self._reducer()
+
+    def summed(self, summed: bool) -> None:
+        self.sum = summed
+
+    def before_backward(self, roots: Sequence[torch.Tensor]) -> None:
+        self.done += 1
+        if self.done >= self.microbatches:
+            # what DDP's forward does when gradients are to be synced, at the last backward
+            # (torch.distributed.pipelining arms its DDP stages the same way)
+            self.ddp.reducer.prepare_for_backward([])
+
+    def _reducer(self) -> Any:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        # every parameter of a stage graph is used by it (split keeps only what its nodes
+        # read), so the reducer need not search the graph for unused ones
+        ddp = DistributedDataParallel(self.module, process_group=self.group, init_sync=False)
+        ddp.require_backward_grad_sync = False  # forwards never arm it (they do not run)
+
+        # torch checks a comm hook's annotations: none, or dist.GradBucket (this module's
+        # annotations are strings, which it refuses)
+        def all_reduce(state, bucket):
+            self.buckets += 1
+            work = dist.all_reduce(bucket.buffer(), group=self.group, async_op=True)
+            divide = not self.sum
+            return work.get_future().then(
+                lambda f: f.value()[0].div_(self.replicas) if divide else f.value()[0])
+
+        ddp.register_comm_hook(None, all_reduce)
+        return ddp
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
