@@ -3,7 +3,7 @@
 The model is `examples/factories.py:llama3_70b` (transformers LlamaForCausalLM on the meta
 device: hidden 8192, MLP 28672, 64 heads / 8 KV heads, vocab 128256, bfloat16, its own loss from
 labels) with 8, 16, 32, 48 and 80 layers, batch 32 x 4096 tokens, planned for min(32, layers)
-`DeviceSpec.preset("h100")` devices with AdamW state counted, everything else "auto". Each size
+`pipecompile.preset("h100")` devices with AdamW state counted, everything else "auto". Each size
 runs in a fresh subprocess, so its peak RSS (`ru_maxrss`) is its own; "compile" is the
 `pipecompile.compile` call, "process" adds importing torch/transformers and building the model.
 
@@ -63,7 +63,7 @@ def one(layers: int, devices: int) -> dict:
 
     model, args, kwargs = factories.llama3_70b(layers=layers, batch=BATCH, seq=SEQ)
     t0 = time.perf_counter()
-    pipe = pc.compile(model, args, kwargs, devices=[pc.DeviceSpec.preset("h100")] * devices,
+    pipe = pc.compile(model, args, kwargs, devices=[pc.preset("h100")] * devices,
                       optimizer=lambda p: torch.optim.AdamW(p))
     compile_s = time.perf_counter() - t0
     plan = pipe.plan

@@ -18,6 +18,7 @@ from .errors import (
     ScheduleError,
     StageExecutionError,
 )
+from .hardware import preset
 from .materialize import meta_parameters
 from .passes.partition import DeviceSpec, PartitionMemoryError
 from .pipeline import Pipeline, load
@@ -27,6 +28,7 @@ __all__ = [
     "compile",
     "load",
     "meta_parameters",
+    "preset",
     "Pipeline",
     "DeviceMemory",
     "format_memory",

@@ -174,7 +174,7 @@ def _compile(args: argparse.Namespace):
     model, inputs, kwargs = _call_factory(args.target, dict(args.arg))
     devices: Any = args.devices
     if args.device:
-        devices = [pipecompile.DeviceSpec.preset(args.device, link=args.link)] * args.devices
+        devices = [pipecompile.preset(args.device, link=args.link)] * args.devices
     log.info("compiling %s for %d %s (capture, cost, partition, split)", type(model).__name__,
              args.devices, devices[0].hardware if args.device else "devices")
     start = time.perf_counter()

@@ -51,7 +51,8 @@ from .runtime.messages import Dataflow, message_bytes, transfer_seconds
 from .runtime.schedules import SPLIT_BACKWARD_SCHEDULES, make_schedule
 from .runtime.simulate import simulate
 from .runtime.distributed import local_device
-from .runtime.data_parallel import data_parallel_mesh, local_tensor, shard_stages
+from .runtime.data_parallel import data_parallel_mesh, shard_stages
+from .tensors import local_tensor
 from .stage_costs import (Probe, efficiency, measure, probe, shared_cores, simulator_costs,
                           with_stage_costs)
 

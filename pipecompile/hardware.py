@@ -3,7 +3,6 @@ fraction of them a training step sustains.
 
     preset("h100")                        -> DeviceSpec(name="cuda", memory=80e9, flops=..., ...)
     preset("A100", link="infiniband")     -> the A100 80GB SXM behind an InfiniBand HCA
-    DeviceSpec.preset("h100")             the same, from the spec's class
 
 A preset is an *absolute* `DeviceSpec`: compile plans for it analytically (block time = FLOPs
 at the sustained rate of the model's dtype + bytes at the sustained memory bandwidth + a fixed

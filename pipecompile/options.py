@@ -6,7 +6,7 @@
                     the options given as "auto" are named in `auto` and hold placeholders until
                     the search pass (search.py) replaces them with its choice
 
-Devices given by their figures (absolute `DeviceSpec`s: `flops=`, or `DeviceSpec.preset("h100")`)
+Devices given by their figures (absolute `DeviceSpec`s: `flops=`, or `pipecompile.preset("h100")`)
 get their relative `speed` here, at the model's compute dtype (`compute_dtype`); they need not be
 on this machine (`device_present`), and a plan for absent devices can be printed and saved but
 not run (`require_present`).
@@ -277,7 +277,7 @@ def _absolute(specs: list[DeviceSpec], dtype: str | None) -> list[DeviceSpec]:
         raise ConfigError(
             f"devices mixes specs with flops= (hardware described, planned without measuring) "
             f"and device {measured[0]} ({specs[measured[0]].name!r}) without (measured on this "
-            f"machine); give every device flops= (e.g. DeviceSpec.preset('h100')) or none")
+            f"machine); give every device flops= (e.g. pipecompile.preset('h100')) or none")
     first = specs[0].rate(dtype)
     if (all(s.name == "cuda" for s in specs) and torch.cuda.is_available()
             and torch.cuda.device_count() >= len(specs)):

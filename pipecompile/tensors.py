@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["to_device"]
+__all__ = ["local_tensor", "to_device"]
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -23,3 +23,10 @@ def to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {k: to_device(v, device) for k, v in value.items()}
     return value
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (its shard, or its replica), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

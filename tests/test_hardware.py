@@ -14,6 +14,7 @@ import pipecompile as pc
 from pipecompile import cli, compiler, planning, zoo
 from pipecompile.errors import ConfigError
 from pipecompile.hardware import preset
+from pipecompile.hardware import preset
 from pipecompile.options import device_present, require_present
 from pipecompile.passes.partition import DeviceSpec, PartitionProblem, stage_time
 from pipecompile.runtime.messages import transfer_seconds
@@ -25,7 +26,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine 
 # -- presets and validation --------------------------------------------------------------------
 
 def test_presets_carry_the_datasheet_figures_at_the_stated_fractions():
-    h100 = DeviceSpec.preset("h100")
+    h100 = preset("h100")
     assert h100 == preset("H100") == preset("NVIDIA H100 80GB SXM") == preset("h100-sxm5-80gb")
     assert (h100.name, h100.memory, h100.latency) == ("cuda", 80e9, 10e-6)
     assert h100.flops == pytest.approx(0.5 * 989.4e12)  # dense BF16, half the sparse 1979
@@ -33,7 +34,7 @@ def test_presets_carry_the_datasheet_figures_at_the_stated_fractions():
     assert h100.rate("float32") == pytest.approx(0.5 * 66.9e12)
     assert h100.bandwidth == pytest.approx(0.8 * 450e9)  # NVLink 4: 900 GB/s both ways
     assert h100.memory_bandwidth == pytest.approx(0.8 * 3.35e12)
-    a100 = DeviceSpec.preset("A100", link="infiniband", efficiency=0.4)
+    a100 = preset("A100", link="infiniband", efficiency=0.4)
     assert a100.flops == pytest.approx(0.4 * 312e12)
     assert a100.rate("float32") == pytest.approx(0.4 * 19.5e12)
     assert (a100.bandwidth, a100.latency) == (pytest.approx(0.8 * 25e9), 20e-6)  # HDR 200 Gb/s
@@ -108,7 +109,7 @@ def test_a_described_device_predicts_flops_over_its_rate(nothing_measured):
 
 def test_two_presets_plan_without_measuring_and_say_so(nothing_measured):
     model, x = _gpt()
-    h100 = DeviceSpec.preset("h100")
+    h100 = preset("h100")
     pipe = pc.compile(model, (x,), devices=[h100, h100], loss_fn=lambda o, y: o.pow(2).mean())
     flops = sum(b.forward_flops + b.backward_flops for b in pipe.plan.costs.blocks)
     m = pipe.microbatches

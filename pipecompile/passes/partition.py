@@ -87,7 +87,7 @@ class DeviceSpec:
     model's compute dtype) with `memory`, link `bandwidth` and `latency` describe hardware that
     need not be on this machine; a compile whose devices are all absolute plans analytically
     and measures nothing (see `hardware.py`, whose `preset` names real devices:
-    `DeviceSpec.preset("h100")`). Then `speed` is derived: flops / the first device's flops.
+    `pipecompile.preset("h100")`). Then `speed` is derived: flops / the first device's flops.
 
         >>> DeviceSpec("cuda", memory=80e9, bandwidth=450e9, flops=495e12, latency=1e-5).absolute
         True
@@ -142,14 +142,6 @@ class DeviceSpec:
         if nbytes <= 0:
             return 0.0
         return (0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth) + self.latency
-
-    @classmethod
-    def preset(cls, name: str, **options: float | str) -> "DeviceSpec":
-        """A named accelerator with its datasheet figures, e.g. `DeviceSpec.preset("h100")`;
-        see `pipecompile.hardware.preset` for the names, the options and the sources."""
-        from pipecompile.hardware import preset
-
-        return preset(name, **options)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

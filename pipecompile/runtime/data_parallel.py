@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from ..passes.split import StagedProgram
     from .distributed import Topology
 
-__all__ = ["data_parallel_mesh", "shard_stages", "MicrobatchSync", "ReplicaSync", "local_tensor",
+__all__ = ["data_parallel_mesh", "shard_stages", "MicrobatchSync", "ReplicaSync",
            "reduces_in_backward"]
 
 
@@ -178,10 +178,3 @@ class ReplicaSync:
 
         ddp.register_comm_hook(None, all_reduce)
         return ddp
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (its shard), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

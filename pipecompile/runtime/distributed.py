@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..tensors import local_tensor
 
 if TYPE_CHECKING:
     from ..passes.split import StagedProgram
@@ -164,8 +165,6 @@ class GradientSync:
     def reduce(self, params: Sequence[torch.Tensor], *, summed: bool = False) -> None:
         """Sum tied copies' gradients within the replica, then average over replicas (sum,
         when the loss was normalised by the global item count)."""
-        from .data_parallel import local_tensor
-
         for group, tensor in self.ties:
             if tensor.grad is None:
                 tensor.grad = torch.zeros_like(tensor)

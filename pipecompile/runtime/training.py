@@ -25,6 +25,7 @@ import torch
 from torch.nn.utils import get_total_norm
 
 from ..errors import ConfigError
+from ..tensors import local_tensor
 
 __all__ = ["check_num_items", "AutocastState", "TiedCopies", "clip_grad_norm", "counted_parameters",
            "loss_scale_value"]
@@ -97,8 +98,6 @@ def clip_grad_norm(counted: Sequence[torch.Tensor], held: Sequence[torch.Tensor]
     `norm_type`-norm of the gradients of `counted` over all processes of `group` (None: this
     process only) is at most `max_norm`; returns that total norm, as
     `torch.nn.utils.clip_grad_norm_` does on the unsplit model."""
-    from .data_parallel import local_tensor
-
     norm_type = float(norm_type)
     grads = [local_tensor(p.grad) for p in counted if p.grad is not None]  # a DTensor's shard
     # in float32 at least: a bf16 norm would depend on how the parameters are split over
