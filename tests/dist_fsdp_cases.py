@@ -46,6 +46,10 @@ def train(rank: int, fsdp: bool, steps: int = STEPS) -> dict:
         norms.append(pipe.clip_grad_norm_(CLIP).item())
         opt.step()
         opt.zero_grad()
+    x, y = batch(0)
+    evaluated = pipe.eval_step(x.chunk(2)[replica], target=y.chunk(2)[replica]).item()
+    with torch.no_grad():
+        out = pipe(x.chunk(2)[replica])
     params = {n: full(p).detach().clone() for n, p in pipe.named_parameters()}
     reducers = [w.sync for w in pipe.runtime.workers.values()]
     buckets = sum(getattr(r, "buckets", 0) for r in reducers)
@@ -54,6 +58,7 @@ def train(rank: int, fsdp: bool, steps: int = STEPS) -> dict:
     return {"losses": losses, "norms": norms, "params": params, "local": local,
             "whole": whole, "dtensor": type(next(pipe.parameters())).__name__,
             "buckets": buckets, "after_step": pipe.runtime.sync.replicas_reduced,
+            "eval": evaluated, "out": out,
             "explain": pipe.explain()}
 
 
@@ -75,11 +80,14 @@ def padded_batch() -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def train_tokens(rank: int, fsdp: bool) -> dict:
     """One step with num_items_in_batch on pipeline 2 x data 2; the loss and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     replica = rank // 2
     x, y, n = padded_batch()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")) if fsdp else None
     pipe = pc.compile(model(), example_inputs=(x.chunk(2)[replica],), devices=2,
-                      data_parallel=2, fsdp=fsdp, loss_fn=token_loss, schedule="1f1b",
-                      microbatches=2, timeout=60)
+                      data_parallel=2, fsdp=fsdp, mesh=mesh, loss_fn=token_loss,
+                      schedule="1f1b", microbatches=2, timeout=60)
     loss = pipe.step(x.chunk(2)[replica], target=y.chunk(2)[replica], num_items_in_batch=n)
     grads = {name: full(p.grad).clone() for name, p in pipe.named_parameters()}
     return {"loss": loss.item(), "grads": grads}

@@ -16,7 +16,7 @@ from tests.dist_fsdp_cases import (CLIP, LR, STEPS, bad_options, batch, meta_fsd
 from tests.reference import assert_grads_equal, reference_step
 
 
-def _reference(steps=STEPS):
+def _reference(steps=STEPS, evaluate=False):
     net = model()
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
     losses, norms = [], []
@@ -27,15 +27,23 @@ def _reference(steps=STEPS):
         norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
-    return losses, norms, dict(net.named_parameters())
+    if not evaluate:
+        return losses, norms, dict(net.named_parameters())
+    x, y = batch(0)
+    with torch.no_grad():
+        evaluated = sum(zoo.lm_loss(net(a), b) for a, b in zip(x.chunk(4), y.chunk(4))) / 4
+        out = net(x)
+    return losses, norms, dict(net.named_parameters()), evaluated.item(), out
 
 
 @pytest.mark.parametrize("fsdp", [True, False])
 def test_pipeline_x_data_parallel_equals_the_unsplit_model(fsdp):
     results = run_ranks(train, 4, fsdp)
-    losses, norms, params = _reference()
+    losses, norms, params, evaluated, out = _reference(evaluate=True)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r)
+        assert abs(r["eval"] - evaluated) < 1e-12, (rank, r["eval"], evaluated)  # eval mode
+        assert (r["out"] - out.chunk(2)[rank // 2]).abs().max().item() < 1e-10, rank
         for got, want in zip(r["losses"], losses):
             assert abs(got - want) < 1e-12, (rank, r["losses"], losses)
         for got, want in zip(r["norms"], norms):
