@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
-from torch.utils import _pytree as pytree
 
 from .capture import batch_size_of
 from .draw import draw_partition

@@ -14,7 +14,6 @@ import pipecompile as pc
 from pipecompile import cli, compiler, planning, zoo
 from pipecompile.errors import ConfigError
 from pipecompile.hardware import preset
-from pipecompile.hardware import preset
 from pipecompile.options import device_present, require_present
 from pipecompile.passes.partition import DeviceSpec, PartitionProblem, stage_time
 from pipecompile.runtime.messages import transfer_seconds
