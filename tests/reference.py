@@ -5,15 +5,35 @@ from __future__ import annotations
 
 import torch
 
-from pipecompile.runtime.microbatch import split_microbatches
+
+def _chunks(value, batch, microbatches):
+    """`microbatches` pieces of `value`: `torch.chunk` along dim 0 if it is a tensor whose first
+    dimension is the batch size, else `value` itself each time."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        pieces = torch.chunk(value, microbatches)
+        assert len(pieces) == microbatches, (
+            f"torch.chunk splits {batch} rows into {len(pieces)} pieces, not {microbatches}")
+        return pieces
+    return [value] * microbatches
 
 
 def reference_step(model, args, kwargs, target, loss_fn, microbatches):
-    """(mean loss, {name: grad}) of the unsplit model; leaves model's grads set."""
+    """(mean loss, {name: grad}) of the unsplit model; leaves model's grads set.
+
+    The batch size is dim 0 of the first tensor argument (positional first, then keyword);
+    every tensor argument and the target with that first dimension is split with
+    `torch.chunk(microbatches)` along dim 0, other values are given unchanged."""
+    values = [*args, *kwargs.values()]
+    batch = next(v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0)
+    arg_chunks = [_chunks(a, batch, microbatches) for a in args]
+    kwarg_chunks = {k: _chunks(v, batch, microbatches) for k, v in kwargs.items()}
+    target_chunks = _chunks(target, batch, microbatches)
     model.zero_grad(set_to_none=True)
     losses = []
-    for mb in split_microbatches(args, kwargs, target, microbatches):
-        loss = loss_fn(model(*mb.args, **mb.kwargs), mb.target) / microbatches
+    for i in range(microbatches):
+        mb_args = [c[i] for c in arg_chunks]
+        mb_kwargs = {k: c[i] for k, c in kwarg_chunks.items()}
+        loss = loss_fn(model(*mb_args, **mb_kwargs), target_chunks[i]) / microbatches
         loss.backward()
         losses.append(loss.detach() * microbatches)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -10,6 +10,7 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.passes.partition import uniform_bounds
+from pipecompile.runtime.simulate import simulate
 
 
 def _heavy_head_gpt():
@@ -127,7 +128,33 @@ def test_compile_records_its_passes_in_order():
     assert [r.name for r in pipe.passes] == ["capture", "search", "schedule", "linearize",
                                              "annotate", "partition", "split", "simulate"]
     assert pipe.plan.placement.bounds == pipe.program.bounds
-    assert pipe.plan.predicted is pipe.predicted
+    # the prediction is the compiled schedule simulated with the compiled costs (not a stale
+    # one from before a later pass changed them): every action once, the same times
+    predicted = pipe.predicted
+    again = simulate(pipe.schedule, pipe.stage_costs, cores=pipe.cores,
+                     efficiency=pipe.efficiency, transfers=pipe.plan.transfers,
+                     overhead=pipe.plan.overhead)
+    assert predicted.events == again.events and predicted.makespan == again.makespan
+    assert sorted(map(str, (e.action for e in predicted.events))) == sorted(
+        str(a) for row in pipe.schedule.actions for a in row)
+    # and no shorter than the work it must do (transfers and sharing at efficiency < 1 only
+    # add): every F, B, I and W costs its stage's time for it plus the fixed overhead; each
+    # device runs its own actions one at a time, the devices together run at most `cores` at
+    # full speed, and micro-batch 0 passes forward through every stage, then backward
+    costs, overhead = pipe.stage_costs, pipe.plan.overhead
+
+    def seconds(action):
+        cost = costs[action.stage]
+        work = {"F": cost.forward, "B": cost.backward, "I": cost.input_time,
+                "W": cost.weight_time}.get(action.kind.value)
+        return 0.0 if work is None else work + overhead
+
+    busy = [sum(map(seconds, row)) for row in pipe.schedule.actions]
+    # micro-batch 0's chain: F on every stage, then B (or I) on every stage
+    first = [a for row in pipe.schedule.actions for a in row
+             if a.microbatch == 0 and a.kind.value in ("F", "B", "I")]
+    lower = max(max(busy), sum(busy) / (pipe.cores or len(busy)), sum(map(seconds, first)))
+    assert 0 < lower <= predicted.makespan * (1 + 1e-9), (lower, predicted.makespan)
 
 
 def test_schedule_names_are_the_generators():
