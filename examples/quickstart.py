@@ -1,6 +1,10 @@
-"""Quickstart: compile a small GPT onto 4 CPU devices, print the stage table, train a few steps.
+"""Quickstart: the declarative call on a small GPT over 4 CPU devices; the first step plans.
 
     python examples/quickstart.py
+
+Nothing is hand-picked: `compile(model, devices=4, loss_fn=...)` captures and plans on the first
+`pipe.step` (schedule, micro-batches, virtual stages and recomputation chosen by predicted step
+time), then trains with your own optimizer over `pipe.parameters()`.
 """
 
 import torch
@@ -20,23 +24,18 @@ def main() -> None:
         tokens = (start + torch.arange(seq + 1)) % vocab
         return tokens[:, :-1], tokens[:, 1:]
 
-    x, y = batch_of_sequences()
-    pipe = pc.compile(
-        model,
-        example_inputs=(x,),
-        devices=4,
-        microbatches=4,
-        schedule="gpipe",
-        loss_fn=zoo.lm_loss,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
-    )
-    print(pipe)
-    print()
-    print(pipe.explain())
-    print()
+    pipe = pc.compile(model, devices=4, loss_fn=zoo.lm_loss)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)  # the model's own tensors and names
     for step in range(30):
         x, y = batch_of_sequences()
-        loss = pipe.step(x, target=y)
+        loss = pipe.step(x, target=y)  # the first call captures and plans
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            print(pipe)
+            print()
+            print(pipe.explain())
+            print()
         if step % 5 == 0 or step == 29:
             print(f"step {step:3d}  loss {loss.item():.4f}")
 

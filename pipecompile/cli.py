@@ -343,7 +343,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--microbatches", type=_count_or_auto, default="auto",
                         help="a count or auto (default: auto, chosen by the planning search)")
     common.add_argument("--schedule", default="auto",
-                        help=f"auto, {', '.join(SCHEDULE_NAMES)} (default auto)")
+                        help=f"auto, {', '.join(SCHEDULE_NAMES)}, or a .csv/.txt file "
+                             f"holding a written schedule (default auto)")
     common.add_argument("--capture", default="export", choices=("export", "fx"))
     common.add_argument("--device", metavar="NAME",
                         help="plan for devices of a named preset that need not be here "

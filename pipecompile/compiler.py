@@ -46,6 +46,7 @@ from .planning import (Choice, CostModel, Target, action_cost, analytic as all_d
 from .search import SPLIT_BACKWARD_RATIO, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
 from .search import search as search_plans
 from .report import describe_devices, format_count, format_stages
+from .runtime.actions import Schedule
 from .runtime.lowering import relower
 from .runtime.messages import Dataflow, message_bytes, transfer_seconds
 from .runtime.schedules import SPLIT_BACKWARD_SCHEDULES, make_schedule
@@ -66,7 +67,7 @@ def compile(  # noqa: A001 - the public name of the design
     *,
     devices: int | Sequence[str | torch.device | DeviceSpec] = 1,
     microbatches: int | str = "auto",
-    schedule: str = "auto",
+    schedule: str | Schedule = "auto",
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     example_target: Any = None,
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
@@ -111,7 +112,8 @@ def compile(  # noqa: A001 - the public name of the design
     pass costs every combination (synchronous schedules, micro-batch counts dividing the batch,
     recomputation only on the stages whose memory needs it) and keeps the fastest predicted
     plan that fits; a value given explicitly is kept as given. `pipe.explain()` shows the
-    candidates.
+    candidates. A hand-written `schedule` (a `Schedule`, its text or CSV, or a .csv/.txt path)
+    fixes devices, virtual stages and micro-batches (which must agree); it is validated now.
 
     Under torch.distributed (an initialised process group, or torchrun's environment) the same
     call runs on every rank: `devices` is the number of pipeline ranks and `data_parallel` the
@@ -166,7 +168,7 @@ def _capture(plan: Plan, example: Example) -> tuple[Plan, str]:
 
 def _schedule(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
-    schedule = make_schedule(o.schedule, len(o.devices), o.microbatches,
+    schedule = make_schedule(o.given_schedule or o.schedule, len(o.devices), o.microbatches,
                              virtual_stages=o.virtual_stages)
     peaks = inflight(schedule)
     return replace(plan, schedule=schedule, inflight=peaks), (
@@ -186,6 +188,8 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
     if not o.auto:
         return plan, ("nothing searched: schedule, micro-batches, virtual stages and "
                       "checkpoint were given" + described)
+    if o.given_schedule is not None:  # it fixes all but recomputation
+        return _recompute_for(plan, example, o.given_schedule, described)
     fewest = len(o.devices) * (1 if "virtual_stages" in o.auto else o.virtual_stages)
     _enough_blocks(_coarsest(captured, o.granularity, fewest), fewest, o.granularity)
     linears: dict[int, LinearGraph | None] = {}
@@ -241,6 +245,22 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
         f"{best.step * 1e3:.3f} ms ({len(found.candidates)} candidates, {fits} fit"
         + ("" if captured.dynamic_batch else "; static batch: micro-batches fixed") + ")"
         + ("" if measured is None else f"; measured: {measured}") + described)
+
+
+def _recompute_for(plan: Plan, example: Example, given: Schedule, described: str
+                   ) -> tuple[Plan, str]:
+    """A written schedule, checkpoint="auto": recompute where memory needs it (as the search)."""
+    o = plan.options
+    schedule = make_schedule(given, len(o.devices), o.microbatches, virtual_stages=o.virtual_stages)
+    linear = _coarsest(need(plan.captured, "capture"), o.granularity, o.num_stages)
+    _enough_blocks(linear, o.num_stages, o.granularity)
+    costs = cost(linear, _cost_model(plan, example), example, o.ranks)
+    staged = replace(plan, schedule=schedule, inflight=inflight(schedule))  # for _target only
+    target = replace(_target(staged), recompute=(False if o.fsdp else None,) * o.num_stages)
+    recompute = place(linear, costs, target).recompute or (False,) * o.num_stages
+    return replace(plan, linear=linear, costs=costs, options=replace(o, checkpoint=recompute)), (
+        f"{o.schedule} given, recompute stages {[s for s, r in enumerate(recompute) if r]}"
+        + described)
 
 
 def _probe(plan: Plan, example: Example, choices: Sequence[int],

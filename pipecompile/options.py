@@ -11,6 +11,11 @@ get their relative `speed` here, at the model's compute dtype (`compute_dtype`);
 on this machine (`device_present`), and a plan for absent devices can be printed and saved but
 not run (`require_present`).
 
+`schedule=` is "auto", a built-in name, or a user-written schedule (`given_schedule`): a
+`Schedule`, its text or CSV form (``Schedule.from_text``/``from_csv``), or the path of a .csv/.txt
+file holding one. A written schedule fixes the device, stage and micro-batch counts; it is
+checked against the options and validated here, at compile time.
+
 `resolve_options` raises a `ConfigError` naming the bad value and what to pass instead; every
 pass after it trusts the options.
 """
@@ -18,20 +23,22 @@ pass after it trusts the options.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
 from .capture import batch_size_of
-from .errors import ConfigError
+from .errors import ConfigError, ScheduleError
 from .ir import microbatch_size
 from .passes.partition import DeviceSpec
 from .ranks import Ranks
 from .rng import RNG_MODES
+from .runtime.actions import Kind, Schedule
 from .runtime.distributed import local_device, topology_from_environment
 from .runtime.schedules import (ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES,
-                                SPLIT_BACKWARD_SCHEDULES, TWO_STAGES_PER_DEVICE)
+                                SPLIT_BACKWARD_SCHEDULES, TWO_STAGES_PER_DEVICE, make_schedule)
 
 if TYPE_CHECKING:
     from .passes.split import StagedProgram
@@ -73,7 +80,7 @@ class CompileOptions:
 
     devices: tuple[DeviceSpec, ...]  # one per pipeline device
     microbatches: int
-    schedule: str
+    schedule: str  # a built-in schedule's name, or the name of `given_schedule`
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None
     split_points: tuple[str, ...] | None = None
@@ -96,6 +103,7 @@ class CompileOptions:
     mesh: Any = None  # the user's DeviceMesh with "dp" and "pp" dimensions (None: built)
     ranks: Ranks = Ranks()
     auto: frozenset[str] = frozenset()  # options the search pass chooses (placeholders until then)
+    given_schedule: Schedule | None = None  # user-written (compute order and counts), validated
 
     def stage_checkpoint(self, stage: int) -> bool:
         """Whether `stage` recomputes its forward in backward (activation checkpointing)."""
@@ -110,12 +118,19 @@ class CompileOptions:
     @property
     def asynchronous(self) -> bool:
         """PipeDream and 2BW update the weights during a step."""
-        return self.schedule in ASYNC_SCHEDULE_NAMES
+        return self.given_schedule is None and self.schedule in ASYNC_SCHEDULE_NAMES
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule splits backwards into input (I) and weight (W) gradients."""
+        if self.given_schedule is None:
+            return self.schedule in SPLIT_BACKWARD_SCHEDULES
+        return any(a.kind is Kind.I for row in self.given_schedule.actions for a in row)
 
 
 def resolve_options(
     example: Example | None, *, devices: int | Sequence[str | torch.device | DeviceSpec],
-    microbatches: int | str, schedule: str, virtual_stages: int | str | None,
+    microbatches: int | str, schedule: str | Schedule, virtual_stages: int | str | None,
     checkpoint: bool | str,
     memory_limit: float | Sequence[float] | None, bandwidth: float | None,
     data_parallel: int, timeout: float, split_points: Sequence[str] | None, **rest: Any,
@@ -137,11 +152,10 @@ def resolve_options(
     if topology is not None:
         devices = [str(local_device())] * count
         bandwidth = bandwidth or _RANK_BANDWIDTH
-    auto = _auto(schedule, microbatches, virtual_stages, checkpoint)
-    if schedule not in SCHEDULE_NAMES and schedule != AUTO:
-        raise ConfigError(
-            f"schedule={schedule!r} is not supported; use 'auto' or one of "
-            f"{', '.join(SCHEDULE_NAMES)}")
+    name, given = _schedule_option(schedule)
+    if given is not None:  # its counts stand for "auto" and must equal those given
+        microbatches, virtual_stages = _fit_given(given, count, microbatches, virtual_stages)
+    auto = _auto(name, microbatches, virtual_stages, checkpoint)
     if microbatches != AUTO and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
                                  or microbatches < 1):
         raise ConfigError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
@@ -155,9 +169,9 @@ def resolve_options(
         batch = example.batch if example is not None else 4
         microbatches = max(m for m in range(1, min(4, batch) + 1) if batch % m == 0)
     assert isinstance(microbatches, int)
-    schedule = "gpipe" if schedule == AUTO else schedule
+    name = "gpipe" if name == AUTO else name
     if not isinstance(virtual_stages, int):
-        virtual_stages = 2 if schedule in TWO_STAGES_PER_DEVICE else 1
+        virtual_stages = 2 if name in TWO_STAGES_PER_DEVICE else 1
     if rest.get("symbolic_sizes", "all") not in SYMBOLIC_SIZES:
         raise ConfigError(f"symbolic_sizes={rest['symbolic_sizes']!r} is not supported; use "
                           f"'all' (every size of a batched input) or 'batch' (the batch alone)")
@@ -167,10 +181,11 @@ def resolve_options(
     dtype = compute_dtype(example.model) if example is not None else None
     options = CompileOptions(
         devices=tuple(_device_specs(devices, memory_limit, bandwidth, dtype)),
-        microbatches=microbatches, schedule=schedule,
+        microbatches=microbatches, schedule=name,
         split_points=None if split_points is None else tuple(split_points),
         virtual_stages=virtual_stages, checkpoint=checkpoint is True,
-        data_parallel=data_parallel, timeout=timeout, ranks=Ranks(topology), auto=auto, **rest)
+        data_parallel=data_parallel, timeout=timeout, ranks=Ranks(topology), auto=auto,
+        given_schedule=given, **rest)
     _check_fsdp(options)
     _check_async(options)
     if example is not None and example.batch < microbatches:
@@ -178,6 +193,73 @@ def resolve_options(
             f"the example batch has {example.batch} samples, fewer than microbatches="
             f"{microbatches}; use a batch of at least {microbatches} or fewer micro-batches")
     return options
+
+
+def _schedule_option(value: Any) -> tuple[str, Schedule | None]:
+    """`schedule=`'s name, and the user-written schedule it holds (None: "auto" or a built-in
+    name)."""
+    given = value if isinstance(value, Schedule) else _read_schedule(value)
+    if given is None:
+        return value, None
+    if given.name == AUTO or given.name in ASYNC_SCHEDULE_NAMES:
+        raise ConfigError(f"a written schedule cannot be named {given.name!r} (a built-in "
+                          f"option's name); rename it")
+    return given.name, given
+
+
+def _read_schedule(value: Any) -> Schedule | None:
+    """The schedule in `value`: its text or CSV form, or a .csv/.txt path (None: a name)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"schedule must be a name, a Schedule, its text or a .csv/.txt path, "
+                          f"got {type(value).__name__}")
+    if value == AUTO or value in SCHEDULE_NAMES:
+        return None
+    text, where = value, "the text given as schedule="
+    if "\n" not in value.strip() and value.lower().endswith((".csv", ".txt")):
+        if not os.path.isfile(value):
+            raise ConfigError(f"schedule={value!r}: no such file; give the path of a .csv or "
+                              f".txt file holding a schedule (Schedule.to_csv/to_text)")
+        with open(value, encoding="utf-8") as f:
+            text, where = f.read(), f"schedule file {value}"
+    elif "\n" not in value.strip() and not any(c.isspace() for c in value.strip()):
+        raise ConfigError(
+            f"schedule={value!r} is not supported; use 'auto', one of "
+            f"{', '.join(SCHEDULE_NAMES)}, a Schedule, its text or the path of a .csv/.txt "
+            f"file holding one")
+    lines = [line.split("#", 1)[0] for line in text.splitlines()]
+    first = next((line for line in lines if line.strip()), "")
+    comma = first.find(",")  # CSV: a comma before any ':' of a text header ("name: ...")
+    csv = where.endswith(".csv") or (comma >= 0 and (":" not in first or comma < first.find(":")))
+    try:
+        return Schedule.from_csv(text) if csv else Schedule.from_text(text)
+    except ScheduleError as error:
+        raise ScheduleError(f"{where}: {error}") from None
+
+
+def _fit_given(given: Schedule, devices: int, microbatches: int | str,
+               virtual_stages: int | str | None) -> tuple[int, int]:
+    """The micro-batch and virtual stage counts of a written schedule, checked against those
+    given (where not "auto"), and the schedule validated (raises naming the action)."""
+    name, m, p, d = given.name, given.num_microbatches, given.num_stages, given.num_devices
+    if d != devices:  # under torchrun: the pipeline ranks
+        raise ConfigError(f"schedule {name!r} runs on {d} devices but devices={devices}; pass "
+                          f"devices={d} or write the schedule for {devices} devices")
+    if microbatches != AUTO and microbatches != m:
+        raise ConfigError(
+            f"schedule {name!r} has {m} micro-batches but microbatches={microbatches!r}; "
+            f"pass microbatches={m} (or 'auto') or write the schedule for {microbatches}")
+    if p % d:
+        raise ConfigError(
+            f"schedule {name!r} places {p} stages on {d} devices; compile needs a multiple of "
+            f"the device count ({d}, {2 * d}, ... stages)")
+    if virtual_stages not in (None, AUTO) and virtual_stages != p // d:
+        raise ConfigError(
+            f"schedule {name!r} has {p // d} stage(s) per device ({p} stages on {d} devices) "
+            f"but virtual_stages={virtual_stages!r}; pass virtual_stages={p // d} or 'auto'")
+    make_schedule(given, devices, m, virtual_stages=p // d)  # validated as compile runs it
+    return m, p // d
 
 
 def _auto(schedule: Any, microbatches: Any, virtual_stages: Any, checkpoint: Any
@@ -222,7 +304,7 @@ def _check_fsdp(options: CompileOptions) -> None:
             f"fsdp=True shards each stage over data-parallel replicas: pass data_parallel=D "
             f"(D >= 2) and launch devices x D = {len(options.devices)} x D ranks with torchrun")
     refused = {"pipedream/2bw": options.asynchronous,
-               "zero-bubble (split backward)": options.schedule in SPLIT_BACKWARD_SCHEDULES,
+               "zero-bubble (split backward)": options.split_backward,
                "compile_stages=True": options.compile_stages,
                "checkpoint=True": options.checkpoint is True}
     for what, given in refused.items():

@@ -4,8 +4,8 @@
       plan.json            the plan: options (micro-batches, schedule, checkpoint, vertical
                            sync, ...), stage bounds, inputs/outputs, devices, wiring, tied and
                            shared tensors, captured input/output names and pytree specs, blocks,
-                           stage costs (table and simulator), cores and thread efficiency,
-                           predicted timeline, pass log
+                           stage costs (table and simulator), cores, thread efficiency and
+                           per-action overhead, predicted timeline, pass log
       schedule.json        the schedule: name, placement, one action list per device ("1F3")
       stage0.py, ...       each stage's graph as the Python code torch.fx generates for it
       stage0.safetensors   the parameters and buffers that stage reads, by original name
@@ -52,7 +52,6 @@ from .passes.partition import DeviceSpec
 from .passes.split import Stage, StagedProgram, _Placement, _tensor_copies
 from .plan import PassRecord, Plan
 from .runtime.actions import Action, Schedule
-from .runtime.schedules import SCHEDULE_NAMES
 from .runtime.simulate import StageCosts, Timeline
 from .search import Candidate, SearchResult
 from .treespec import dump_spec, load_spec
@@ -93,7 +92,8 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
                    "blocks": [[b.index, b.name, list(b.nodes)] for b in program.linear.blocks],
                    "boundaries": [list(b) for b in program.linear.boundaries]},
         "stage_costs": [_plain(asdict(c)) for c in plan.stage_costs],
-        "cores": plan.cores, "efficiency": plan.efficiency, "split_ratio": plan.split_ratio,
+        "cores": plan.cores, "efficiency": plan.efficiency, "overhead": plan.overhead,
+        "split_ratio": plan.split_ratio,
         "search": _search_to_json(plan.search),
         "transfers": [[*key, seconds] for key, seconds in (plan.transfers or {}).items()],
         "predicted": plan.predicted.to_dict() if plan.predicted is not None else None,
@@ -147,6 +147,7 @@ def load_plan(
                 program=program,
                 stage_costs=tuple(StageCosts(**_floats(c)) for c in data.get("stage_costs", [])),
                 cores=data.get("cores"), efficiency=data.get("efficiency", 1.0),
+                overhead=float(data.get("overhead", 0.0)),  # absent before it was saved
                 transfers={(int(a), int(b), str(d)): float(t)
                            for a, b, d, t in data.get("transfers", [])},
                 predicted=Timeline.from_dict(data["predicted"]) if data["predicted"] else None,
@@ -163,7 +164,8 @@ def _search_to_json(found: SearchResult | None) -> dict[str, Any] | None:
     if found is None:
         return None
     return {"candidates": [_plain(asdict(c)) for c in found.candidates],
-            "lower_bound": found.lower_bound, "searched": list(found.searched)}
+            "lower_bound": found.lower_bound, "searched": list(found.searched),
+            "bound_note": found.bound_note}
 
 
 def _search_from_json(data: dict[str, Any] | None) -> SearchResult | None:
@@ -176,7 +178,8 @@ def _search_from_json(data: dict[str, Any] | None) -> SearchResult | None:
                   float(c["step"]), tuple(map(float, c["memory"])), c["reason"],
                   float(c["needed"]))
         for c in data["candidates"])
-    return SearchResult(candidates[0], candidates, data["lower_bound"], tuple(data["searched"]))
+    return SearchResult(candidates[0], candidates, data["lower_bound"], tuple(data["searched"]),
+                        data.get("bound_note", SearchResult.bound_note))
 
 
 # -- stages ------------------------------------------------------------------------------------
@@ -380,9 +383,7 @@ def _schedule_to_json(schedule: Schedule) -> dict[str, Any]:
 
 
 def _schedule_from_json(data: dict[str, Any]) -> Schedule:
-    if data["name"] not in SCHEDULE_NAMES:
-        raise ConfigError(f"the saved schedule {data['name']!r} is none of this pipecompile's "
-                          f"({', '.join(SCHEDULE_NAMES)}); save it again with this version")
+    """The saved action lists (a built-in schedule's or a hand-written one's)."""
     return Schedule(data["name"], data["num_stages"], data["num_microbatches"],
                     tuple(data["stage_to_device"]),
                     tuple(tuple(Action.parse(a) for a in row) for row in data["actions"]))

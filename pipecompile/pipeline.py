@@ -391,7 +391,7 @@ class Pipeline(torch.nn.Module):
         """Predicted timeline of `schedule` (default: the last one run, else the step's)."""
         return simulate(schedule or self.runtime.last_schedule, self.stage_costs,
                         cores=self.cores, efficiency=self.efficiency,
-                        transfers=self.plan.transfers)
+                        transfers=self.plan.transfers, overhead=self.plan.overhead)
 
     def peak_inflight(self) -> tuple[int, ...]:
         """Per stage, the most micro-batches whose activations were held at once in the last

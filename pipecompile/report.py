@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+# The one byte format (memory errors, tables, cut values): defined with the partitioner, which
+# may not import this module, and re-exported here for the reports.
+from .passes.partition import format_bytes
+
 if TYPE_CHECKING:
     from .passes.partition import DeviceSpec
     from .passes.split import StagedProgram
@@ -27,14 +31,6 @@ def format_count(x: float, unit: str = "") -> str:
         if abs(x) >= factor:
             return f"{x / factor:.2f}{suffix}{unit}"
     return f"{x:.0f}{unit}"
-
-
-def format_bytes(n: float) -> str:
-    """4096 -> '4.0 KiB' (binary prefixes, for memory and message sizes)."""
-    for factor, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(n) >= factor:
-            return f"{n / factor:.1f} {suffix}"
-    return f"{n:.0f} B"
 
 
 def format_stages(stages: Sequence[int], *, limit: int = 8) -> str:
@@ -129,7 +125,8 @@ def explain_passes(records: Sequence["PassRecord"]) -> str:
 
 def explain_search(search: "SearchResult | None", *, top: int = 8) -> str:
     """The plan the search chose, its best `top` candidates and why the others lost, and the
-    winner's gap to a lower bound (all compute spread over the devices: no bubble, no overhead)."""
+    winner's gap to a lower bound (all compute spread over what can run at once: the devices,
+    or the cores their threads share; no bubble, no overhead), saying what it assumes."""
     if search is None:
         return ("plan: nothing searched (schedule, micro-batches, virtual stages and checkpoint "
                 "were all given explicitly, or the plan was loaded)")
@@ -139,7 +136,7 @@ def explain_search(search: "SearchResult | None", *, top: int = 8) -> str:
     lines = [f"plan: {best.schedule}, {best.microbatches} micro-batches, {best.virtual_stages} "
              f"virtual stage(s), recompute stages {recomputed}; predicted "
              f"step {best.step * 1e3:.3f} ms, {gap:.1%} above the lower bound "
-             f"{search.lower_bound * 1e3:.3f} ms (compute / devices, no bubble, no overhead)",
+             f"{search.lower_bound * 1e3:.3f} ms ({search.bound_note})",
              f"searched {', '.join(search.searched)}: {len(search.candidates)} candidates"
              + (f", the best {top}:" if len(search.candidates) > top else ":")]
     rows = [("schedule", "m", "v", "recompute", "step ms", "peak memory per device", "verdict")]

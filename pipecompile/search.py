@@ -111,8 +111,10 @@ class SearchResult:
 
     best: Candidate
     candidates: tuple[Candidate, ...]
-    lower_bound: float  # seconds: the winner's total compute / devices, no bubble or overhead
+    lower_bound: float  # seconds: the winner's total compute over what can run at once (the
+    #                     devices, or the cores their threads share), no bubble or overhead
     searched: tuple[str, ...]  # the options that were "auto"
+    bound_note: str = "compute / devices, no bubble, no overhead"  # what the bound assumes
 
 
 def microbatch_choices(batch: int, cap: int = 32) -> tuple[int, ...]:
@@ -167,11 +169,17 @@ def search(space: Space, devices: Sequence[DeviceSpec],
         raise _no_fit(best, table, devices, space.checkpoint, split_ratio)
     table = costs_for(best.microbatches, p * best.virtual_stages)
     assert table is not None, "the winner was costed"
-    speed = sum(d.speed for d in devices)
+    # the compute spread over what can run at once: every device, or with device threads of
+    # one process sharing `cores` cores, that share of them at their measured efficiency
+    share = 1.0 if cores is None else min(1.0, cores / p) * efficiency
+    speed = sum(d.speed for d in devices) * share
     bound = best.microbatches * (sum(table.forward) + sum(table.backward_input)
                                  + sum(table.backward_weight)) / speed
     labelled = [_label(c, best) for c in ranked]
-    return SearchResult(labelled[0], tuple(labelled), bound, searched)
+    note = ("compute / devices, no bubble, no overhead" if cores is None or cores >= p else
+            f"compute over {p} device threads, of which this machine's cores run {cores} at a "
+            f"time at {efficiency:.2f} of their speed; no bubble, no overhead")
+    return SearchResult(labelled[0], tuple(labelled), bound, searched, note)
 
 
 # -- one candidate ------------------------------------------------------------------------------

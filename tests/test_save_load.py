@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import pipecompile as pc
+from pipecompile import zoo
 from pipecompile.runtime.actions import Schedule
 from tests.models import CASES
 
@@ -162,3 +163,29 @@ def test_load_errors_name_the_fix(tmp_path):
     fx_pipe = pc.compile(fx_case.model, fx_case.args, devices=2, microbatches=2, capture="fx")
     with pytest.raises(pc.ConfigError, match="capture='export'"):
         fx_pipe.save(tmp_path / "fx")
+
+
+def test_simulate_gives_the_prediction_before_and_after_save(tmp_path):
+    # One question, one answer: pipe.simulate() and pipe.predicted both count the per-action
+    # overhead, and so does a loaded pipeline (the overhead is saved with the stage costs).
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (8, 8))
+    pipe = pc.compile(zoo.GPT(vocab=64, dim=16, layers=4, heads=2, seq=8), (ids,), devices=2,
+                      schedule="1f1b", microbatches=4, loss_fn=zoo.lm_loss)
+    assert pipe.plan.overhead > 0  # else dropping it would go unnoticed here
+    assert pipe.predicted is not None
+    assert pipe.simulate().events == pipe.predicted.events
+    assert pipe.simulate().makespan == pipe.predicted.makespan
+
+    pipe.save(tmp_path)
+    loaded = pc.load(tmp_path, loss_fn=zoo.lm_loss)
+    assert loaded.plan.overhead == pipe.plan.overhead
+    assert loaded.simulate().events == pipe.predicted.events
+    assert loaded.simulate().makespan == loaded.predicted.makespan == pipe.predicted.makespan
+
+    # a plan.json saved before the overhead was: loads, with no overhead
+    plan = tmp_path / "plan.json"
+    data = json.loads(plan.read_text())
+    del data["overhead"]
+    plan.write_text(json.dumps(data))
+    assert pc.load(tmp_path, loss_fn=zoo.lm_loss).plan.overhead == 0.0

@@ -50,6 +50,20 @@ def test_a_large_fixed_cost_per_action_makes_fewer_microbatches_win():
     assert free_dispatch.lower_bound == pytest.approx(16 * 8 * 3e-3 / 16 / 2)
 
 
+def test_the_lower_bound_counts_the_cores_device_threads_share():
+    """4 device threads of which the cores run 2 at a time, at 0.8 of their speed: the bound
+    is the compute over 2 x 0.8 devices' worth, and explain says so."""
+    space = Space(("1f1b",), (4,))
+    free = search(space, [DeviceSpec()] * 4, lambda m, s: _table(m=m))
+    shared = search(space, [DeviceSpec()] * 4, lambda m, s: _table(m=m), cores=2,
+                    efficiency=0.8)
+    compute = 4 * 8 * 3e-3 / 4  # m micro-batches of 8 blocks (F + I + W), per micro-batch
+    assert free.lower_bound == pytest.approx(compute / 4)
+    assert shared.lower_bound == pytest.approx(compute / (2 * 0.8))
+    assert "cores run 2 at a time at 0.80" in shared.bound_note
+    assert free.bound_note == "compute / devices, no bubble, no overhead"
+
+
 def test_memory_limit_recomputes_exactly_the_stages_that_need_it():
     # 1F1B on 2 devices, 4 micro-batches: stage 0 holds 2 in flight, stage 1 holds 1. Four
     # blocks of 1 MB activations each: balanced, stage 0 needs 4 MB (2 with recomputation),

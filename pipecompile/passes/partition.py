@@ -458,7 +458,12 @@ def balanced_by(values: Sequence[float], p: int) -> tuple[int, ...]:
 
 
 def format_bytes(num: float) -> str:
-    """'1.50 GiB', '12.00 MiB', ...; rounded up, so the text never understates a requirement."""
+    """Binary prefixes, two decimals, rounded up so the text never understates a requirement;
+    every report (memory errors, stage tables, cut values) prints bytes this way.
+
+    >>> format_bytes(4096), format_bytes(2**30 + 1), format_bytes(100)
+    ('4.00 KiB', '1.01 GiB', '100 B')
+    """
     if not math.isfinite(num):
         return str(num)
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -188,10 +188,6 @@ class Action:
         return cls(int(stage), Kind(kind), int(mb), None if peer is None else int(peer))
 
     @property
-    def is_compute(self) -> bool:
-        return self.kind in COMPUTE_KINDS
-
-    @property
     def is_comm(self) -> bool:
         return self.kind in COMM_KINDS
 
@@ -243,12 +239,6 @@ class Schedule:
     @property
     def has_communication(self) -> bool:
         return any(a.is_comm for row in self.actions for a in row)
-
-    def device_of(self, stage: int) -> int:
-        return self.stage_to_device[stage]
-
-    def stages_on(self, device: int) -> tuple[int, ...]:
-        return tuple(s for s, d in enumerate(self.stage_to_device) if d == device)
 
     def __str__(self) -> str:
         """An action grid: one row per device, one column per action slot."""

@@ -292,7 +292,7 @@ class DistributedRuntime(Runtime):
                          label=lambda st: f"rank {topology.rank} (stage {st})")
         self.topology = topology
         in_backward = options.fsdp or (options.data_parallel > 1 and reduces_in_backward(
-            schedule.name, any(map(options.stage_checkpoint, self.own_stages)),
+            schedule, any(map(options.stage_checkpoint, self.own_stages)),
             options.compile_stages))
         self.sync = GradientSync(topology, program, schedule, self.own_stages,
                                  sharded=options.fsdp, replicas_reduced=in_backward)

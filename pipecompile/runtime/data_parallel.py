@@ -39,6 +39,7 @@ from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..passes.split import StagedProgram
+    from .actions import Schedule
     from .distributed import Topology
 
 __all__ = ["data_parallel_mesh", "shard_stages", "MicrobatchSync", "ReplicaSync",
@@ -118,12 +119,13 @@ class MicrobatchSync:
         self.module.set_reshard_after_backward(last)
 
 
-def reduces_in_backward(schedule: str, checkpoint: bool, compiled: bool) -> bool:
+def reduces_in_backward(schedule: "Schedule", checkpoint: bool, compiled: bool) -> bool:
     """Whether torch's hooks can reduce a replicated stage's gradients during its backward:
-    one autograd backward per micro-batch, through the captured graph."""
-    from .schedules import SPLIT_BACKWARD_SCHEDULES
+    one autograd backward (B) per micro-batch, through the captured graph."""
+    from .actions import Kind
 
-    return schedule not in SPLIT_BACKWARD_SCHEDULES and not checkpoint and not compiled
+    split = any(a.kind is Kind.W for row in schedule.actions for a in row)
+    return not split and not checkpoint and not compiled
 
 
 class ReplicaSync:

@@ -3,7 +3,9 @@
 Terms: p stages, D devices, v virtual stages per device (p = D·v), m micro-batches. ``F``
 forward, ``B`` backward, ``I``/``W`` backward for inputs/weights, ``STEP`` optimizer step; see
 `pipecompile.runtime.actions`. Generators emit compute actions only; `make_schedule` lowers the
-result with `add_communication` (the messages of a program's dataflow) and validates it.
+result with `add_communication` (the messages of a program's dataflow) and validates it. A
+user-written `Schedule` (``Schedule.from_text``/``from_csv``) takes the same path in place of a
+generator's output (`user_schedule`: its counts checked, its own messages dropped).
 
 Every generator has the signature
 ``(num_devices, num_microbatches, *, virtual_stages=1) -> Schedule``; only the interleaved
@@ -39,6 +41,7 @@ formulas.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 from pipecompile.errors import ScheduleError
@@ -60,6 +63,7 @@ __all__ = [
     "SCHEDULE_NAMES",
     "SPLIT_BACKWARD_SCHEDULES",
     "make_schedule",
+    "user_schedule",
 ]
 
 
@@ -225,10 +229,11 @@ SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("zb-h1", "zb-v", "interleaved-zb")
 
 
 def make_schedule(
-    name: str, num_devices: int, num_microbatches: int, *, virtual_stages: int | None = None,
-    batches: int = 1, dataflow: Dataflow | None = None,
+    name: str | Schedule, num_devices: int, num_microbatches: int, *,
+    virtual_stages: int | None = None, batches: int = 1, dataflow: Dataflow | None = None,
 ) -> Schedule:
-    """Generate the schedule ``name``, add its sends and receives, and validate it.
+    """Generate the schedule ``name`` (or take a user-written `Schedule`: `user_schedule`), add its
+    sends and receives, and validate it.
 
     `virtual_stages` None: the schedule's own default (2 for zb-v and interleaved-zb, else 1).
 
@@ -239,11 +244,15 @@ def make_schedule(
     from pipecompile.runtime.async_schedules import ASYNC_SCHEDULES
 
     known = {**SCHEDULES, **ASYNC_SCHEDULES}
-    if name not in known:
+    if isinstance(name, Schedule):
+        plain = user_schedule(name, num_devices, num_microbatches,
+                              virtual_stages=virtual_stages, batches=batches)
+        validate(plain, dataflow)  # errors name the actions written, not the messages added
+    elif name not in known:
         raise ScheduleError(
             f"unknown schedule {name!r}; known schedules: {', '.join(sorted(known))}"
         )
-    if name in ASYNC_SCHEDULES:
+    elif name in ASYNC_SCHEDULES:
         plain = ASYNC_SCHEDULES[name](num_devices, num_microbatches,
                                       virtual_stages=virtual_stages or 1, batches=batches)
     elif batches != 1:
@@ -254,3 +263,38 @@ def make_schedule(
     schedule = add_communication(plain, dataflow)
     validate(schedule, dataflow)
     return schedule
+
+
+def user_schedule(schedule: Schedule, num_devices: int, num_microbatches: int, *,
+                  virtual_stages: int | None = None, batches: int = 1) -> Schedule:
+    """A user-written synchronous schedule as a generator would return it: compute only.
+
+    Its counts must be the ones asked for (`virtual_stages` None: any number of stages). Its
+    sends and receives, if it has any, are dropped: lowering adds the messages of the program
+    that runs it. A stage without a ``STEP`` gets one at the end of its device's list, as the
+    generators write it. A ``STEP`` with a micro-batch (an asynchronous update) is refused.
+    """
+    stages = None if virtual_stages is None else num_devices * virtual_stages
+    for what, has, asked in (("devices", schedule.num_devices, num_devices),
+                             ("micro-batches", schedule.num_microbatches, num_microbatches),
+                             ("stages", schedule.num_stages, stages)):
+        if asked is not None and has != asked:
+            raise ScheduleError(f"schedule {schedule.name!r} has {has} {what}, but {asked} "
+                                f"were asked for; write it for {asked} or ask for {has}")
+    if batches != 1:
+        raise ScheduleError(f"schedule {schedule.name!r} flushes after every batch; streams "
+                            f"need pipedream or 2bw")
+    rows = [[a for a in row if not a.is_comm] for row in schedule.actions]
+    for device, row in enumerate(rows):
+        for action in row:
+            if action.kind is Kind.STEP and action.microbatch is not None:
+                raise ScheduleError(
+                    f"schedule {schedule.name!r}, device {device}: {action} updates the weights "
+                    f"after micro-batch {action.microbatch} (asynchronous); a written schedule "
+                    f"must be synchronous: write {action.stage}STEP after the stage's last "
+                    f"backward, or leave it out")
+    stepped = {a.stage for row in rows for a in row if a.kind is Kind.STEP}
+    for stage, device in enumerate(schedule.stage_to_device):
+        if stage not in stepped:
+            rows[device].append(Action(stage, Kind.STEP))
+    return replace(schedule, actions=tuple(map(tuple, rows)))

@@ -184,8 +184,3 @@ class _Graph:
             self.children[node] = kids
             stack.append((node, True))
             stack.extend((c, False) for c in kids if c not in self.children)
-
-    def params_below(self, node) -> list[torch.Tensor]:
-        """Parameters whose AccumulateGrad nodes are reachable from `node` (one that does not
-        lead to a target)."""
-        return list(self.below[node].values())
