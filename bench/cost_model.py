@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import pipecompile as pc
-from pipecompile.runtime.actions import Kind
+from pipecompile.schedule.actions import Kind
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 M = 8

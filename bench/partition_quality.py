@@ -48,7 +48,7 @@ from pipecompile import zoo
 from pipecompile.passes.annotate import annotate
 from pipecompile.passes.partition import (DeviceSpec, PartitionProblem, balanced_by, evaluate,
                                           lower_bound, uniform_bounds)
-from pipecompile.runtime.actions import Kind
+from pipecompile.schedule.actions import Kind
 
 M = 8  # micro-batches
 

@@ -43,7 +43,7 @@ from typing import Any, Sequence, TextIO
 
 from .errors import PipecompileError
 from .report import explain_search, format_bytes, stage_table
-from .runtime.schedules import SCHEDULE_NAMES
+from .schedule.schedules import SCHEDULE_NAMES
 
 __all__ = ["main"]
 

@@ -46,13 +46,14 @@ from .planning import (Choice, CostModel, Target, action_cost, analytic as all_d
 from .search import SPLIT_BACKWARD_RATIO, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
 from .search import search as search_plans
 from .report import describe_devices, format_count, format_stages
-from .runtime.actions import Schedule
-from .runtime.lowering import relower
-from .runtime.messages import Dataflow, message_bytes, transfer_seconds
-from .runtime.schedules import SPLIT_BACKWARD_SCHEDULES, make_schedule
-from .runtime.simulate import simulate
-from .runtime.distributed import local_device
 from .runtime.data_parallel import data_parallel_mesh, shard_stages
+from .runtime.distributed import local_device
+from .runtime.values import message_bytes
+from .schedule.actions import Schedule
+from .schedule.lowering import relower
+from .schedule.messages import Dataflow, transfer_seconds
+from .schedule.schedules import SPLIT_BACKWARD_SCHEDULES, make_schedule
+from .schedule.simulate import simulate
 from .tensors import local_tensor
 from .stage_costs import (Probe, efficiency, measure, probe, shared_cores, simulator_costs,
                           with_stage_costs)
@@ -117,9 +118,8 @@ def compile(  # noqa: A001 - the public name of the design
 
     Under torch.distributed (an initialised process group, or torchrun's environment) the same
     call runs on every rank: `devices` is the number of pipeline ranks and `data_parallel` the
-    number of pipeline replicas; each rank keeps only its own stages. With `fsdp=True` each
-    stage is sharded over the replicas with torch's `fully_shard` (its parameters become
-    DTensors); `mesh` is a DeviceMesh with "dp" and "pp" dimensions to use instead of a new one.
+    number of pipeline replicas; each rank keeps only its own stages. `fsdp=True` shards each
+    stage over the replicas (`fully_shard`); `mesh` is a ("dp", "pp") DeviceMesh to use.
     """
     def plan_for(example: Example | None) -> Plan:
         options = resolve_options(

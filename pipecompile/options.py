@@ -35,9 +35,9 @@ from .ir import microbatch_size
 from .passes.partition import DeviceSpec
 from .ranks import Ranks
 from .rng import RNG_MODES
-from .runtime.actions import Kind, Schedule
+from .schedule.actions import Kind, Schedule
 from .runtime.distributed import local_device, topology_from_environment
-from .runtime.schedules import (ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES,
+from .schedule.schedules import (ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES,
                                 SPLIT_BACKWARD_SCHEDULES, TWO_STAGES_PER_DEVICE, make_schedule)
 
 if TYPE_CHECKING:

@@ -51,8 +51,8 @@ from .options import CompileOptions
 from .passes.partition import DeviceSpec
 from .passes.split import Stage, StagedProgram, _Placement, _tensor_copies
 from .plan import PassRecord, Plan
-from .runtime.actions import Action, Schedule
-from .runtime.simulate import StageCosts, Timeline
+from .schedule.actions import Action, Schedule
+from .schedule.simulate import StageCosts, Timeline
 from .search import Candidate, SearchResult
 from .treespec import dump_spec, load_spec
 

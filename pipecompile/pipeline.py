@@ -34,14 +34,14 @@ from .passes.split import Stage, StagedProgram
 from .persist import load_plan, save_plan
 from .plan import PassRecord, Plan
 from .report import explain_passes, explain_search, stage_table
-from .runtime.actions import Schedule
+from .schedule.actions import Schedule
 from .runtime.assemble import Runtime, assemble
 from .runtime.distributed import Topology
 from .runtime.executor import Executor
 from .runtime.memory import DeviceMemory, device_memory
 from .runtime.microbatch import MicroBatch, forward_in_chunks, split_microbatches
-from .runtime.schedules import make_schedule
-from .runtime.simulate import StageCosts, Timeline, simulate
+from .schedule.schedules import make_schedule
+from .schedule.simulate import StageCosts, Timeline, simulate
 from .runtime.training import check_num_items, loss_scale_value
 
 __all__ = ["Pipeline", "PassRecord", "load"]

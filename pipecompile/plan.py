@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from .passes.calibrate import Calibration, StageTimes
     from .passes.partition import DeviceSpec, Partition
     from .passes.split import StagedProgram
-    from .runtime.actions import Schedule
-    from .runtime.simulate import StageCosts, Timeline
+    from .schedule.actions import Schedule
+    from .schedule.simulate import StageCosts, Timeline
     from .search import SearchResult
 
 __all__ = ["PassRecord", "Plan", "Pass", "need", "run_passes"]
@@ -69,7 +69,7 @@ class Plan:
     measured: "Mapping[int, StageTimes] | None" = None  # profile=True: each stage's times
     stage_costs: "tuple[StageCosts, ...]" = ()
     cores: int | None = None  # compute actions the devices run at once (None: one per device)
-    efficiency: float = 1.0  # their speed when several run at once (see runtime/simulate)
+    efficiency: float = 1.0  # their speed when several run at once (see schedule/simulate)
     split_ratio: float | None = None  # measured (I + W) / B (None: search.SPLIT_BACKWARD_RATIO)
     predicted: "Timeline | None" = None
     transfers: "Mapping[tuple[int, int, str], float] | None" = None  # seconds per message link

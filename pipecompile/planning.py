@@ -35,9 +35,9 @@ from .passes.partition import (DeviceSpec, Partition, PartitionMemoryError, Part
                                evaluate, lower_bound, partition)
 from .passes.profile import profile_blocks
 from .ranks import Ranks
-from .runtime.actions import Schedule
-from .runtime.schedules import make_schedule
-from .runtime.simulate import StageCosts, simulate
+from .schedule.actions import Schedule
+from .schedule.schedules import make_schedule
+from .schedule.simulate import StageCosts, simulate
 
 __all__ = ["CostModel", "Target", "Choice", "cost", "place", "refine", "device_model",
            "action_cost", "analytic", "matmul_rate", "action_overhead", "inflight"]

@@ -22,7 +22,7 @@ from .runtime.distributed import Topology, check_same_plan, local_device, plan_d
 if TYPE_CHECKING:
     from .ir import CostTable
     from .passes.split import StagedProgram
-    from .runtime.actions import Schedule
+    from .schedule.actions import Schedule
 
 __all__ = ["Ranks"]
 

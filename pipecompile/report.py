@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from .passes.split import StagedProgram
     from .search import SearchResult
     from .plan import PassRecord
-    from .runtime.actions import Schedule
-    from .runtime.simulate import Timeline
+    from .schedule.actions import Schedule
+    from .schedule.simulate import Timeline
 
 __all__ = ["stage_table", "explain_passes", "explain_search", "describe_devices", "format_count",
            "format_bytes", "format_stages"]

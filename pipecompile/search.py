@@ -23,9 +23,9 @@ from .errors import PartitionError, PipecompileError
 from .ir import CostTable
 from .passes.partition import (DeviceSpec, Partition, PartitionMemoryError, PartitionProblem,
                                format_bytes, partition)
-from .runtime.actions import Kind, Schedule
-from .runtime.schedules import TWO_STAGES_PER_DEVICE, make_schedule
-from .runtime.simulate import StageCosts, simulate
+from .schedule.actions import Kind, Schedule
+from .schedule.schedules import TWO_STAGES_PER_DEVICE, make_schedule
+from .schedule.simulate import StageCosts, simulate
 
 __all__ = ["BlockTable", "Space", "Candidate", "SearchResult", "search", "microbatch_choices",
            "SYNC_SCHEDULES", "SPLIT_BACKWARD_RATIO"]

@@ -22,10 +22,10 @@ from .passes.partition import DeviceSpec, Partition
 from .passes.profile import record_values
 from .passes.split import Stage, StagedProgram, split
 from .ranks import Ranks
-from .runtime.actions import Schedule
+from .schedule.actions import Schedule
 from .runtime.microbatch import split_microbatches
-from .runtime.messages import gradient_values
-from .runtime.simulate import StageCosts
+from .schedule.messages import gradient_values
+from .schedule.simulate import StageCosts
 from .runtime.stage_worker import LossSpec
 from .search import SPLIT_BACKWARD_RATIO
 

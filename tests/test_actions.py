@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipecompile.errors import ScheduleError
-from pipecompile.runtime.actions import Action, Kind, Schedule
-from pipecompile.runtime.lowering import add_communication
-from pipecompile.runtime.messages import Dataflow
-from pipecompile.runtime.schedules import SCHEDULES, make_schedule
+from pipecompile.schedule.actions import Action, Kind, Schedule
+from pipecompile.schedule.lowering import add_communication
+from pipecompile.schedule.messages import Dataflow
+from pipecompile.schedule.schedules import SCHEDULES, make_schedule
 
 actions = st.builds(
     lambda stage, kind, mb, peer: Action(

@@ -10,8 +10,8 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.runtime.microbatch import split_microbatches
-from pipecompile.runtime.schedules import make_schedule
-from pipecompile.runtime.simulate import StageCosts, simulate
+from pipecompile.schedule.schedules import make_schedule
+from pipecompile.schedule.simulate import StageCosts, simulate
 from tests.async_reference import AsyncReference
 
 OPTIMIZERS = {

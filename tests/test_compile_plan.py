@@ -10,7 +10,7 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.passes.partition import uniform_bounds
-from pipecompile.runtime.simulate import simulate
+from pipecompile.schedule.simulate import simulate
 
 
 def _heavy_head_gpt():
@@ -158,8 +158,8 @@ def test_compile_records_its_passes_in_order():
 
 
 def test_schedule_names_are_the_generators():
-    from pipecompile.runtime.async_schedules import ASYNC_SCHEDULES
-    from pipecompile.runtime.schedules import ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES, SCHEDULES
+    from pipecompile.schedule.async_schedules import ASYNC_SCHEDULES
+    from pipecompile.schedule.schedules import ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES, SCHEDULES
 
     assert set(ASYNC_SCHEDULE_NAMES) == set(ASYNC_SCHEDULES)
     assert set(SCHEDULE_NAMES) == set(SCHEDULES) | set(ASYNC_SCHEDULES)

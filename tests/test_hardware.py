@@ -16,7 +16,7 @@ from pipecompile.errors import ConfigError
 from pipecompile.hardware import preset
 from pipecompile.options import device_present, require_present
 from pipecompile.passes.partition import DeviceSpec, PartitionProblem, stage_time
-from pipecompile.runtime.messages import transfer_seconds
+from pipecompile.schedule.messages import transfer_seconds
 
 FACTORIES = str(Path(__file__).parent.parent / "examples" / "factories.py")
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -10,9 +10,9 @@ import torch
 
 import pipecompile as pc
 from pipecompile.errors import ScheduleError, StageExecutionError
-from pipecompile.runtime.actions import Action, Kind, Schedule
-from pipecompile.runtime.lowering import add_communication, relower, strip_communication
-from pipecompile.runtime.messages import (
+from pipecompile.schedule.actions import Action, Kind, Schedule
+from pipecompile.schedule.lowering import add_communication, relower, strip_communication
+from pipecompile.schedule.messages import (
     Dataflow,
     Message,
     message_bytes,
@@ -20,9 +20,9 @@ from pipecompile.runtime.messages import (
     transfer_seconds,
 )
 from pipecompile.runtime.microbatch import split_microbatches
-from pipecompile.runtime.schedules import SCHEDULES, interleaved_1f1b, make_schedule
-from pipecompile.runtime.simulate import StageCosts, Transfer, simulate
-from pipecompile.runtime.validate import validate
+from pipecompile.schedule.schedules import SCHEDULES, interleaved_1f1b, make_schedule
+from pipecompile.schedule.simulate import StageCosts, Transfer, simulate
+from pipecompile.schedule.validate import validate
 from tests.models import CASES
 from tests.reference import assert_grads_equal, reference_step
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from pipecompile.errors import StageExecutionError
-from pipecompile.runtime.actions import Action
+from pipecompile.schedule.actions import Action
 from pipecompile.runtime.executor import Executor, Wiring
 from pipecompile.runtime.mailbox import Aborted, Mailbox
-from pipecompile.runtime.messages import Message
+from pipecompile.schedule.messages import Message
 from pipecompile.runtime.transport import Transport
 
 CPU = (torch.device("cpu"),) * 4

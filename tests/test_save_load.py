@@ -12,7 +12,7 @@ import torch
 
 import pipecompile as pc
 from pipecompile import zoo
-from pipecompile.runtime.actions import Schedule
+from pipecompile.schedule.actions import Schedule
 from tests.models import CASES
 
 ROUND_TRIP = ["gpt", "residual_cnn", "keyword_tuple"]

@@ -1,6 +1,6 @@
 """Schedule generators against hand-derived action lists, and properties over many sizes.
 
-Also covers `pipecompile.runtime.lowering` (sends/receives, I+W merging), which acts on these
+Also covers `pipecompile.schedule.lowering` (sends/receives, I+W merging), which acts on these
 schedules.
 """
 
@@ -11,14 +11,14 @@ from collections import Counter
 import pytest
 
 from pipecompile.errors import ScheduleError
-from pipecompile.runtime.actions import Kind, Schedule
-from pipecompile.runtime.lowering import (
+from pipecompile.schedule.actions import Kind, Schedule
+from pipecompile.schedule.lowering import (
     add_communication,
     merge_iw,
     split_backward,
     strip_communication,
 )
-from pipecompile.runtime.schedules import (
+from pipecompile.schedule.schedules import (
     SCHEDULES,
     gpipe,
     interleaved_1f1b,
@@ -26,8 +26,8 @@ from pipecompile.runtime.schedules import (
     one_f_one_b,
     zb_h1,
 )
-from pipecompile.runtime.validate import validate
-from pipecompile.runtime.zero_bubble import zb_v_placement
+from pipecompile.schedule.validate import validate
+from pipecompile.schedule.zero_bubble import zb_v_placement
 
 
 def rows(schedule: Schedule) -> list[str]:

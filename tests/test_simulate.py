@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipecompile.errors import ScheduleError
-from pipecompile.runtime.actions import Action, Kind, Schedule
-from pipecompile.runtime.lowering import strip_communication
-from pipecompile.runtime.schedules import make_schedule
-from pipecompile.runtime.simulate import Event, StageCosts, Timeline, simulate
+from pipecompile.schedule.actions import Action, Kind, Schedule
+from pipecompile.schedule.lowering import strip_communication
+from pipecompile.schedule.schedules import make_schedule
+from pipecompile.schedule.simulate import Event, StageCosts, Timeline, simulate
 
 UNIFORM = StageCosts(forward=1.0, backward=2.0)  # I = W = 1
 SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16, 32)]
@@ -244,9 +244,9 @@ def test_shared_cores_rejects_bad_values() -> None:
 
 
 def test_a_long_skip_message_is_charged_on_its_own_link() -> None:
-    from pipecompile.runtime.lowering import add_communication
-    from pipecompile.runtime.messages import Dataflow
-    from pipecompile.runtime.simulate import Transfer
+    from pipecompile.schedule.lowering import add_communication
+    from pipecompile.schedule.messages import Dataflow
+    from pipecompile.schedule.simulate import Transfer
 
     links = {"a": (0, 1), "b": (1, 2), "c": (2, 3), "skip": (0, 3)}
     flow = Dataflow.from_wiring({k: v[0] for k, v in links.items()},

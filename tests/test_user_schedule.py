@@ -14,9 +14,9 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.errors import ConfigError, ScheduleError
-from pipecompile.runtime.actions import Action, Kind, Schedule
-from pipecompile.runtime.lowering import strip_communication
-from pipecompile.runtime.schedules import make_schedule, user_schedule
+from pipecompile.schedule.actions import Action, Kind, Schedule
+from pipecompile.schedule.lowering import strip_communication
+from pipecompile.schedule.schedules import make_schedule, user_schedule
 from tests.reference import assert_grads_equal, reference_step
 
 # 1F1B (PipeDream-Flush) for 2 devices and 4 micro-batches, written out by hand: stage 0 runs one

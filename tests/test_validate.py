@@ -7,9 +7,9 @@ import re
 import pytest
 
 from pipecompile.errors import ScheduleError
-from pipecompile.runtime.actions import Action, Schedule
-from pipecompile.runtime.schedules import SCHEDULES, make_schedule
-from pipecompile.runtime.validate import dependencies, validate
+from pipecompile.schedule.actions import Action, Schedule
+from pipecompile.schedule.schedules import SCHEDULES, make_schedule
+from pipecompile.schedule.validate import dependencies, validate
 
 
 def text(*rows: str, placement: str | None = None, m: int | None = None) -> Schedule:
@@ -200,7 +200,7 @@ def test_dependencies_name_transfers() -> None:
 
 
 def _skip_flow():
-    from pipecompile.runtime.messages import Dataflow
+    from pipecompile.schedule.messages import Dataflow
 
     links = {"a": (0, 1), "b": (1, 2), "s": (0, 2)}
     return Dataflow.from_wiring({k: v[0] for k, v in links.items()},
@@ -208,7 +208,7 @@ def _skip_flow():
 
 
 def test_dataflow_catches_a_missing_receive() -> None:
-    from pipecompile.runtime.lowering import add_communication
+    from pipecompile.schedule.lowering import add_communication
 
     lowered = add_communication(SCHEDULES["1f1b"](3, 2), _skip_flow())
     validate(lowered, _skip_flow())
@@ -221,7 +221,7 @@ def test_dataflow_catches_a_missing_receive() -> None:
 
 
 def test_dataflow_catches_a_wrong_peer() -> None:
-    from pipecompile.runtime.messages import Dataflow
+    from pipecompile.schedule.messages import Dataflow
 
     chain = make_schedule("gpipe", 3, 1)
     schedule = edit(edit(chain, 0, "0SEND_F0>1", "0SEND_F0>1 0SEND_F0>2"),
@@ -236,7 +236,7 @@ def test_dataflow_catches_a_wrong_peer() -> None:
 
 
 def test_dataflow_catches_a_gradient_message_for_an_integer_value() -> None:
-    from pipecompile.runtime.messages import Dataflow
+    from pipecompile.schedule.messages import Dataflow
 
     ints = Dataflow.from_wiring({"ids": 0}, {"ids": (1,)}, set(), 2)  # no gradient flows back
     lowered = make_schedule("1f1b", 2, 1, dataflow=ints)

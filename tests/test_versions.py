@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pipecompile.runtime.actions import Kind
-from pipecompile.runtime.schedules import make_schedule
+from pipecompile.schedule.actions import Kind
+from pipecompile.schedule.schedules import make_schedule
 from pipecompile.runtime.versions import VersionRule, WeightVersions
 
 

@@ -11,12 +11,12 @@ import torch
 
 import pipecompile as pc
 from pipecompile.errors import ScheduleError
-from pipecompile.runtime.actions import Kind
-from pipecompile.runtime.lowering import strip_communication
-from pipecompile.runtime.schedules import make_schedule
-from pipecompile.runtime.simulate import StageCosts, simulate
+from pipecompile.schedule.actions import Kind
+from pipecompile.schedule.lowering import strip_communication
+from pipecompile.schedule.schedules import make_schedule
+from pipecompile.schedule.simulate import StageCosts, simulate
 from pipecompile.runtime.split_backward import backward_input, backward_weight
-from pipecompile.runtime.zero_bubble import interleaved_zb, zb_v, zb_v_placement
+from pipecompile.schedule.zero_bubble import interleaved_zb, zb_v, zb_v_placement
 from tests.dist import run_ranks
 from tests.dist_cases import train
 from tests.models import CASES

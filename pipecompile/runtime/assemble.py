@@ -31,16 +31,16 @@ from ..passes.eval_mode import eval_graph
 from ..passes.split import StagedProgram
 from ..rng import seed_random_ops
 from ..tensors import to_device
-from .actions import Kind, Schedule
+from ..schedule.actions import Kind, Schedule
 from .compiled import compile_stage
 from .distributed import (GradientSync, Topology, _default_store, broadcast_outputs,
                           forward_only, reduce_mean_loss, value_specs)
 from .executor import Executor, Wiring
-from .messages import gradient_values
+from ..schedule.messages import gradient_values
 from .mailbox import Mailbox
 from .microbatch import MicroBatch, split_microbatches
 from .p2p import P2PTransport, Waiter
-from .schedules import ASYNC_SCHEDULE_NAMES
+from ..schedule.schedules import ASYNC_SCHEDULE_NAMES
 from .data_parallel import MicrobatchSync, ReplicaSync, reduces_in_backward
 from .stage_worker import LossSpec, StageWorker
 from .training import AutocastState, TiedCopies, clip_grad_norm, counted_parameters

@@ -39,7 +39,7 @@ from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..passes.split import StagedProgram
-    from .actions import Schedule
+    from ..schedule.actions import Schedule
     from .distributed import Topology
 
 __all__ = ["data_parallel_mesh", "shard_stages", "MicrobatchSync", "ReplicaSync",
@@ -122,7 +122,7 @@ class MicrobatchSync:
 def reduces_in_backward(schedule: "Schedule", checkpoint: bool, compiled: bool) -> bool:
     """Whether torch's hooks can reduce a replicated stage's gradients during its backward:
     one autograd backward (B) per micro-batch, through the captured graph."""
-    from .actions import Kind
+    from ..schedule.actions import Kind
 
     split = any(a.kind is Kind.W for row in schedule.actions for a in row)
     return not split and not checkpoint and not compiled

@@ -32,7 +32,7 @@ from ..tensors import local_tensor
 
 if TYPE_CHECKING:
     from ..passes.split import StagedProgram
-    from .actions import Schedule
+    from ..schedule.actions import Schedule
     from .p2p import ValueSpec
 
 __all__ = ["Topology", "topology_from_environment", "local_device", "check_same_plan",
@@ -200,7 +200,7 @@ def reduce_mean_loss(losses: Sequence[torch.Tensor], device: torch.device, *,
 
 def value_specs(program: StagedProgram) -> dict[str, ValueSpec]:
     """Receive-buffer specs of every boundary value: its symbolic shape at given sizes."""
-    from .messages import value_shape
+    from .values import value_shape
     from .p2p import ValueSpec
 
     values = program.captured.values
@@ -212,7 +212,7 @@ def forward_only(schedule: Schedule, microbatches: int = 1) -> Schedule:
     """A schedule of forwards only over the first `microbatches` micro-batches: their F
     actions and forward messages of the (lowered) ``schedule``, in its order on every device
     (each device's forwards stay in micro-batch order, so no wait can deadlock)."""
-    from .actions import Kind, Schedule
+    from ..schedule.actions import Kind, Schedule
 
     keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
     rows = [tuple(a for a in row if a.kind in keep and a.microbatch is not None

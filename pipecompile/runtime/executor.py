@@ -32,12 +32,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import PipecompileError, StageExecutionError
-from .actions import Action, Kind, Schedule
+from ..schedule.actions import Action, Kind, Schedule
 from ..tensors import to_device
 from .mailbox import Aborted
-from .messages import Dataflow, Message, message_of
+from ..schedule.messages import Dataflow, Message, message_of
 from .microbatch import MicroBatch
-from .simulate import Event
+from ..schedule.simulate import Event
 from .stage_worker import StageWorker
 from .transport import Transport
 

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import StageExecutionError
 from ..tensors import to_device
-from .messages import Message
+from ..schedule.messages import Message
 
 __all__ = ["Mailbox", "Aborted"]
 

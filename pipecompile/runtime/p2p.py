@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import StageExecutionError
-from .messages import Message
+from ..schedule.messages import Message
 
 __all__ = ["P2PTransport", "ValueSpec", "PeerFailure", "Waiter", "ERROR_KEY"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .actions import Kind
-from .simulate import Timeline
+from ..schedule.actions import Kind
+from ..schedule.simulate import Timeline
 
 __all__ = ["plot_timelines"]
 

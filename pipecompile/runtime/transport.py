@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
-from .messages import Message
+from ..schedule.messages import Message
 
 __all__ = ["Transport"]
 

@@ -21,11 +21,11 @@ Terms
   ``str(action)`` gives that text and ``Action.parse(text)`` gives the action back.
 - **message**: a send or receive names its **peer** stage after ``>`` (to) or ``<`` (from):
   one per (producer stage, consumer stage, micro-batch, direction) across devices, derived
-  from the program's wiring by `pipecompile.runtime.lowering`. Without a peer (``1SEND_F3``)
+  from the program's wiring by `pipecompile.schedule.lowering`. Without a peer (``1SEND_F3``)
   it is the neighbour: ``SEND_F``/``RECV_B`` talk to stage s+1, ``RECV_F``/``SEND_B`` to s-1.
 - **schedule**: one list of actions per device, in execution order, plus the placement of stages
   on devices. A schedule is pure data: it can be printed, written to text or CSV, validated
-  (`pipecompile.runtime.validate`) and simulated (`pipecompile.runtime.simulate`).
+  (`pipecompile.schedule.validate`) and simulated (`pipecompile.schedule.simulate`).
 
 Text format (``Schedule.to_text`` / ``Schedule.from_text``)
 ----------------------------------------------------------

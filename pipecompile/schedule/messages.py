@@ -15,8 +15,9 @@ Terms
       2SEND_B3>0, 0RECV_B3<2   Message(src=2, dst=0, microbatch=3, backward=True, values=...)
 
 Message costs are keyed ``(sender stage, receiver stage, direction)``, direction ``"F"`` or
-``"B"``: `message_bytes` gives the bytes of each message of a program at a micro-batch size and
-`transfer_seconds` turns them into seconds for `simulate(..., transfers=...)`.
+``"B"``: `runtime.values.message_bytes` gives the bytes of each message of a program at a
+micro-batch size and `transfer_seconds` turns them into seconds for `simulate(...,
+transfers=...)`.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from pipecompile.errors import ScheduleError
-from pipecompile.runtime.actions import Action, Kind, Schedule
+from pipecompile.schedule.actions import Action, Kind, Schedule
 
-__all__ = ["Link", "Dataflow", "Message", "message_of", "gradient_values", "value_shape",
-           "message_bytes", "transfer_seconds"]
+__all__ = ["Link", "Dataflow", "Message", "MessageKey", "message_of", "gradient_values",
+           "transfer_seconds"]
 
 MessageKey = tuple[int, int, str]  # (sender stage, receiver stage, "F" or "B")
 
@@ -154,32 +155,6 @@ def gradient_values(program: Any) -> frozenset[str]:
     values = program.captured.values
     return frozenset(n for n in program.producer
                      if values[n].dtype is not None and values[n].dtype.is_floating_point)
-
-
-def value_shape(program: Any, name: str, sizes: Mapping[Any, int]) -> tuple[int, ...]:
-    """The shape of boundary value ``name`` when the size symbols have the values ``sizes``
-    (`CapturedModel.sizes_at` a micro-batch size, or `sizes_of` a call's inputs)."""
-    from pipecompile.ir import evaluate
-
-    return tuple(int(evaluate(d, sizes)) for d in program.captured.values[name].shape)
-
-
-def message_bytes(program: Any, microbatch_size: int) -> dict[MessageKey, int]:
-    """Bytes of every message of a program's links at ``microbatch_size`` (a non-tensor value
-    counts as an 8-byte int), keyed (sender, receiver, "F"/"B")."""
-    sizes = program.captured.sizes_at(microbatch_size)
-
-    def size(name: str) -> int:
-        dtype = program.captured.values[name].dtype
-        item = dtype.itemsize if dtype is not None else 8
-        return item * math.prod(value_shape(program, name, sizes))
-
-    result: dict[MessageKey, int] = {}
-    for link in Dataflow.of(program).links:
-        result[(link.src, link.dst, "F")] = sum(size(n) for n in link.values)
-        if link.grads:
-            result[(link.dst, link.src, "B")] = sum(size(n) for n in link.grads)
-    return result
 
 
 def transfer_seconds(nbytes: Mapping[MessageKey, int],

@@ -3,7 +3,7 @@
 Terms
 -----
 - **data dependency**: an action that must have finished before another may start. Along the
-  links of the program's dataflow (`pipecompile.runtime.messages.Dataflow`; the neighbour
+  links of the program's dataflow (`pipecompile.schedule.messages.Dataflow`; the neighbour
   chain by default): ``F(s, i)`` needs ``F(src, i)`` of every stage it reads from,
   ``B/I(s, i)`` needs ``F(s, i)`` and ``B/I(dst, i)`` of every stage that sends it a gradient,
   ``W(s, i)`` needs ``I(s, i)``, ``STEP(s)`` needs every backward of stage ``s``, and an
@@ -28,8 +28,8 @@ index in that device's list and what is wrong, e.g.::
 from __future__ import annotations
 
 from pipecompile.errors import ScheduleError
-from pipecompile.runtime.actions import Action, Kind, Schedule
-from pipecompile.runtime.messages import Dataflow, message_of
+from pipecompile.schedule.actions import Action, Kind, Schedule
+from pipecompile.schedule.messages import Dataflow, message_of
 
 __all__ = ["validate", "dependencies"]
 

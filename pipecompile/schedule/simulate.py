@@ -13,7 +13,7 @@ Terms
 Semantics (`simulate`)
 ----------------------
 Every device runs its actions in order, one at a time. A compute action starts when its device
-is free and its data dependencies (`pipecompile.runtime.validate.dependencies`) are met; a
+is free and its data dependencies (`pipecompile.schedule.validate.dependencies`) are met; a
 message from another device arrives ``transfers[(sender, receiver, direction)]`` seconds after
 the sending stage finished what it sends (direction ``"F"``: activations, producer to consumer;
 ``"B"``: gradients, back; `messages.message_bytes` and `messages.transfer_seconds` compute them
@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from pipecompile.errors import ScheduleError
-from pipecompile.runtime.actions import Action, Kind, Schedule
-from pipecompile.runtime.messages import Dataflow
-from pipecompile.runtime.validate import dependencies, validate
+from pipecompile.schedule.actions import Action, Kind, Schedule
+from pipecompile.schedule.messages import Dataflow
+from pipecompile.schedule.validate import dependencies, validate
 
 __all__ = ["StageCosts", "Event", "Transfer", "Timeline", "simulate", "Transfers"]
 

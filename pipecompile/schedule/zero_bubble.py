@@ -28,7 +28,7 @@ The bubble fractions `tests/test_zero_bubble_schedules.py` checks with F=I=W=1 a
 from __future__ import annotations
 
 from pipecompile.errors import ScheduleError
-from pipecompile.runtime.actions import Action, Kind, Schedule
+from pipecompile.schedule.actions import Action, Kind, Schedule
 
 __all__ = ["zb_v", "interleaved_zb", "zb_v_placement"]
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import dataclasses
 
 from pipecompile.errors import ScheduleError
-from pipecompile.runtime.actions import Action, Kind, Schedule
-from pipecompile.runtime.messages import Dataflow
+from pipecompile.schedule.actions import Action, Kind, Schedule
+from pipecompile.schedule.messages import Dataflow
 
 __all__ = ["add_communication", "strip_communication", "relower", "split_backward", "merge_iw"]
 

@@ -2,7 +2,7 @@
 
 Terms: p stages, D devices, v virtual stages per device (p = D·v), m micro-batches. ``F``
 forward, ``B`` backward, ``I``/``W`` backward for inputs/weights, ``STEP`` optimizer step; see
-`pipecompile.runtime.actions`. Generators emit compute actions only; `make_schedule` lowers the
+`pipecompile.schedule.actions`. Generators emit compute actions only; `make_schedule` lowers the
 result with `add_communication` (the messages of a program's dataflow) and validates it. A
 user-written `Schedule` (``Schedule.from_text``/``from_csv``) takes the same path in place of a
 generator's output (`user_schedule`: its counts checked, its own messages dropped).
@@ -45,11 +45,11 @@ from dataclasses import replace
 from typing import Protocol
 
 from pipecompile.errors import ScheduleError
-from pipecompile.runtime.actions import Action, Kind, Schedule
-from pipecompile.runtime.lowering import add_communication
-from pipecompile.runtime.messages import Dataflow
-from pipecompile.runtime.validate import validate
-from pipecompile.runtime.zero_bubble import interleaved_zb, zb_v
+from pipecompile.schedule.actions import Action, Kind, Schedule
+from pipecompile.schedule.lowering import add_communication
+from pipecompile.schedule.messages import Dataflow
+from pipecompile.schedule.validate import validate
+from pipecompile.schedule.zero_bubble import interleaved_zb, zb_v
 
 __all__ = [
     "TWO_STAGES_PER_DEVICE",
@@ -213,13 +213,13 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_1f1b,
     "zb-h1": zb_h1,
-    "zb-v": zb_v,  # two stages per device in a V (runtime/zero_bubble.py)
+    "zb-v": zb_v,  # two stages per device in a V (schedule/zero_bubble.py)
     "interleaved-zb": interleaved_zb,  # interleaved 1F1B's placement, I/W split
 }
 
 # The one list of schedule names (compile validates against it, the CLI offers it, load reads
 # it back): the synchronous ones above, then those that update weights during a step
-# (runtime/async_schedules.py, imported lazily because it builds on this module).
+# (schedule/async_schedules.py, imported lazily because it builds on this module).
 ASYNC_SCHEDULE_NAMES: tuple[str, ...] = ("pipedream", "2bw")
 SCHEDULE_NAMES: tuple[str, ...] = (*SCHEDULES, *ASYNC_SCHEDULE_NAMES)
 #: The schedules that place two stages on every device unless told otherwise.
@@ -241,7 +241,7 @@ def make_schedule(
     `dataflow`: the program's links, whose messages the schedule moves (default: each stage
     reads from the one before it, `Dataflow.chain`).
     """
-    from pipecompile.runtime.async_schedules import ASYNC_SCHEDULES
+    from pipecompile.schedule.async_schedules import ASYNC_SCHEDULES
 
     known = {**SCHEDULES, **ASYNC_SCHEDULES}
     if isinstance(name, Schedule):
