@@ -12,14 +12,9 @@ import pipecompile as pc
 from pipecompile.errors import ScheduleError, StageExecutionError
 from pipecompile.schedule.actions import Action, Kind, Schedule
 from pipecompile.schedule.lowering import add_communication, relower, strip_communication
-from pipecompile.schedule.messages import (
-    Dataflow,
-    Message,
-    message_bytes,
-    message_of,
-    transfer_seconds,
-)
 from pipecompile.runtime.microbatch import split_microbatches
+from pipecompile.runtime.values import message_bytes
+from pipecompile.schedule.messages import Dataflow, Message, message_of, transfer_seconds
 from pipecompile.schedule.schedules import SCHEDULES, interleaved_1f1b, make_schedule
 from pipecompile.schedule.simulate import StageCosts, Transfer, simulate
 from pipecompile.schedule.validate import validate
