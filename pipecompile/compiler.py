@@ -35,7 +35,7 @@ from .materialize import is_meta_model, on_meta
 from .options import (CompileOptions, Example, check_async_ties, compute_dtype, device_present,
                       example_microbatch_size, resolve_options)
 from .passes.annotate import optimizer_state_factor
-from .passes.calibrate import calibrate_blocks, fit_calibration, loss_runs
+from .passes.calibrate import calibrate_blocks, fit_calibration
 from .passes.linearize import GRANULARITIES, linearize
 from .passes.partition import DeviceSpec
 from .passes.split import split
@@ -43,7 +43,8 @@ from .pipeline import Pipeline
 from .plan import Pass, Plan, need, run_passes
 from .planning import (Choice, CostModel, Target, action_cost, analytic as all_described, cost,
                        device_model, inflight, place, refine)
-from .search import SPLIT_BACKWARD_RATIO, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
+from .search import (FSDP_SCHEDULES, SPLIT_BACKWARD_RATIO, SYNC_SCHEDULES, BlockTable, Space,
+                     microbatch_choices)
 from .search import search as search_plans
 from .report import describe_devices, format_count, format_stages
 from .runtime.data_parallel import data_parallel_mesh, shard_stages
@@ -52,11 +53,12 @@ from .runtime.values import message_bytes
 from .schedule.actions import Schedule
 from .schedule.lowering import relower
 from .schedule.messages import Dataflow, transfer_seconds
-from .schedule.schedules import SPLIT_BACKWARD_SCHEDULES, make_schedule
+from .schedule.schedules import make_schedule
 from .schedule.simulate import simulate
 from .tensors import local_tensor
-from .stage_costs import (Probe, efficiency, measure, probe, shared_cores, simulator_costs,
-                          with_stage_costs)
+from .measure.probe import Probe, efficiency, measure, probe
+from .measure.stages import loss_runs
+from .stage_costs import shared_cores, simulator_costs, with_stage_costs
 
 __all__ = ["compile", "PASSES"]
 
@@ -102,12 +104,10 @@ def compile(  # noqa: A001 - the public name of the design
     `memory_limit` (bytes, per device or one for all) caps each stage's predicted memory.
     `example_target` (the target of the example batch) lets `profile=True` time `loss_fn` too.
     `rng="per-microbatch"` draws every random op from a stream of (`rng_seed`, step,
-    micro-batch, op), the same on any stage count and schedule; `verbose=True` shows torch's
-    own output while capturing. `compile_stages=True` runs each stage graph through
-    `torch.compile` (inductor; see runtime/compiled.py). `symbolic_sizes="all"` captures every
-    size of a batched input symbolic where the model allows (any sequence length runs);
-    `"batch"` keeps the others at the example's, which torch.export traces several times
-    faster on deep models (fixed-length training).
+    micro-batch, op); `verbose=True` shows torch's output while capturing; `compile_stages`
+    runs each stage graph through `torch.compile`. `symbolic_sizes="all"` captures every size
+    of a batched input symbolic where the model allows; `"batch"` the batch alone (faster
+    torch.export on deep models, fixed-length training).
 
     `schedule`, `microbatches`, `virtual_stages` and `checkpoint` default to "auto": the search
     pass costs every combination (synchronous schedules, micro-batch counts dividing the batch,
@@ -219,8 +219,8 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
         plan = replace(plan, efficiency=measured.efficiency, split_ratio=measured.split_ratio,
                        calibration=None if o.profile else measured.calibration)
     space = Space(
-        schedules=(tuple(s for s in SYNC_SCHEDULES if not (o.fsdp and s in SPLIT_BACKWARD_SCHEDULES))
-                   if "schedule" in o.auto else (o.schedule,)),
+        schedules=(FSDP_SCHEDULES if o.fsdp else SYNC_SCHEDULES) if "schedule" in o.auto
+        else (o.schedule,),
         microbatches=(choices if "microbatches" in o.auto and captured.dynamic_batch
                       else (o.microbatches,)),
         virtual_stages=(_split_point_stages(o) if "virtual_stages" in o.auto
@@ -266,7 +266,7 @@ def _recompute_for(plan: Plan, example: Example, given: Schedule, described: str
 def _probe(plan: Plan, example: Example, choices: Sequence[int],
            analytic: dict[str, CostTable]) -> Probe | None:
     """What the analytic costs miss on this machine, measured on the model cut after its first
-    block at about 4 micro-batches (`stage_costs.probe`); rank 0's numbers under
+    block at about 4 micro-batches (`measure.probe.probe`); rank 0's numbers under
     torch.distributed. None for a model of one block, or for devices described by their
     figures (`planning.analytic`: they need not be here). The analytic cost table it compares
     with is kept in `analytic` for the search to evaluate at other sizes."""

@@ -30,7 +30,7 @@ table and the reasoning):
     overheads   OP_OVERHEAD = 2 us per graph op (kernel launch, mostly hidden behind compute on
                 a busy GPU) and ACTION_OVERHEAD = 50 us per pipeline action or message (Python
                 dispatch, autograd set-up, an NCCL call): assumptions for a GPU runtime, used in
-                place of `planning.action_overhead`, which would time this machine.
+                place of `measure.rates.action_overhead`, which would time this machine.
 
 This module is pure: it imports neither torch nor a model.
 """

@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch.utils._pytree import TreeSpec
 
 __all__ = ["CapturedModel", "ValueInfo", "Block", "LinearGraph", "NodeRole", "StageCost",
-           "microbatch_size"]
+           "StageTimes", "microbatch_size"]
 
 
 class NodeRole:
@@ -271,3 +271,14 @@ def evaluate(expr: Any, sizes: Mapping[sympy.Symbol, int]) -> float:
     assert not value.free_symbols, f"unbound symbols {value.free_symbols} in {expr}"
     result = float(value)
     return result if math.isfinite(result) else 0.0
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Measured seconds of one stage's actions for one micro-batch."""
+
+    forward: float
+    backward: float
+    backward_input: float
+    backward_weight: float
+    loss: float = 0.0  # of forward + backward: the loss's own forward and backward (last stage)

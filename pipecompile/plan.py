@@ -23,7 +23,8 @@ from .options import CompileOptions, Example
 if TYPE_CHECKING:
     from .ir import CapturedModel, CostTable, LinearGraph
     from .passes.annotate import DeviceModel
-    from .passes.calibrate import Calibration, StageTimes
+    from .passes.calibrate import Calibration
+    from .ir import StageTimes
     from .passes.partition import DeviceSpec, Partition
     from .passes.split import StagedProgram
     from .schedule.actions import Schedule
@@ -57,7 +58,7 @@ class Plan:
     options: CompileOptions
     captured: "CapturedModel | None" = None
     search: "SearchResult | None" = None  # the candidates the search pass costed (None: none)
-    overhead: float = 0.0  # fixed seconds per action and message (planning.action_overhead)
+    overhead: float = 0.0  # fixed seconds per action and message (measure.rates.action_overhead)
     schedule: "Schedule | None" = None
     inflight: tuple[int, ...] = ()
     device_model: "DeviceModel | None" = None

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-import torch
 
 from .errors import ConfigError
 from .ir import CapturedModel, CostTable, LinearGraph
@@ -33,14 +31,15 @@ from .passes.calibrate import Calibration, calibrate_blocks
 from .passes.linearize import GRANULARITIES, linearize
 from .passes.partition import (DeviceSpec, Partition, PartitionMemoryError, PartitionProblem,
                                evaluate, lower_bound, partition)
-from .passes.profile import profile_blocks
+from .measure.profile import profile_blocks
+from .measure.rates import action_overhead, matmul_rate
 from .ranks import Ranks
 from .schedule.actions import Schedule
 from .schedule.schedules import make_schedule
 from .schedule.simulate import StageCosts, simulate
 
 __all__ = ["CostModel", "Target", "Choice", "cost", "place", "refine", "device_model",
-           "action_cost", "analytic", "matmul_rate", "action_overhead", "inflight"]
+           "action_cost", "analytic", "inflight"]
 
 
 @dataclass(frozen=True)
@@ -168,62 +167,6 @@ def action_cost(spec: DeviceSpec, ranks: Ranks) -> float:
 def analytic(specs: Sequence[DeviceSpec]) -> bool:
     """Whether a compile for `specs` measures nothing: every device gives its own figures."""
     return all(s.absolute for s in specs)
-
-
-@functools.lru_cache(maxsize=None)
-def matmul_rate(device: str, n: int = 512, repeats: int = 5) -> float:
-    """FLOP/s of an n×n×n fp32 matmul on `device` (median of a few runs, ~10 ms on a CPU)."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        if a.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        a @ b
-        if a.is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / sorted(times[1:])[repeats // 2]
-
-
-@functools.lru_cache(maxsize=None)
-def action_overhead(device: str, repeats: int = 7) -> float:
-    """Fixed seconds of one pipeline action on `device`, as the runtime pays it: executor
-    dispatch, Python, autograd set-up, a device thread handing a message to another.
-
-    Measured on a program whose compute is negligible: two tiny stages on two `device` workers
-    run by the real runtime (threads, mailbox, executor) with gpipe and m = 8. The median step
-    time over the simulator's makespan of that schedule when every action and message costs
-    one unit is the overhead the simulator then charges per action and message (about 0.3 s
-    of compile time, once per process). On a small model this is a large part of every
-    action's time, so fewer micro-batches win."""
-    from .capture import capture
-    from .options import CompileOptions
-    from .passes.split import split
-    from .runtime.assemble import LocalRuntime
-    from .runtime.microbatch import split_microbatches
-
-    m = 8
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
-    x = torch.randn(2 * m, 4)
-    linear = linearize(capture(model, (x,), method="fx"), granularity="layer")
-    devices = [torch.device(device)] * 2
-    program = split(linear, (0, 1, linear.num_blocks), devices)
-    schedule = make_schedule("gpipe", 2, m)
-    options = CompileOptions(devices=(DeviceSpec(device),) * 2, microbatches=m,
-                             schedule="gpipe", loss_fn=lambda out, y: (out - y).pow(2).mean())
-    runtime = LocalRuntime(program, schedule, options)
-    mbs = split_microbatches((x.to(device),), {}, torch.zeros(2 * m, 4, device=device), m)
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        runtime.run(schedule, mbs, batches=1)
-        if devices[0].type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    units = simulate(schedule, [StageCosts(0.0, 0.0)] * 2, overhead=1.0).makespan
-    return sorted(times[1:])[repeats // 2] / units
 
 
 def inflight(schedule: Schedule) -> tuple[int, ...]:

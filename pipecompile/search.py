@@ -27,13 +27,15 @@ from .schedule.actions import Kind, Schedule
 from .schedule.schedules import TWO_STAGES_PER_DEVICE, make_schedule
 from .schedule.simulate import StageCosts, simulate
 
-__all__ = ["BlockTable", "Space", "Candidate", "SearchResult", "search", "microbatch_choices",
+__all__ = ["FSDP_SCHEDULES", "BlockTable", "Space", "Candidate", "SearchResult", "search", "microbatch_choices",
            "SYNC_SCHEDULES", "SPLIT_BACKWARD_RATIO"]
 
 #: The synchronous schedules an automatic schedule choice considers, in tie-breaking order
 #: (the zero-bubble ones priced with the measured (I + W) / B of the planning probe).
 SYNC_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v",
                                    "interleaved-zb")
+#: Those whose backward runs FSDP's hooks (one autograd backward per micro-batch): fsdp=True.
+FSDP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 
 #: (I + W) / B: what splitting a backward into input and weight gradients costs, for the analytic
 #: costs (profiled blocks time I + W as one backward; the final prediction with profile=True

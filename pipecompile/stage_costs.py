@@ -1,36 +1,25 @@
 """Costs of the split stages: the stage table's `StageCost` and the simulator's `StageCosts`.
 
-Without profiling a stage costs the sum of its blocks; with `profile=True` every stage is timed
-as the runtime runs it (`passes.calibrate.measure_stages`, each rank its own stages, shared
-through `Ranks`), and CPU device threads that share the cores are measured for how much they
-slow each other down (`thread_efficiency`).
+Without profiling a stage costs the sum of its blocks; with `profile=True` it costs what
+`measure/probe.py` timed it at.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from dataclasses import replace
+from typing import Sequence
 
 import torch
 
-from .ir import CostTable, LinearGraph, StageCost
-from .options import Example
-from .passes.calibrate import (Calibration, StageTimes, loss_runs, measure_stages,
-                               thread_efficiency)
+from .ir import CostTable, StageCost, StageTimes
 from .passes.partition import DeviceSpec, Partition
-from .passes.profile import record_values
-from .passes.split import Stage, StagedProgram, split
+from .passes.split import Stage, StagedProgram
 from .ranks import Ranks
-from .schedule.actions import Schedule
-from .runtime.microbatch import split_microbatches
-from .schedule.messages import gradient_values
 from .schedule.simulate import StageCosts
-from .runtime.stage_worker import LossSpec
 from .search import SPLIT_BACKWARD_RATIO
 
-__all__ = ["with_stage_costs", "simulator_costs", "shared_cores", "measure", "efficiency",
-           "Probe", "probe"]
+__all__ = ["with_stage_costs", "simulator_costs", "shared_cores"]
 
 
 def with_stage_costs(program: StagedProgram, costs: CostTable, placement: Partition,
@@ -92,112 +81,6 @@ def shared_cores(specs: Sequence[DeviceSpec], ranks: Ranks) -> int | None:
     available = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count())
     return max(1, (available or 1) // max(1, torch.get_num_threads()))
-
-
-def measure(program: StagedProgram, schedule: Schedule, example: Example, *, microbatches: int,
-            loss_fn: Any, ranks: Ranks) -> dict[int, StageTimes]:
-    """Every stage's measured F/B/I/W on the first micro-batch (`passes.calibrate`). Under
-    torch.distributed each rank times its own stages and all ranks share the results."""
-    values, target = _first_microbatch(program.linear, example, microbatches)
-    own = ranks.own_stages(schedule) if ranks.distributed else None
-    measured = measure_stages(program, values, grad_values=gradient_values(program),
-                              loss=LossSpec(program.captured.unflatten_outputs, loss_fn,
-                                            1.0 / microbatches),
-                              target=target, stages=own)
-    return ranks.stage_times(measured)
-
-
-def efficiency(program: StagedProgram, schedule: Schedule, example: Example, *,
-               microbatches: int, cores: int) -> float:
-    """The speed of device threads running at once on `cores` cores, relative to their share."""
-    values, _ = _first_microbatch(program.linear, replace(example, target=None), microbatches)
-    firsts = [min(s for s in range(schedule.num_stages) if schedule.stage_to_device[s] == d)
-              for d in range(schedule.num_devices)]
-    return thread_efficiency(program, values, grad_values=gradient_values(program),
-                             device_stages=firsts, cores=cores)
-
-
-@dataclass(frozen=True)
-class Probe:
-    """The model measured as it runs, before the planning search: what the analytic costs
-    miss on this machine."""
-
-    calibration: Calibration  # analytic block times -> measured, the loss's own time
-    split_ratio: float  # zero-bubble's (I + W) / B, measured
-    efficiency: float  # device threads computing at once, relative to their share of the cores
-
-    def __str__(self) -> str:
-        return (f"{self.calibration}, (I+W)/B {self.split_ratio:.2f}, device threads at "
-                f"{self.efficiency:.2f} of their share")
-
-
-def probe(linear: LinearGraph, costs: CostTable, example: Example, device: torch.device, *,
-          microbatches: int, loss_fn: Any, threads: int, cores: int | None) -> Probe:
-    """Measure the model cut after its first block (`linear`, at least 2 blocks, `costs` its
-    analytic costs at the size of one of `microbatches` micro-batches) on `device`, as the
-    runtime runs stages: the factor from analytic to measured block time, the loss's time, the
-    split backward's (I + W) / B on the second stage (the first has no input gradient to
-    compute), and, when `threads` device threads share `cores` CPU cores, their efficiency
-    running the second stage at once. Costs about 15 forward + backward passes of the model on
-    one micro-batch; parameter gradients, buffers and the random state are left as they were.
-    Measured once per process for a graph, input layout and setting (like `action_overhead`):
-    compiling the same model again, with other options or weights, reuses the numbers."""
-    key = (linear.captured.module.code, linear.granularity, _layout(example.args),
-           _layout(example.kwargs), _layout(example.target), microbatches, id(loss_fn),
-           str(device), threads, cores)
-    if key not in _PROBES:
-        if len(_PROBES) >= _KEEP:  # the oldest goes (dicts keep insertion order)
-            del _PROBES[next(iter(_PROBES))]
-        _PROBES[key] = _probe(linear, costs, example, device, microbatches=microbatches,
-                              loss_fn=loss_fn, threads=threads, cores=cores)
-    return _PROBES[key]
-
-
-_PROBES: dict[tuple, Probe] = {}
-_KEEP = 32  # probes a process keeps (a key holds the graph's code)
-
-
-def _layout(value: Any) -> tuple:
-    """Shapes and dtypes of the tensors in `value`, in order (what a timing depends on)."""
-    leaves = torch.utils._pytree.tree_leaves(value)
-    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
-                 for x in leaves)
-
-
-def _probe(linear: LinearGraph, costs: CostTable, example: Example, device: torch.device, *,
-           microbatches: int, loss_fn: Any, threads: int, cores: int | None) -> Probe:
-    bounds = (0, 1, linear.num_blocks)
-    program = split(linear, bounds, [device, device], placed=example.placed)
-    values, target = _first_microbatch(linear, example, microbatches)
-    grads = gradient_values(program)
-    # a model that returns its own loss has it in its blocks; any other output gets ones as
-    # its gradient
-    last = LossSpec(linear.captured.unflatten_outputs, loss_fn, 1.0) if loss_fn else None
-    # the fastest of a few runs: what the work costs, not what other processes added to it
-    measured = measure_stages(program, values, grad_values=grads, loss=last, target=target,
-                              repeats=4, statistic=min)
-    predicted = sum(b.time for b in costs.blocks)
-    actual = sum(t.forward + t.backward - t.loss for t in measured.values())
-    size = linear.captured.microbatch_size(microbatches)
-    calibration = Calibration(actual / predicted if predicted > 0 else 1.0, measured[1].loss,
-                              microbatch_size=size,
-                              loss_timed=loss_runs(loss_fn, target))
-    rest = measured[1]
-    ratio = ((rest.backward_input + rest.backward_weight) / rest.backward
-             if rest.backward > 0 else 1.0)
-    shared = 1.0
-    if cores is not None and threads >= 2:
-        shared = thread_efficiency(program, values, grad_values=grads,
-                                   device_stages=[1] * threads, cores=cores, repeats=3)
-    return Probe(calibration, ratio, shared)
-
-
-def _first_microbatch(linear: LinearGraph, example: Example,
-                      microbatches: int) -> tuple[Mapping[str, Any], Any]:
-    """Every graph value on the first micro-batch, and that micro-batch's target."""
-    mb = split_microbatches(example.args, dict(example.kwargs), example.target, microbatches)[0]
-    captured = linear.captured
-    return record_values(captured.module, captured.flatten_inputs(mb.args, mb.kwargs)), mb.target
 
 
 def _transfer(nbytes: float, spec: DeviceSpec) -> float:

@@ -11,12 +11,8 @@ import torch
 
 import pipecompile as pc
 from pipecompile import planning, zoo
-from pipecompile.passes.calibrate import (
-    Calibration,
-    StageTimes,
-    calibrate_blocks,
-    fit_calibration,
-)
+from pipecompile.ir import StageTimes
+from pipecompile.passes.calibrate import Calibration, calibrate_blocks, fit_calibration
 from tests.models import CASES
 from tests.reference import assert_grads_equal, reference_step
 

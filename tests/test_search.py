@@ -219,7 +219,7 @@ def test_the_search_prices_candidates_with_the_probed_measurements(monkeypatch):
     """What the probe measured (a fake one here) is what the search and the final prediction
     use: the block-time factor, zero-bubble's (I + W) / B and the device threads' efficiency."""
     from pipecompile.passes.calibrate import Calibration
-    from pipecompile.stage_costs import Probe
+    from pipecompile.measure.probe import Probe
 
     plain = _probed(monkeypatch, Probe(Calibration(1.0), 1.0, 1.0), schedule="1f1b",
                     microbatches=2)

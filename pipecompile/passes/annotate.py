@@ -21,7 +21,7 @@ and optimizer-state bytes are static. The analytic time of a block on a device i
     t = flops / device_flops + io_bytes / device_bandwidth + num_ops * op_overhead
 
 (a roofline with a per-op launch cost), with backward traffic taken as twice forward's. With
-`profile=True` the times are measured instead (`passes.profile`).
+`profile=True` the times are measured instead (`measure.profile`).
 """
 
 from __future__ import annotations

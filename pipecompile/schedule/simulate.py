@@ -28,7 +28,7 @@ Devices that share cores (``cores``): worker threads of one process on a CPU com
 cores. With ``cores=c``, when k > c compute actions run at once each progresses at c/k of its
 speed (processor sharing, as the OS time-slices the threads); with k <= c, at full speed. With
 ``efficiency=e`` < 1, k >= 2 actions running at once are each e times slower again (the GIL,
-shared caches: `passes.calibrate.thread_efficiency` measures it). The default (``cores=None``)
+shared caches: `measure.stages.thread_efficiency` measures it). The default (``cores=None``)
 gives every device its own hardware.
 
 p=2, m=2, F=1, B=2, 1F1B::

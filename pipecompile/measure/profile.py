@@ -25,8 +25,8 @@ import torch.fx as fx
 
 from ..ir import CostTable, LinearGraph, NodeRole
 from ..runtime.microbatch import split_microbatches
-from .annotate import with_measured_times
-from .nodes import call_node, getattr_path as _getattr_path, preserve_buffers
+from ..passes.annotate import with_measured_times
+from ..passes.nodes import call_node, getattr_path as _getattr_path, preserve_buffers
 
 __all__ = ["profile_blocks", "record_values", "sync_device"]
 
