@@ -22,7 +22,7 @@ from .hardware import preset
 from .materialize import meta_parameters
 from .passes.partition import DeviceSpec, PartitionMemoryError
 from .pipeline import Pipeline, load
-from .runtime.memory import DeviceMemory, format_memory
+from .memory_report import DeviceMemory, format_memory
 
 __all__ = [
     "compile",

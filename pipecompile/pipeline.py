@@ -38,7 +38,7 @@ from .schedule.actions import Schedule
 from .runtime.assemble import Runtime, assemble
 from .runtime.distributed import Topology
 from .runtime.executor import Executor
-from .runtime.memory import DeviceMemory, device_memory
+from .memory_report import DeviceMemory, device_memory
 from .runtime.microbatch import MicroBatch, forward_in_chunks, split_microbatches
 from .schedule.schedules import make_schedule
 from .schedule.simulate import StageCosts, Timeline, simulate
@@ -405,7 +405,8 @@ class Pipeline(torch.nn.Module):
         peak as the total) next to the plan's prediction; `print` one for a table. The
         optimizer state is the `optimizer=` one compile built, or `optimizer`'s (your own).
         Nothing to switch on: every step counts its saved tensors (about 2 us each, a byte
-        span per tensor, see `runtime/memory.py`), so this always describes the last step."""
+        span per tensor, see `runtime/memory.py`; the report is `memory_report.py`), so this always
+        describes the last step."""
         optimizers = [optimizer] if optimizer is not None else self.runtime.optimizers
         return device_memory(self.runtime, self.plan, optimizers)
 
