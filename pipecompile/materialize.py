@@ -219,7 +219,7 @@ def load_weights(module: torch.nn.Module, path: str | os.PathLike, model_keys: S
                 f"(and its configuration)?")
     missing = sorted(set(wanted) - set(source))
     unexpected = sorted(set(stored) - set(model_keys))
-    own = dict(_named_state_all(module))
+    own = dict(_named_state(module))
     if all(own.get(k) is t for k, t in wanted.items()):
         _copy_in_chunks(path, source, own, {k: stored[k] for k in set(source.values())})
     else:  # keys renamed by the model's hooks: its load_state_dict hooks put them back
@@ -264,13 +264,14 @@ def meta_parameters() -> Iterator[None]:
     """
     register = torch.nn.Module.register_parameter
 
-    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+    def register_on_meta(module: torch.nn.Module, name: str,
+                         param: torch.nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and not param.is_meta:  # a tie re-registers a meta one: keep it
             module._parameters[name] = torch.nn.Parameter(param.to("meta"),
                                                           requires_grad=param.requires_grad)
 
-    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -304,12 +305,7 @@ def _reset(module: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:
     return None if not callable(reset) else (lambda m: reset())
 
 
-def _named_state_all(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _named_state(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer under each name it has (a tied one under all of them)."""
     yield from module.named_parameters(remove_duplicate=False)
     yield from module.named_buffers(remove_duplicate=False)
-
-
-def _named_state(module: torch.nn.Module, recurse: bool = True
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters(recurse=recurse)
-    yield from module.named_buffers(recurse=recurse)

@@ -89,31 +89,44 @@ def shard_stages(program: "StagedProgram", own: Sequence[int], mesh: Any) -> "St
     return replace(program, tensors={n: tuple(c) for n, c in tensors.items()})
 
 
-class MicrobatchSync:
-    """A sharded stage's gradient reduction once per step: before each backward of the
-    step, FSDP's gradient sync and resharding are on only for the last (the `m`-th)."""
+class _OncePerStep:
+    """Counts a stage's backwards within a step: the `microbatches`-th is the last."""
 
-    def __init__(self, module: Any, microbatches: int, replicas: int):
-        self.module = module
+    def __init__(self, microbatches: int):
         self.microbatches = microbatches
-        self.replicas = replicas
         self.done = 0
-        self.divide_factor: float | None = None  # None: FSDP's own mean over replicas
 
     def begin_step(self) -> None:
         self.done = 0
 
+    def _last(self) -> bool:
+        """Count one more backward; True for the step's last."""
+        self.done += 1
+        return self.done >= self.microbatches
+
+
+class MicrobatchSync(_OncePerStep):
+    """A sharded stage's gradient reduction once per step: before each backward of the
+    step, FSDP's gradient sync and resharding are on only for the last (the `m`-th)."""
+
+    def __init__(self, module: Any, microbatches: int, replicas: int):
+        super().__init__(microbatches)
+        self.module = module
+        self.replicas = replicas
+        self.divide_factor: float | None = None  # None: FSDP's own mean, never changed
+
     def summed(self, summed: bool) -> None:
         """Sum the replicas' gradients (the loss was normalised by the global item count), or
-        average them (FSDP's default)."""
-        factor = 1.0 if summed else (float(self.replicas) if self.divide_factor else None)
-        if factor != self.divide_factor and factor is not None:
+        average them (FSDP's default, set back explicitly after a summed step)."""
+        if not summed and self.divide_factor is None:
+            return
+        factor = 1.0 if summed else float(self.replicas)
+        if factor != self.divide_factor:
             self.module.set_gradient_divide_factor(factor)
-        self.divide_factor = factor
+            self.divide_factor = factor
 
-    def before_backward(self, roots: Sequence[torch.Tensor]) -> None:
-        self.done += 1
-        last = self.done >= self.microbatches
+    def before_backward(self) -> None:
+        last = self._last()
         self.module.set_is_last_backward(last)
         self.module.set_requires_gradient_sync(last)
         self.module.set_reshard_after_backward(last)
@@ -128,7 +141,7 @@ def reduces_in_backward(schedule: "Schedule", checkpoint: bool, compiled: bool) 
     return not split and not checkpoint and not compiled
 
 
-class ReplicaSync:
+class ReplicaSync(_OncePerStep):
     """A replicated stage's gradients averaged (or summed) over the replicas by torch's DDP
     reducer, during the step's last backward of the stage: the micro-batches before it
     accumulate locally (as under DDP's `no_sync`), the last one's hooks all-reduce the
@@ -136,26 +149,24 @@ class ReplicaSync:
     (a meta model is materialised after compile)."""
 
     def __init__(self, module: torch.nn.Module, microbatches: int, group: Any, replicas: int):
+        super().__init__(microbatches)
         self.module = module
-        self.microbatches = microbatches
         self.group = group
         self.replicas = replicas
-        self.done = 0
         self.sum = False
         self.ddp: Any = None
         self.buckets = 0  # buckets all-reduced by the hook so far (each during a backward)
 
     def begin_step(self) -> None:
-        self.done = 0
+        super().begin_step()
         if self.ddp is None:
             self.ddp = self._reducer()
 
     def summed(self, summed: bool) -> None:
         self.sum = summed
 
-    def before_backward(self, roots: Sequence[torch.Tensor]) -> None:
-        self.done += 1
-        if self.done >= self.microbatches:
+    def before_backward(self) -> None:
+        if self._last():
             # what DDP's forward does when gradients are to be synced, at the last backward
             # (torch.distributed.pipelining arms its DDP stages the same way)
             self.ddp.reducer.prepare_for_backward([])

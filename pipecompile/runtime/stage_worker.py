@@ -263,7 +263,7 @@ class StageWorker:
         if saved.weights is not None:
             return self._backward_versioned(mb, saved, roots, grads)
         if self.sync is not None:
-            self.sync.before_backward(roots)
+            self.sync.before_backward()
         if roots:
             torch.autograd.backward(roots, grads)
         if saved.store is not None:  # a fused B after a forward with deferred linears
