@@ -1,4 +1,4 @@
-"""Functions run on every rank by tests/test_distributed.py (importable by spawned processes)."""
+"""Functions run on every rank by tests/runtime/test_distributed.py (importable by spawned processes)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def different_models(rank):
 
 def train_async(rank, schedule, steps=2):
     """PipeDream/2BW on 2 ranks: own parameters after `steps` steps, and the losses."""
-    from tests.test_async import OPTIMIZERS, _batch, _model
+    from tests.runtime.test_async import OPTIMIZERS, _batch, _model
     from pipecompile import zoo
 
     model = _model()

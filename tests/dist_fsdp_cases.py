@@ -1,4 +1,4 @@
-"""Functions run on every rank by tests/test_fsdp.py (importable by spawned processes):
+"""Functions run on every rank by tests/runtime/test_fsdp.py (importable by spawned processes):
 pipeline x data parallel on 4 gloo ranks, each replica given its half of the global batch."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training loops run on every rank by tests/test_training_distributed.py (importable by the
+"""Training loops run on every rank by tests/runtime/test_training_distributed.py (importable by the
 spawned processes): the user's optimizer and scheduler, global-norm clipping, eval_step,
 eval mode and autocast over gloo ranks."""
 
@@ -62,7 +62,7 @@ def autocast_bf16_boundary(rank):
     """An MLP cut after a tanh of a bf16 linear: the boundary value itself is bf16."""
     import torch.nn.functional as F
 
-    from tests.test_autocast import MLP
+    from tests.runtime.test_autocast import MLP
 
     torch.manual_seed(0)
     model = MLP()
@@ -80,7 +80,7 @@ def eval_mode(rank):
     """Two training steps of a batch-norm + dropout model, then eval-mode outputs on 2 ranks."""
     import torch.nn.functional as F
 
-    from tests.test_training_loop import BatchNormDropout
+    from tests.runtime.test_training_loop import BatchNormDropout
 
     torch.manual_seed(0)
     model = BatchNormDropout().double()

@@ -13,7 +13,7 @@ import torch
 import pipecompile as pc
 import pipecompile.onnx as pco
 from tests.models import CASES
-from tests.test_eval_mode import DropoutMLP
+from tests.passes.test_eval_mode import DropoutMLP
 
 # transformers models: ~4-8 s each to compile and export two stages
 SLOW = {"gpt2", "bert", "llama", "t5", "vit"}

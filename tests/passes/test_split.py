@@ -10,7 +10,7 @@ from pipecompile.capture import capture
 from pipecompile.errors import ConfigError
 from pipecompile.passes.linearize import linearize
 from pipecompile.passes.split import split
-from tests.test_linearize import Skip
+from tests.passes.test_linearize import Skip
 
 
 class Tied(nn.Module):

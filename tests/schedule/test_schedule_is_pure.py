@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-FLOOR = Path(__file__).resolve().parents[1] / "pipecompile" / "schedule"
+FLOOR = Path(__file__).resolve().parents[2] / "pipecompile" / "schedule"
 ALLOWED = ("pipecompile.schedule", "pipecompile.errors")
 
 

@@ -16,7 +16,7 @@ from torch.autograd.graph import GradientEdge
 
 from pipecompile.runtime.split_backward import backward_input
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _group_norm_stage(contiguous: bool):

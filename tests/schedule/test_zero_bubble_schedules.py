@@ -103,7 +103,7 @@ def test_step_equals_unsplit_model_on_two_devices(name: str) -> None:
 
 
 def test_two_gloo_ranks_equal_unsplit_model() -> None:
-    from tests.test_distributed import _check
+    from tests.runtime.test_distributed import _check
 
     schedules = ["zb-v", "interleaved-zb"]
     results = run_ranks(train, 2, "gpt2", schedules, 2)

@@ -17,7 +17,7 @@ from pipecompile import zoo
 from pipecompile.materialize import init_weights
 from tests.dist import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_fsdp.py"
 STEPS = 2
 

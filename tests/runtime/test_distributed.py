@@ -111,7 +111,7 @@ def test_asynchronous_schedules_on_two_ranks_match_reference(schedule):
     from pipecompile.runtime.microbatch import split_microbatches
     from tests.async_reference import AsyncReference
     from tests.dist_cases import train_async
-    from tests.test_async import OPTIMIZERS, _batch, _model
+    from tests.runtime.test_async import OPTIMIZERS, _batch, _model
 
     results = run_ranks(train_async, 2, schedule)
     for r in results:

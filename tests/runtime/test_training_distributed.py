@@ -93,7 +93,7 @@ def test_autocast_with_a_bf16_value_between_ranks():
     the gradient sent back is float32 where the model's is bf16, so gradients differ by bf16
     rounding: less than one bf16 step (2**-7) of each gradient's largest element (0.53 % here,
     on the first stage's weights; the last stage's are identical)."""
-    from tests.test_autocast import _reference_step, _setup
+    from tests.runtime.test_autocast import _reference_step, _setup
 
     results = run_ranks(autocast_bf16_boundary, 2)
     _, reference, x, y = _setup()
@@ -111,7 +111,7 @@ def test_autocast_with_a_bf16_value_between_ranks():
 
 
 def test_eval_mode_and_eval_step_on_two_ranks():
-    from tests.test_training_loop import _bn_pipe
+    from tests.runtime.test_training_loop import _bn_pipe
 
     results = run_ranks(eval_mode, 2)
     _, reference, x, y = _bn_pipe()
