@@ -4,7 +4,7 @@ Models: zoo.GPT (d=128, 4 heads, vocab 512, seq 64, untied) with 12, 24, 48 and 
 transformers GPT-2 (same sizes) with 12 and 24 layers; batch 16, 8 micro-batches, 4 devices,
 1f1b, analytic costs. Each model is built fresh and compiled `--reps` times (the median per
 column is printed, and the spread of the total). "wall" is the wall time of the `pc.compile`
-call; the pass columns come from `pipe.passes` (their sum can be below wall: the rest is
+call; the pass columns come from `pipe.plan.passes` (their sum can be below wall: the rest is
 argument checks, building the Pipeline and the simulated schedule). Annotate's per-process
 cache of symbolic costs is cleared before each compile: every rep is a first compile.
 
@@ -22,9 +22,9 @@ import _common as C
 import torch
 
 import pipecompile as pc
-from pipecompile.passes.annotate import _SYMBOLIC as SYMBOLIC_COSTS
+from pipecompile.compile_cache import CompileCache
 
-PASSES = ["capture", "search", "linearize", "annotate", "partition", "split", "schedule"]
+PASSES = ["capture", "probe", "search", "linearize", "annotate", "partition", "split", "schedule"]
 
 
 def _model(kind: str, layers: int):
@@ -51,15 +51,15 @@ def main() -> None:
         for _ in range(reps):
             model, loss_fn = _model(kind, layers)
             x = torch.randint(0, 512, (16, 64))
-            SYMBOLIC_COSTS.clear()  # a first compile: no costs kept from the last rep
+            cache = CompileCache()  # a first compile: nothing kept from the last rep
             t0 = time.perf_counter()
             pipe = pc.compile(model, (x,), devices=4, microbatches=8, schedule="1f1b",
-                              loss_fn=loss_fn, symbolic_sizes=opts.symbolic_sizes)
+                              loss_fn=loss_fn, symbolic_sizes=opts.symbolic_sizes, cache=cache)
             walls.append(time.perf_counter() - t0)
-            for record in pipe.passes:
+            for record in pipe.plan.passes:
                 if record.name in per_pass:
                     per_pass[record.name].append(record.seconds)
-            summary = next(r.summary for r in pipe.passes if r.name == "linearize")
+            summary = next(r.summary for r in pipe.plan.passes if r.name == "linearize")
         rows.append((kind, layers, summary.split(",")[0],
                      *[f"{C.med(per_pass[p]):.3f}" if per_pass[p] else "-" for p in PASSES],
                      f"{C.med(walls):.2f}", C.spread(walls)))

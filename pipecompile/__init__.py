@@ -5,6 +5,7 @@
     loss = pipe.step(x, target=y)
 """
 
+from .compile_cache import CompileCache, default_cache
 from .compiler import compile
 from .errors import (
     CaptureError,
@@ -26,6 +27,8 @@ from .memory_report import DeviceMemory, format_memory
 
 __all__ = [
     "compile",
+    "CompileCache",
+    "default_cache",
     "load",
     "meta_parameters",
     "preset",

@@ -1,23 +1,28 @@
 """`compile`: a list of passes over one frozen `Plan`, then a `Pipeline` that runs it.
 
-    options   resolve_options: the keyword arguments checked once (options.py)
+    options   resolve_options: the keyword arguments checked once (options.py) -> plan.asked
     capture   the model as a flat fx graph                              -> plan.captured
+    probe     this machine's rates, and the planning probe when a searched option
+              depends on time (choose.py)                             -> plan.probe, ...
     search    the "auto" options: schedule, micro-batches, virtual stages,
-              recomputation per stage, by predicted step time (search.py) -> plan.search
+              recomputation per stage, by predicted step time; measures
+              nothing (search.py, choose.py)                  -> plan.choices, plan.search
     schedule  the action lists per device and peak in-flight counts      -> plan.schedule
     linearize blocks in order, as coarse as still gives every stage one  -> plan.linear
     annotate  block costs (analytic, or measured with profile=True)      -> plan.costs
     partition the cuts (optimal DP, or split_points)                     -> plan.placement
-    calibrate profile=True: stages timed as they run, costs corrected    -> plan.calibration
-    refine    a finer granularity when layers cannot balance             -> plan.linear, ...
+    calibrate profile=True: stages timed as they run, costs corrected    (updates costs, ...)
+    refine    a finer granularity when layers cannot balance             (updates linear, ...)
     split     one GraphModule per stage, with their costs                -> plan.program
-    threads   profile=True: how much CPU device threads slow each other  -> plan.efficiency
+    threads   profile=True: how much CPU device threads slow each other  (updates efficiency)
     simulate  the predicted timeline                                     -> plan.predicted
     agree     under torch.distributed: every rank planned the same       (checked)
-    shard     fsdp=True: this rank's stages fully_shard-ed over "dp"      -> plan.program
+    shard     fsdp=True: this rank's stages fully_shard-ed over "dp"      (updates program)
 
-Each pass is `pass(plan, example) -> (plan, summary) | None` (plan.py); the decisions are the
-pure functions of planning.py. `pipe.explain()` prints the pass records.
+Each pass is a `Pass` (plan.py) that declares the plan fields it requires, produces and
+updates; `run_passes` checks them. The decisions are the pure functions of planning.py.
+`pipe.explain()` prints the pass records. What compile measures or derives is kept in the
+`CompileCache` it is given (`compile_cache.default_cache` unless told otherwise).
 """
 
 from __future__ import annotations
@@ -28,37 +33,31 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .capture import capture as capture_model, seed_captured
+from .choose import (coarsest, cost_model, enough_blocks, probe_pass, schedule_pass, search_pass,
+                     target)
+from .compile_cache import CompileCache, default_cache
 from .deferred import Planner
-from .errors import ConfigError, PartitionError
-from .ir import CapturedModel, CostTable, LinearGraph
+from .errors import ConfigError
 from .materialize import is_meta_model, on_meta
-from .options import (CompileOptions, Example, check_async_ties, compute_dtype, device_present,
-                      example_microbatch_size, resolve_options)
-from .passes.annotate import optimizer_state_factor
+from .options import (Example, check_async_ties, device_present, example_microbatch_size,
+                      resolve_options)
 from .passes.calibrate import calibrate_blocks, fit_calibration
-from .passes.linearize import GRANULARITIES, linearize
 from .passes.partition import DeviceSpec
 from .passes.split import split
 from .pipeline import Pipeline
-from .plan import Pass, Plan, need, run_passes
-from .planning import (Choice, CostModel, Target, action_cost, analytic as all_described, cost,
-                       device_model, inflight, place, refine)
-from .search import (FSDP_SCHEDULES, SPLIT_BACKWARD_RATIO, SYNC_SCHEDULES, BlockTable, Space,
-                     microbatch_choices)
-from .search import search as search_plans
-from .report import describe_devices, format_count, format_stages
+from .plan import Pass, Plan, run_passes
+from .planning import Choice, cost, place, refine
+from .report import format_count
 from .runtime.data_parallel import data_parallel_mesh, shard_stages
 from .runtime.distributed import local_device
-from .runtime.values import message_bytes
 from .schedule.actions import Schedule
 from .schedule.lowering import relower
-from .schedule.messages import Dataflow, transfer_seconds
-from .schedule.schedules import make_schedule
-from .schedule.simulate import simulate
+from .schedule.messages import Dataflow
 from .tensors import local_tensor
-from .measure.probe import Probe, efficiency, measure, probe
+from .measure.probe import efficiency, measure
 from .measure.stages import loss_runs
-from .stage_costs import shared_cores, simulator_costs, with_stage_costs
+from .stage_costs import (BlockTable, message_costs, predict, shared_cores, simulator_costs,
+                          with_stage_costs)
 
 __all__ = ["compile", "PASSES"]
 
@@ -92,6 +91,7 @@ def compile(  # noqa: A001 - the public name of the design
     compile_stages: bool = False,
     fsdp: bool = False,
     mesh: Any = None,
+    cache: CompileCache | None = default_cache,
 ) -> Pipeline:
     """Compile `model` into a pipeline over `devices`.
 
@@ -120,6 +120,10 @@ def compile(  # noqa: A001 - the public name of the design
     call runs on every rank: `devices` is the number of pipeline ranks and `data_parallel` the
     number of pipeline replicas; each rank keeps only its own stages. `fsdp=True` shards each
     stage over the replicas (`fully_shard`); `mesh` is a ("dp", "pp") DeviceMesh to use.
+
+    `cache` keeps what compiling measures or derives (this machine's rates, the planning probe,
+    symbolic block costs), keyed by content: the process-wide `compile_cache.default_cache`
+    unless another `CompileCache` is given (`.clear()` empties one); None caches nothing.
     """
     def plan_for(example: Example | None) -> Plan:
         options = resolve_options(
@@ -130,7 +134,7 @@ def compile(  # noqa: A001 - the public name of the design
             symbolic_sizes=symbolic_sizes, granularity=granularity,
             profile=profile, checkpoint=checkpoint, vertical_sync=vertical_sync,
             verbose=verbose, rng=rng, rng_seed=rng_seed, compile_stages=compile_stages,
-            fsdp=fsdp, mesh=mesh)
+            fsdp=fsdp, mesh=mesh, cache=cache)
         return run_passes(Plan(options), PASSES, example) if example is not None else Plan(options)
 
     if not example_inputs and not example_kwargs:  # lazy: plans on the first call
@@ -146,7 +150,7 @@ def compile(  # noqa: A001 - the public name of the design
 
 
 def _capture(plan: Plan, example: Example) -> tuple[Plan, str]:
-    o = plan.options
+    o = plan.asked
     meta = is_meta_model(example.model)
     args, kwargs = (on_meta((example.args, dict(example.kwargs))) if meta
                     else (example.args, dict(example.kwargs)))
@@ -159,169 +163,16 @@ def _capture(plan: Plan, example: Example) -> tuple[Plan, str]:
         note = ("model on the meta device: analytic costs only (no planning probe"
                 + (", profile=True ignored" if o.profile else "") + ")")
         captured = replace(captured, notes=captured.notes + (note,))
-        plan = replace(plan, options=replace(o, profile=False))
     return replace(plan, captured=captured), (
         f"{o.capture}: {len(captured.module.graph.nodes)} nodes, "
         f"{'dynamic' if captured.dynamic_batch else 'static'} batch"
         + "".join(f"\n{'':24}{note}" for note in captured.notes))
 
 
-def _schedule(plan: Plan, example: Example) -> tuple[Plan, str]:
-    o = plan.options
-    schedule = make_schedule(o.given_schedule or o.schedule, len(o.devices), o.microbatches,
-                             virtual_stages=o.virtual_stages)
-    peaks = inflight(schedule)
-    return replace(plan, schedule=schedule, inflight=peaks), (
-        f"{o.schedule}: {sum(len(a) for a in schedule.actions)} actions on {len(o.devices)} "
-        f"devices, peak in-flight micro-batches {list(peaks)}")
-
-
-def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
-    """Choose the "auto" options by predicted step time (search.py); record the candidates."""
-    o = plan.options
-    captured = need(plan.captured, "capture")
-    dtype = compute_dtype(example.model)
-    plan = replace(plan, device_model=device_model(o.devices[0], o.ranks, dtype),
-                   overhead=action_cost(o.devices[0], o.ranks))
-    # every device described by its figures (hardware that need not be here): nothing measured
-    described = f"; {describe_devices(o.devices, dtype)}" if all_described(o.devices) else ""
-    if not o.auto:
-        return plan, ("nothing searched: schedule, micro-batches, virtual stages and "
-                      "checkpoint were given" + described)
-    if o.given_schedule is not None:  # it fixes all but recomputation
-        return _recompute_for(plan, example, o.given_schedule, described)
-    fewest = len(o.devices) * (1 if "virtual_stages" in o.auto else o.virtual_stages)
-    _enough_blocks(_coarsest(captured, o.granularity, fewest), fewest, o.granularity)
-    linears: dict[int, LinearGraph | None] = {}
-    tables: dict[tuple[str, int], CostTable] = {}
-    analytic: dict[str, CostTable] = {}  # per granularity: symbolic costs to evaluate again
-
-    def costs_for(m: int, stages: int) -> BlockTable | None:
-        if stages not in linears:
-            coarsest = _coarsest(captured, o.granularity, stages)
-            linears[stages] = coarsest if coarsest.num_blocks >= stages else None
-        linear = linears[stages]
-        if linear is None:
-            return None
-        size = captured.microbatch_size(m)
-        if (linear.granularity, size) not in tables:
-            model = replace(_cost_model(plan, example), microbatch_size=size, microbatches=m)
-            like = analytic.get(linear.granularity) or next(
-                (t for (g, _), t in tables.items() if g == linear.granularity), None)
-            tables[linear.granularity, size] = cost(linear, model, example, o.ranks, like)
-        return BlockTable.of(tables[linear.granularity, size])
-
-    choices = microbatch_choices(example.batch)
-    # recomputation alone is chosen by memory (it only ever adds time): measured times could
-    # not change the choice, so the probe's forward and backward passes are saved
-    measured = None if o.auto <= {"checkpoint"} else _probe(plan, example, choices, analytic)
-    if measured is not None:
-        plan = replace(plan, efficiency=measured.efficiency, split_ratio=measured.split_ratio,
-                       calibration=None if o.profile else measured.calibration)
-    space = Space(
-        schedules=(FSDP_SCHEDULES if o.fsdp else SYNC_SCHEDULES) if "schedule" in o.auto
-        else (o.schedule,),
-        microbatches=(choices if "microbatches" in o.auto and captured.dynamic_batch
-                      else (o.microbatches,)),
-        virtual_stages=(_split_point_stages(o) if "virtual_stages" in o.auto
-                        else (o.virtual_stages,)),
-        checkpoint=None if "checkpoint" in o.auto and not o.fsdp else bool(o.checkpoint))
-    found = search_plans(space, o.devices, costs_for, overhead=plan.overhead,
-                         split_ratio=plan.split_ratio or SPLIT_BACKWARD_RATIO,
-                         cores=shared_cores(o.devices, o.ranks), efficiency=plan.efficiency,
-                         searched=tuple(sorted(o.auto)))
-    best = found.best
-    options = replace(o, schedule=best.schedule, microbatches=best.microbatches,
-                      virtual_stages=best.virtual_stages,
-                      checkpoint=best.recompute if "checkpoint" in o.auto else o.checkpoint)
-    fits = sum(c.fits for c in found.candidates)
-    stages = len(o.devices) * best.virtual_stages  # the annotate pass reuses the winner's costs
-    linear = linears[stages]
-    plan = replace(plan, linear=linear, costs=tables[need(linear, "search").granularity,
-                                                     captured.microbatch_size(best.microbatches)])
-    return replace(plan, options=options, search=found), (
-        f"{best.schedule}, {best.microbatches} micro-batches, {best.virtual_stages} virtual "
-        f"stage(s), recompute stages {format_stages(best.recomputed)}: predicted step "
-        f"{best.step * 1e3:.3f} ms ({len(found.candidates)} candidates, {fits} fit"
-        + ("" if captured.dynamic_batch else "; static batch: micro-batches fixed") + ")"
-        + ("" if measured is None else f"; measured: {measured}") + described)
-
-
-def _recompute_for(plan: Plan, example: Example, given: Schedule, described: str
-                   ) -> tuple[Plan, str]:
-    """A written schedule, checkpoint="auto": recompute where memory needs it (as the search)."""
-    o = plan.options
-    schedule = make_schedule(given, len(o.devices), o.microbatches, virtual_stages=o.virtual_stages)
-    linear = _coarsest(need(plan.captured, "capture"), o.granularity, o.num_stages)
-    _enough_blocks(linear, o.num_stages, o.granularity)
-    costs = cost(linear, _cost_model(plan, example), example, o.ranks)
-    staged = replace(plan, schedule=schedule, inflight=inflight(schedule))  # for _target only
-    target = replace(_target(staged), recompute=(False if o.fsdp else None,) * o.num_stages)
-    recompute = place(linear, costs, target).recompute or (False,) * o.num_stages
-    return replace(plan, linear=linear, costs=costs, options=replace(o, checkpoint=recompute)), (
-        f"{o.schedule} given, recompute stages {[s for s, r in enumerate(recompute) if r]}"
-        + described)
-
-
-def _probe(plan: Plan, example: Example, choices: Sequence[int],
-           analytic: dict[str, CostTable]) -> Probe | None:
-    """What the analytic costs miss on this machine, measured on the model cut after its first
-    block at about 4 micro-batches (`measure.probe.probe`); rank 0's numbers under
-    torch.distributed. None for a model of one block, or for devices described by their
-    figures (`planning.analytic`: they need not be here). The analytic cost table it compares
-    with is kept in `analytic` for the search to evaluate at other sizes."""
-    o = plan.options
-    if all_described(o.devices):
-        return None
-    captured = need(plan.captured, "capture")
-    linear = _coarsest(captured, o.granularity, 2)
-    if linear.num_blocks < 2 or is_meta_model(example.model):  # no weights to run: analytic
-        return None
-    m = (min(choices, key=lambda c: (abs(c - 4), c)) if "microbatches" in o.auto
-         else o.microbatches)
-    model = replace(_cost_model(plan, example), profile=False, calibration=None,
-                    microbatch_size=captured.microbatch_size(m), microbatches=m)
-    if o.ranks.topology is not None and o.ranks.topology.rank != 0:
-        return o.ranks.shared(None)  # rank 0 measures, the others wait for its numbers
-    table = cost(linear, model, example, o.ranks, analytic.get(linear.granularity))
-    analytic.setdefault(linear.granularity, table)
-    device = local_device() if o.ranks.distributed else torch.device(o.devices[0].name)
-    found = probe(linear, table, example, device,
-                  microbatches=m, loss_fn=o.loss_fn, threads=len(o.devices),
-                  cores=shared_cores(o.devices, o.ranks))
-    return o.ranks.shared(found)
-
-
-def _split_point_stages(o: CompileOptions) -> tuple[int, ...] | None:
-    """With split_points the stage count is given: only the matching virtual stage count."""
-    if o.split_points is None:
-        return None
-    return ((len(o.split_points) + 1) // len(o.devices),)
-
-
-def _coarsest(captured: CapturedModel, granularity: str | None, stages: int) -> LinearGraph:
-    """The coarsest linearization with a block for every stage (or the finest tried)."""
-    for level in [granularity] if granularity else list(GRANULARITIES):
-        linear = linearize(captured, granularity=level)
-        if linear.num_blocks >= stages:
-            break
-    return linear
-
-
-def _enough_blocks(linear: LinearGraph, stages: int, granularity: str | None) -> None:
-    if linear.num_blocks < stages:
-        raise PartitionError(
-            f"the model has only {linear.num_blocks} blocks at granularity "
-            f"{linear.granularity!r}, fewer than the {stages} stages asked for; use at "
-            f"most {linear.num_blocks} devices"
-            + ("" if granularity is None else " or a finer granularity"))
-
-
 def _linearize(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
-    linear = plan.linear or _coarsest(need(plan.captured, "capture"), o.granularity,
-                                      o.num_stages)
-    _enough_blocks(linear, o.num_stages, o.granularity)
+    linear = coarsest(plan.ready.captured, o.granularity, o.num_stages)
+    enough_blocks(linear, o.num_stages, o.granularity)
     widest = max((len(b) for b in linear.boundaries), default=0)
     return replace(plan, linear=linear), (
         f"{linear.num_blocks} blocks ({linear.granularity}), max boundary {widest} values")
@@ -329,8 +180,7 @@ def _linearize(plan: Plan, example: Example) -> tuple[Plan, str]:
 
 def _annotate(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
-    costs = plan.costs or cost(need(plan.linear, "linearize"), _cost_model(plan, example),
-                               example, o.ranks)
+    costs = cost(plan.ready.linear, cost_model(plan, example), example, o.ranks)
     total = sum(b.forward_flops for b in costs.blocks)
     return replace(plan, costs=costs), (
         f"{format_count(total)}FLOP forward per micro-batch of "
@@ -338,13 +188,10 @@ def _annotate(plan: Plan, example: Example) -> tuple[Plan, str]:
 
 
 def _partition(plan: Plan, example: Example) -> tuple[Plan, str]:
-    placement = place(need(plan.linear, "linearize"), need(plan.costs, "annotate"),
-                      _target(plan))
-    o = plan.options
-    how = "split_points" if o.split_points is not None else "optimal DP"
-    checkpoint = placement.recompute or tuple(o.stage_checkpoint(s) for s in range(o.num_stages))
-    recomputed = [s for s, r in enumerate(checkpoint) if r]
-    return replace(plan, placement=placement, options=replace(o, checkpoint=checkpoint)), (
+    placement = place(plan.ready.linear, plan.ready.costs, target(plan))
+    how = "split_points" if plan.options.split_points is not None else "optimal DP"
+    recomputed = [s for s, r in enumerate(plan.ready.choices.checkpoint) if r]
+    return replace(plan, placement=placement), (
         f"{how}: bounds {placement.bounds}, bottleneck {placement.bottleneck * 1e3:.3f} ms/mb"
         + (f", recompute stages {recomputed}" if recomputed else ""))
 
@@ -354,18 +201,16 @@ def _calibrate(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     o = plan.options
     if not o.profile:
         return None
-    linear, estimated = need(plan.linear, "linearize"), need(plan.costs, "annotate")
-    before = need(plan.placement, "partition").bounds
+    linear, estimated = plan.ready.linear, plan.ready.costs
+    before = plan.ready.placement.bounds
     program = split(linear, before, _stage_devices(plan, example), placed=example.placed)
-    measured = measure(program, need(plan.schedule, "schedule"), example,
+    measured = measure(program, plan.ready.schedule, example,
                        microbatches=o.microbatches, loss_fn=o.loss_fn, ranks=o.ranks)
     calibration = fit_calibration(estimated, before, measured,
                                   loss_timed=loss_runs(o.loss_fn, example.target))
     costs = calibrate_blocks(estimated, calibration)
-    placement = place(linear, costs, _target(plan))
-    kept = program if placement.bounds == before else None
-    return replace(plan, calibration=calibration, costs=costs, placement=placement,
-                   program=kept), (
+    placement = place(linear, costs, target(plan))
+    return replace(plan, calibration=calibration, costs=costs, placement=placement), (
         f"stages measured: {calibration}; bounds {before} -> {placement.bounds}, "
         f"bottleneck {placement.bottleneck * 1e3:.3f} ms/mb")
 
@@ -374,14 +219,13 @@ def _refine(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     o = plan.options
     if o.granularity is not None or o.split_points is not None:
         return None
-    start = Choice(need(plan.linear, "linearize"), need(plan.costs, "annotate"),
-                   need(plan.placement, "partition"))
-    better = refine(need(plan.captured, "capture"), start, model=_cost_model(plan, example),
-                    target=_target(plan), example=example, ranks=o.ranks)
+    start = Choice(plan.ready.linear, plan.ready.costs, plan.ready.placement)
+    better = refine(plan.ready.captured, start, model=cost_model(plan, example),
+                    target=target(plan), example=example, ranks=o.ranks)
     if better is None:
         return None
     linear, placement = better.linear, better.placement
-    return replace(plan, linear=linear, costs=better.costs, placement=placement, program=None), (
+    return replace(plan, linear=linear, costs=better.costs, placement=placement), (
         f"{start.linear.granularity} -> {linear.granularity} ({linear.num_blocks} blocks): "
         f"bottleneck {start.placement.bottleneck * 1e3:.3f} -> "
         f"{placement.bottleneck * 1e3:.3f} ms/mb, bounds {placement.bounds}")
@@ -389,26 +233,22 @@ def _refine(plan: Plan, example: Example) -> tuple[Plan, str] | None:
 
 def _split(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.options
-    costs, placement = need(plan.costs, "annotate"), need(plan.placement, "partition")
-    schedule = need(plan.schedule, "schedule")
-    program = plan.program or split(need(plan.linear, "linearize"), placement.bounds,
-                                    _stage_devices(plan, example), placed=example.placed)
+    costs, placement, schedule = plan.ready.costs, plan.ready.placement, plan.ready.schedule
+    program = split(plan.ready.linear, placement.bounds, _stage_devices(plan, example),
+                    placed=example.placed)
     measured = (measure(program, schedule, example, microbatches=o.microbatches,
                         loss_fn=o.loss_fn, ranks=o.ranks) if o.profile else None)
-    program = with_stage_costs(program, costs, placement, plan.inflight)
+    specs = plan.stage_specs
+    table = BlockTable.of(costs, plan.ready.linear)  # priced as the search priced it
+    stage_costs = simulator_costs(table, placement.bounds, specs,
+                                  recompute=[o.stage_checkpoint(s) for s in range(len(specs))],
+                                  split_ratio=plan.split_ratio, measured=measured)
+    program = with_stage_costs(program, costs, placement, plan.inflight, stage_costs)
     if o.asynchronous:
         check_async_ties(program, o.schedule)
-    specs = plan.stage_specs
-    stage_costs = tuple(simulator_costs(s, costs, specs[s.index],
-                                        measured[s.index] if measured else None,
-                                        recompute=o.stage_checkpoint(s.index),
-                                        split_ratio=plan.split_ratio or SPLIT_BACKWARD_RATIO)
-                        for s in program.stages)
     # the schedule that runs moves the program's messages: relower it with the real wiring
     schedule = relower(schedule, Dataflow.of(program))
-    transfers = transfer_seconds(message_bytes(program, example_microbatch_size(example, o)),
-                                 lambda stage: specs[stage].bandwidth,
-                                 lambda stage: specs[stage].latency)
+    transfers = message_costs(table, placement.bounds, specs)
     return replace(plan, program=program, measured=measured, stage_costs=stage_costs,
                    schedule=schedule, transfers=transfers), (
         f"{program.num_stages} stage graphs, {len(program.ties)} tied parameter groups")
@@ -420,9 +260,9 @@ def _shard(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     if not o.fsdp or o.ranks.topology is None:
         return None
     topology = o.ranks.topology
-    own = o.ranks.own_stages(need(plan.schedule, "schedule"))
+    own = o.ranks.own_stages(plan.ready.schedule)
     mesh = data_parallel_mesh(topology, local_device(), o.mesh)
-    program = shard_stages(need(plan.program, "split"), own, mesh)
+    program = shard_stages(plan.ready.program, own, mesh)
     local = sum(local_tensor(p).numel() for s in own for p in program.stages[s].module.parameters())
     return replace(plan, program=program), (
         f"stages {list(own)} fully_shard-ed over {topology.data_parallel} data-parallel ranks "
@@ -436,55 +276,55 @@ def _threads(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     cores = shared_cores(plan.stage_specs, o.ranks)
     if not o.profile or cores is None or len(o.devices) < 2:
         return None
-    value = efficiency(need(plan.program, "split"), need(plan.schedule, "schedule"), example,
+    value = efficiency(plan.ready.program, plan.ready.schedule, example,
                        microbatches=o.microbatches, cores=cores)
     return replace(plan, efficiency=value), (
         f"{len(o.devices)} device threads on {cores} cores run at {value:.2f} of their share")
 
 
 def _simulate(plan: Plan, example: Example) -> tuple[Plan, str]:
-    schedule = need(plan.schedule, "schedule")
-    cores = shared_cores(plan.stage_specs, plan.options.ranks)
-    predicted = simulate(schedule, plan.stage_costs, cores=cores, efficiency=plan.efficiency,
-                         transfers=plan.transfers, overhead=plan.overhead)
-    return replace(plan, cores=cores, predicted=predicted), (
+    schedule = plan.ready.schedule
+    plan = replace(plan, cores=shared_cores(plan.stage_specs, plan.options.ranks))
+    predicted = predict(schedule, plan)
+    return replace(plan, predicted=predicted), (
         f"{schedule.name}: predicted step {predicted.makespan * 1e3:.3f} ms, bubble "
         f"{predicted.bubble_fraction:.1%}")
 
 
 def _agree(plan: Plan, example: Example) -> tuple[Plan, str] | None:
-    summary = plan.options.ranks.check(need(plan.program, "split"),
-                                       need(plan.schedule, "schedule"))
+    summary = plan.options.ranks.check(plan.ready.program, plan.ready.schedule)
     return None if summary is None else (plan, summary)
 
 
-PASSES: tuple[tuple[str, Pass], ...] = (
-    ("capture", _capture), ("search", _search), ("schedule", _schedule), ("linearize", _linearize),
-    ("annotate", _annotate), ("partition", _partition), ("calibrate", _calibrate),
-    ("refine", _refine), ("split", _split), ("threads", _threads), ("simulate", _simulate),
-    ("plan check", _agree), ("shard", _shard),
+_MEASURED = ("probe", "device_model", "overhead", "calibration", "efficiency", "split_ratio")
+_PLACED = ("linear", "costs", "placement", "schedule", "inflight", "choices")
+
+PASSES: tuple[Pass, ...] = (
+    Pass("capture", _capture, produces=("captured",)),
+    Pass("probe", probe_pass, requires=("captured",), produces=_MEASURED),
+    Pass("search", search_pass, requires=("captured", *_MEASURED), produces=("choices", "search")),
+    Pass("schedule", schedule_pass, requires=("choices",), produces=("schedule", "inflight")),
+    Pass("linearize", _linearize, requires=("captured", "choices"), produces=("linear",)),
+    Pass("annotate", _annotate, requires=("linear", "choices", "device_model", "calibration"),
+         produces=("costs",)),
+    Pass("partition", _partition, requires=("linear", "costs", "schedule", "inflight", "choices"),
+         produces=("placement",)),
+    Pass("calibrate", _calibrate, requires=_PLACED, updates=("calibration", "costs", "placement")),
+    Pass("refine", _refine, requires=(*_PLACED, "captured", "device_model", "calibration"),
+         updates=("linear", "costs", "placement")),
+    Pass("split", _split, requires=(*_PLACED, "split_ratio"), updates=("schedule",),
+         produces=("program", "measured", "stage_costs", "transfers")),
+    Pass("threads", _threads, requires=("program", "schedule", "choices"),
+         updates=("efficiency",)),
+    Pass("simulate", _simulate, requires=("schedule", "stage_costs", "transfers", "overhead",
+                                          "efficiency", "choices"),
+         produces=("cores", "predicted")),
+    Pass("plan check", _agree, requires=("program", "schedule", "choices")),
+    Pass("shard", _shard, requires=("program", "schedule", "choices"), updates=("program",)),
 )
 
 
 # -- what the passes derive from the plan -------------------------------------------------------
-
-
-def _cost_model(plan: Plan, example: Example) -> CostModel:
-    o = plan.options
-    return CostModel(device=need(plan.device_model, "annotate"),
-                     microbatch_size=example_microbatch_size(example, o),
-                     microbatches=o.microbatches,
-                     optimizer_factor=optimizer_state_factor(o.optimizer), profile=o.profile,
-                     calibration=plan.calibration)
-
-
-def _target(plan: Plan) -> Target:
-    o = plan.options
-    recompute = (None if o.checkpoint is False
-                 else tuple(o.stage_checkpoint(s) for s in range(o.num_stages)))
-    return Target(stage_specs=plan.stage_specs, inflight=plan.inflight, schedule=o.schedule,
-                  microbatches=o.microbatches, virtual_stages=o.virtual_stages,
-                  split_points=o.split_points, recompute=recompute)
 
 
 def _stage_devices(plan: Plan, example: Example) -> list[torch.device]:
@@ -496,5 +336,5 @@ def _stage_devices(plan: Plan, example: Example) -> list[torch.device]:
     ranks = plan.options.ranks
     if not ranks.distributed:
         return devices
-    own = set(ranks.own_stages(need(plan.schedule, "schedule")))
+    own = set(ranks.own_stages(plan.ready.schedule))
     return [d if i in own else example.device for i, d in enumerate(devices)]

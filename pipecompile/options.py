@@ -3,8 +3,10 @@
     Example         the model and one example batch (inputs, keyword inputs, target)
     CompileOptions  every keyword option of `pipecompile.compile`, checked and resolved: devices
                     as `DeviceSpec`s, the virtual stage count, the ranks of a distributed run;
-                    the options given as "auto" are named in `auto` and hold placeholders until
-                    the search pass (search.py) replaces them with its choice
+                    what the user asked: the options given as "auto" are named in `auto` and
+                    hold only a starting value (the micro-batch count a static capture is made
+                    at); the search pass records what it chose in a `Choices` (choices.py), and
+                    `Plan.options` applies them
 
 Devices given by their figures (absolute `DeviceSpec`s: `flops=`, or `pipecompile.preset("h100")`)
 get their relative `speed` here, at the model's compute dtype (`compute_dtype`); they need not be
@@ -24,12 +26,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
 from .capture import batch_size_of
+from .compile_cache import CompileCache
 from .errors import ConfigError, ScheduleError
 from .ir import microbatch_size
 from .passes.partition import DeviceSpec
@@ -102,8 +105,10 @@ class CompileOptions:
     fsdp: bool = False  # each stage fully_shard-ed over the data-parallel ranks (FSDP2)
     mesh: Any = None  # the user's DeviceMesh with "dp" and "pp" dimensions (None: built)
     ranks: Ranks = Ranks()
-    auto: frozenset[str] = frozenset()  # options the search pass chooses (placeholders until then)
+    auto: frozenset[str] = frozenset()  # options the search pass chooses (starting values here)
     given_schedule: Schedule | None = None  # user-written (compute order and counts), validated
+    # what compiling measures or derives, kept by content (None: nothing kept; compile_cache.py)
+    cache: CompileCache | None = field(default=None, compare=False, repr=False)
 
     def stage_checkpoint(self, stage: int) -> bool:
         """Whether `stage` recomputes its forward in backward (activation checkpointing)."""
@@ -165,7 +170,7 @@ def resolve_options(
             f"virtual_stages must be a positive int or 'auto', got {virtual_stages!r}")
     if checkpoint not in (True, False, AUTO):
         raise ConfigError(f"checkpoint must be True, False or 'auto', got {checkpoint!r}")
-    if "microbatches" in auto:  # a placeholder: a static capture is made at batch / it
+    if "microbatches" in auto:  # a starting value: a static capture is made at batch / it
         batch = example.batch if example is not None else 4
         microbatches = max(m for m in range(1, min(4, batch) + 1) if batch % m == 0)
     assert isinstance(microbatches, int)

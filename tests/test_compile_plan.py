@@ -23,13 +23,13 @@ def _heavy_head_gpt():
 def test_heavy_lm_head_gets_fewer_layers_and_balanced_stages():
     model, x = _heavy_head_gpt()
     pipe = pc.compile(model, (x,), devices=4, microbatches=4, loss_fn=zoo.lm_loss)
-    counts = [len(s.blocks) for s in pipe.stages]
+    counts = [len(s.blocks) for s in pipe.program.stages]
     assert counts[-1] < max(counts), counts  # the stage with the LM head holds fewer blocks
     program = pipe.program
     blocks = program.linear.num_blocks
     problem_times = [b.time for b in _costs(pipe)]
     ours = max(sum(problem_times[a:b]) for a, b in zip(program.bounds, program.bounds[1:]))
-    times = [s.cost.forward_time + s.cost.backward_time for s in pipe.stages]
+    times = [s.cost.forward_time + s.cost.backward_time for s in pipe.program.stages]
     assert abs(max(times) - ours) <= 1e-9 * ours  # the same numbers compile planned with
     equal = max(sum(problem_times[a:b]) for a, b in zip(uniform_bounds(blocks, 4),
                                                         uniform_bounds(blocks, 4)[1:]))
@@ -48,7 +48,7 @@ def test_blocks_are_refined_when_stages_outnumber_layers():
     model = zoo.GPT(vocab=32, dim=16, layers=1, heads=2, seq=8)
     x = torch.randint(0, 32, (8, 8))
     pipe = pc.compile(model, (x,), devices=6, microbatches=2, loss_fn=zoo.lm_loss)
-    assert len(pipe.stages) == 6
+    assert len(pipe.program.stages) == 6
     assert pipe.program.linear.granularity != "layer"
 
 
@@ -67,11 +67,11 @@ def test_stage_table_values_add_up_to_the_model():
     pipe = pc.compile(model, (x,), devices=2, microbatches=2,
                       loss_fn=lambda out, y: (out - y).pow(2).mean())
     lines = str(pipe).splitlines()
-    rows = [re.split(r"\s{2,}", line) for line in lines[3:3 + len(pipe.stages)]]
+    rows = [re.split(r"\s{2,}", line) for line in lines[3:3 + len(pipe.program.stages)]]
     assert [row[0] for row in rows] == ["0", "1"]
     blocks = pipe.program.linear.blocks
     mb = 8 // 2
-    for row, stage in zip(rows, pipe.stages):
+    for row, stage in zip(rows, pipe.program.stages):
         count, span = row[2].split(": ")
         assert int(count) == len(stage.blocks)
         assert span == f"{blocks[stage.blocks[0]].name} .. {blocks[stage.blocks[-1]].name}"
@@ -94,7 +94,7 @@ def test_profile_measures_block_times():
     before = [b.detach().clone() for b in model.buffers()]
     pipe = pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=zoo.lm_loss, profile=True)
     assert "measured" in pipe.explain()
-    assert all(s.cost.forward_time > 0 for s in pipe.stages)
+    assert all(s.cost.forward_time > 0 for s in pipe.program.stages)
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
 
 
@@ -105,12 +105,14 @@ def test_passes_advance_a_frozen_plan_and_record_only_what_ran():
 
     from pipecompile.options import CompileOptions
     from pipecompile.passes.partition import DeviceSpec
-    from pipecompile.plan import Plan, run_passes
+    from pipecompile.plan import Pass, Plan, run_passes
 
     start = Plan(CompileOptions(devices=(DeviceSpec(),), microbatches=2, schedule="gpipe"))
-    passes = (("first", lambda plan, example: (replace(plan, cores=3), "three cores")),
-              ("skipped", lambda plan, example: None),
-              ("second", lambda plan, example: (replace(plan, efficiency=0.5), "half speed")))
+    passes = (Pass("first", lambda plan, example: (replace(plan, cores=3), "three cores"),
+                   produces=("cores",)),
+              Pass("skipped", lambda plan, example: None),
+              Pass("second", lambda plan, example: (replace(plan, efficiency=0.5), "half speed"),
+                   requires=("cores",), produces=("efficiency",)))
     plan = run_passes(start, passes, example=None)
     assert (plan.cores, plan.efficiency) == (3, 0.5)
     assert [(r.name, r.summary) for r in plan.passes] == [("first", "three cores"),
@@ -125,14 +127,15 @@ def test_compile_records_its_passes_in_order():
     model = zoo.GPT(vocab=32, dim=16, layers=2, heads=2, seq=8)
     pipe = pc.compile(model, (torch.randint(0, 32, (8, 8)),), devices=2, microbatches=2,
                       loss_fn=zoo.lm_loss, granularity="layer")
-    assert [r.name for r in pipe.passes] == ["capture", "search", "schedule", "linearize",
-                                             "annotate", "partition", "split", "simulate"]
+    assert [r.name for r in pipe.plan.passes] == ["capture", "probe", "search", "schedule",
+                                             "linearize", "annotate", "partition", "split",
+                                             "simulate"]
     assert pipe.plan.placement.bounds == pipe.program.bounds
     # the prediction is the compiled schedule simulated with the compiled costs (not a stale
     # one from before a later pass changed them): every action once, the same times
     predicted = pipe.predicted
-    again = simulate(pipe.schedule, pipe.stage_costs, cores=pipe.cores,
-                     efficiency=pipe.efficiency, transfers=pipe.plan.transfers,
+    again = simulate(pipe.schedule, pipe.plan.stage_costs, cores=pipe.plan.cores,
+                     efficiency=pipe.plan.efficiency, transfers=pipe.plan.transfers,
                      overhead=pipe.plan.overhead)
     assert predicted.events == again.events and predicted.makespan == again.makespan
     assert sorted(map(str, (e.action for e in predicted.events))) == sorted(
@@ -141,7 +144,7 @@ def test_compile_records_its_passes_in_order():
     # add): every F, B, I and W costs its stage's time for it plus the fixed overhead; each
     # device runs its own actions one at a time, the devices together run at most `cores` at
     # full speed, and micro-batch 0 passes forward through every stage, then backward
-    costs, overhead = pipe.stage_costs, pipe.plan.overhead
+    costs, overhead = pipe.plan.stage_costs, pipe.plan.overhead
 
     def seconds(action):
         cost = costs[action.stage]
@@ -153,7 +156,7 @@ def test_compile_records_its_passes_in_order():
     # micro-batch 0's chain: F on every stage, then B (or I) on every stage
     first = [a for row in pipe.schedule.actions for a in row
              if a.microbatch == 0 and a.kind.value in ("F", "B", "I")]
-    lower = max(max(busy), sum(busy) / (pipe.cores or len(busy)), sum(map(seconds, first)))
+    lower = max(max(busy), sum(busy) / (pipe.plan.cores or len(busy)), sum(map(seconds, first)))
     assert 0 < lower <= predicted.makespan * (1 + 1e-9), (lower, predicted.makespan)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import pipecompile as pc
-from pipecompile import cli, compiler, planning, zoo
+from pipecompile import choose, cli, compiler, planning, zoo
 from pipecompile.errors import ConfigError
 from pipecompile.hardware import preset
 from pipecompile.options import device_present, require_present
@@ -84,7 +84,7 @@ def nothing_measured(monkeypatch):
         raise AssertionError("an analytic compile measured this machine")
 
     for module, name in ((planning, "matmul_rate"), (planning, "action_overhead"),
-                         (compiler, "probe"), (compiler, "measure"), (compiler, "efficiency")):
+                         (choose, "probe"), (compiler, "measure"), (compiler, "efficiency")):
         monkeypatch.setattr(module, name, measured)
 
 
@@ -111,7 +111,7 @@ def test_two_presets_plan_without_measuring_and_say_so(nothing_measured):
     h100 = preset("h100")
     pipe = pc.compile(model, (x,), devices=[h100, h100], loss_fn=lambda o, y: o.pow(2).mean())
     flops = sum(b.forward_flops + b.backward_flops for b in pipe.plan.costs.blocks)
-    m = pipe.microbatches
+    m = pipe.plan.options.microbatches
     assert pipe.predicted.makespan >= m * flops / (2 * h100.rate("float32"))  # fp32 model
     explained = pipe.explain()
     assert "costs analytic for 2 x NVIDIA H100 80GB SXM (0.5 of peak, nvlink)" in explained
@@ -141,7 +141,7 @@ def test_stages_of_an_absent_device_stay_with_the_model_and_cannot_run():
     pipe = pc.compile(model, (x,), devices=[preset("h100")] * 2, schedule="1f1b",
                       microbatches=2, checkpoint=False)
     assert not device_present("cuda") and device_present("cpu")
-    assert {str(s.device) for s in pipe.stages} == {"cpu"}  # the model's device
+    assert {str(s.device) for s in pipe.program.stages} == {"cpu"}  # the model's device
     with pytest.raises(ConfigError, match=r"pipe.step\(\): this plan is for 2 x NVIDIA H100"):
         require_present(pipe.plan.options.devices, where="pipe.step()")
 

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..compile_cache import CompileCache, digest, function_key, layout
 from ..ir import CostTable, LinearGraph, StageTimes
 from ..options import Example
 from ..passes.calibrate import Calibration
@@ -63,7 +64,8 @@ class Probe:
 
 
 def probe(linear: LinearGraph, costs: CostTable, example: Example, device: torch.device, *,
-          microbatches: int, loss_fn: Any, threads: int, cores: int | None) -> Probe:
+          microbatches: int, loss_fn: Any, threads: int, cores: int | None,
+          cache: CompileCache | None = None) -> Probe:
     """Measure the model cut after its first block (`linear`, at least 2 blocks, `costs` its
     analytic costs at the size of one of `microbatches` micro-batches) on `device`, as the
     runtime runs stages: the factor from analytic to measured block time, the loss's time, the
@@ -71,28 +73,19 @@ def probe(linear: LinearGraph, costs: CostTable, example: Example, device: torch
     compute), and, when `threads` device threads share `cores` CPU cores, their efficiency
     running the second stage at once. Costs about 15 forward + backward passes of the model on
     one micro-batch; parameter gradients, buffers and the random state are left as they were.
-    Measured once per process for a graph, input layout and setting (like `action_overhead`):
-    compiling the same model again, with other options or weights, reuses the numbers."""
-    key = (linear.captured.module.code, linear.granularity, _layout(example.args),
-           _layout(example.kwargs), _layout(example.target), microbatches, id(loss_fn),
-           str(device), threads, cores)
-    if key not in _PROBES:
-        if len(_PROBES) >= _KEEP:  # the oldest goes (dicts keep insertion order)
-            del _PROBES[next(iter(_PROBES))]
-        _PROBES[key] = _probe(linear, costs, example, device, microbatches=microbatches,
-                              loss_fn=loss_fn, threads=threads, cores=cores)
-    return _PROBES[key]
+    Kept in `cache` (None: measured afresh) for a graph, input layout, loss function and
+    setting: compiling the same model again, with other options or weights, reuses the
+    numbers."""
+    def run() -> Probe:
+        return _probe(linear, costs, example, device, microbatches=microbatches,
+                      loss_fn=loss_fn, threads=threads, cores=cores)
 
-
-_PROBES: dict[tuple, Probe] = {}
-_KEEP = 32  # probes a process keeps (a key holds the graph's code)
-
-
-def _layout(value: Any) -> tuple:
-    """Shapes and dtypes of the tensors in `value`, in order (what a timing depends on)."""
-    leaves = torch.utils._pytree.tree_leaves(value)
-    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
-                 for x in leaves)
+    if cache is None:
+        return run()
+    key = ("probe", digest(linear.captured.module.code), linear.granularity,
+           layout(example.args), layout(dict(example.kwargs)), layout(example.target),
+           microbatches, function_key(loss_fn), str(device), threads, cores)
+    return cache.get(key, run)
 
 
 def _probe(linear: LinearGraph, costs: CostTable, example: Example, device: torch.device, *,

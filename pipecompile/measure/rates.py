@@ -1,24 +1,27 @@
-"""This machine's rates, measured once per process: the matmul FLOP rate the analytic cost
-model divides FLOPs by, and the fixed cost of one pipeline action as the runtime pays it."""
+"""This machine's rates: the matmul FLOP rate the analytic cost model divides FLOPs by, and the
+fixed cost of one pipeline action as the runtime pays it. Measured once per `CompileCache`
+(keyed by the device and the measurement's settings); without a cache, every call measures."""
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
 
+from ..compile_cache import CompileCache
 from ..passes.linearize import linearize
-from ..passes.partition import DeviceSpec
 from ..schedule.schedules import make_schedule
 from ..schedule.simulate import StageCosts, simulate
 
 __all__ = ["matmul_rate", "action_overhead"]
 
 
-@functools.lru_cache(maxsize=None)
-def matmul_rate(device: str, n: int = 512, repeats: int = 5) -> float:
+def matmul_rate(device: str, n: int = 512, repeats: int = 5, *,
+                cache: CompileCache | None = None) -> float:
     """FLOP/s of an n×n×n fp32 matmul on `device` (median of a few runs, ~10 ms on a CPU)."""
+    if cache is not None:
+        return cache.get(("matmul_rate", device, n, repeats),
+                         lambda: matmul_rate(device, n, repeats))
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
     times = []
@@ -33,8 +36,7 @@ def matmul_rate(device: str, n: int = 512, repeats: int = 5) -> float:
     return 2 * n**3 / sorted(times[1:])[repeats // 2]
 
 
-@functools.lru_cache(maxsize=None)
-def action_overhead(device: str, repeats: int = 7) -> float:
+def action_overhead(device: str, repeats: int = 7, *, cache: CompileCache | None = None) -> float:
     """Fixed seconds of one pipeline action on `device`, as the runtime pays it: executor
     dispatch, Python, autograd set-up, a device thread handing a message to another.
 
@@ -42,12 +44,15 @@ def action_overhead(device: str, repeats: int = 7) -> float:
     run by the real runtime (threads, mailbox, executor) with gpipe and m = 8. The median step
     time over the simulator's makespan of that schedule when every action and message costs
     one unit is the overhead the simulator then charges per action and message (about 0.3 s
-    of compile time, once per process). On a small model this is a large part of every
+    of compile time, once per `cache`). On a small model this is a large part of every
     action's time, so fewer micro-batches win."""
+    if cache is not None:
+        return cache.get(("action_overhead", device, repeats),
+                         lambda: action_overhead(device, repeats))
     from ..capture import capture
-    from ..options import CompileOptions
     from ..passes.split import split
     from ..runtime.assemble import LocalRuntime
+    from ..runtime.spec import RuntimeSpec
     from ..runtime.microbatch import split_microbatches
 
     m = 8
@@ -57,9 +62,8 @@ def action_overhead(device: str, repeats: int = 7) -> float:
     devices = [torch.device(device)] * 2
     program = split(linear, (0, 1, linear.num_blocks), devices)
     schedule = make_schedule("gpipe", 2, m)
-    options = CompileOptions(devices=(DeviceSpec(device),) * 2, microbatches=m,
-                             schedule="gpipe", loss_fn=lambda out, y: (out - y).pow(2).mean())
-    runtime = LocalRuntime(program, schedule, options)
+    spec = RuntimeSpec(microbatches=m, loss_fn=lambda out, y: (out - y).pow(2).mean())
+    runtime = LocalRuntime(program, schedule, spec)
     mbs = split_microbatches((x.to(device),), {}, torch.zeros(2 * m, 4, device=device), m)
     times = []
     for _ in range(repeats + 1):

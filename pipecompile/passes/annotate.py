@@ -37,6 +37,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..compile_cache import CompileCache, digest
 from ..ir import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
 from .nodes import call_node, getattr_path as _getattr_path, node_target_str, preserve_buffers
 
@@ -63,13 +64,15 @@ def annotate(
     microbatch_size: int,
     device: DeviceModel | None = None,
     optimizer_factor: float = 0.0,
+    cache: CompileCache | None = None,
 ) -> CostTable:
     """Costs of `linear`'s blocks evaluated at `microbatch_size`.
 
-    `optimizer_factor` is optimizer-state bytes per parameter byte (see `optimizer_state_factor`).
+    `optimizer_factor` is optimizer-state bytes per parameter byte (see `optimizer_state_factor`);
+    `cache` keeps the symbolic costs (see `symbolic_block_costs`).
     """
     device = device or DeviceModel()
-    symbolic = symbolic_block_costs(linear, optimizer_factor=optimizer_factor)
+    symbolic = symbolic_block_costs(linear, optimizer_factor=optimizer_factor, cache=cache)
     values = linear.captured.values
     cut_exprs = tuple(
         sympy.Add(*[values[v].nbytes for v in cut]) if cut else sympy.Integer(0)
@@ -136,34 +139,29 @@ def optimizer_state_factor(optimizer: Callable | None) -> float:
 # symbolic costs on fake tensors
 
 
-def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0) -> tuple[BlockCost, ...]:
+def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0,
+                         cache: CompileCache | None = None) -> tuple[BlockCost, ...]:
     """Per-block symbolic costs; one fake forward and two fake backward passes per block.
-    Computed once per process for a graph, its blocks and its tensors' shapes: compiling one
-    model several ways (schedules, devices, a benchmark grid) reuses them, since the fake
-    passes over symbolic shapes take seconds on a transformer."""
-    key = _cost_key(linear, optimizer_factor)
-    if key not in _SYMBOLIC:
-        if len(_SYMBOLIC) >= _KEEP:  # the oldest goes (dicts keep insertion order)
-            del _SYMBOLIC[next(iter(_SYMBOLIC))]
-        _SYMBOLIC[key] = _symbolic_block_costs(linear, optimizer_factor)
-    return _SYMBOLIC[key]
+    Kept in `cache` (None: computed afresh) for a graph, its blocks and its tensors' shapes:
+    compiling one model several ways (schedules, devices, a benchmark grid) reuses them, since
+    the fake passes over symbolic shapes take seconds on a transformer."""
+    if cache is None:
+        return _symbolic_block_costs(linear, optimizer_factor)
+    return cache.get(("symbolic costs", _cost_key(linear, optimizer_factor)),
+                     lambda: _symbolic_block_costs(linear, optimizer_factor))
 
 
-_SYMBOLIC: dict[tuple, tuple[BlockCost, ...]] = {}
-_KEEP = 32  # graphs whose costs a process keeps (a key holds the graph's code)
-
-
-def _cost_key(linear: LinearGraph, optimizer_factor: float) -> tuple:
-    """Everything the symbolic costs depend on: the graph's code, every value's symbolic shape
-    and dtype (which also names the size symbols), the blocks, and the parameters' and
-    buffers' shapes, dtypes and whether they train."""
+def _cost_key(linear: LinearGraph, optimizer_factor: float) -> str:
+    """A hash of everything the symbolic costs depend on: the graph's code, every value's
+    symbolic shape and dtype (which also names the size symbols), the blocks, and the
+    parameters' and buffers' shapes, dtypes and whether they train."""
     gm = linear.captured.module
     values = tuple((name, str(info.shape), str(info.dtype))
                    for name, info in linear.captured.values.items())
-    state = tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
+    state = tuple((name, tuple(t.shape), str(t.dtype), t.requires_grad)
                   for name, t in (*gm.named_parameters(), *gm.named_buffers()))
-    return (gm.code, values, state, tuple(tuple(b.nodes) for b in linear.blocks),
-            tuple(sorted(linear.roles.items())), optimizer_factor)
+    return digest(gm.code, values, state, tuple(tuple(b.nodes) for b in linear.blocks),
+                  tuple(sorted(linear.roles.items())), optimizer_factor)
 
 
 def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float) -> tuple[BlockCost, ...]:

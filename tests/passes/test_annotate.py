@@ -146,19 +146,20 @@ def test_optimizer_state_factor(optimizer, factor):
 
 
 def test_symbolic_costs_are_computed_once_per_graph_and_shapes(monkeypatch):
-    """A second capture of an equal model (a new instance) reuses the costs; other parameter
-    shapes or an optimizer factor compute them anew."""
+    """A second capture of an equal model (a new instance) reuses the costs kept in the
+    cache; other parameter shapes or an optimizer factor compute them anew."""
     import pipecompile.passes.annotate as annotate_module
+    from pipecompile.compile_cache import CompileCache
 
     calls = []
     compute = annotate_module._symbolic_block_costs
-    monkeypatch.setattr(annotate_module, "_SYMBOLIC", {})
+    cache = CompileCache(maxsize=3)
     monkeypatch.setattr(annotate_module, "_symbolic_block_costs",
                         lambda *args: calls.append(1) or compute(*args))
 
     def costs(model, factor=0.0):
         return symbolic_block_costs(linearize(capture(model, (torch.randn(8, 16),), {})),
-                                    optimizer_factor=factor)
+                                    optimizer_factor=factor, cache=cache)
 
     first = costs(Chain())
     assert costs(Chain()) == first and len(calls) == 1
@@ -167,7 +168,6 @@ def test_symbolic_costs_are_computed_once_per_graph_and_shapes(monkeypatch):
     wider.layers[2] = nn.Linear(48, 32)
     assert costs(wider) != first and len(calls) == 2
     assert costs(Chain(), factor=2.0) != first and len(calls) == 3
-    monkeypatch.setattr(annotate_module, "_KEEP", 2)  # a bounded cache: the oldest goes
-    costs(Chain(), factor=3.0)
-    assert len(calls) == 4 and len(annotate_module._SYMBOLIC) <= 3
+    costs(Chain(), factor=3.0)  # a bounded cache: the least recently used goes
+    assert len(calls) == 4 and len(cache) == 3
     assert costs(Chain()) == first and len(calls) == 5  # the first entry was evicted
