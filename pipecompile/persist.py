@@ -36,7 +36,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -53,7 +53,7 @@ from .passes.split import Stage, StagedProgram, _Placement, _tensor_copies
 from .plan import PassRecord, Plan
 from .schedule.actions import Action, Schedule
 from .schedule.simulate import StageCosts, Timeline
-from .search import Candidate, SearchResult
+from .search import SearchResult
 from .treespec import dump_spec, load_spec
 
 __all__ = ["save_plan", "load_plan"]
@@ -94,7 +94,7 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
         "stage_costs": [_plain(asdict(c)) for c in plan.stage_costs],
         "cores": plan.cores, "efficiency": plan.efficiency, "overhead": plan.overhead,
         "split_ratio": plan.split_ratio,
-        "search": _search_to_json(plan.search),
+        "search": plan.search.to_dict() if plan.search is not None else None,
         "transfers": [[*key, seconds] for key, seconds in (plan.transfers or {}).items()],
         "predicted": plan.predicted.to_dict() if plan.predicted is not None else None,
         "passes": [asdict(r) for r in plan.passes],
@@ -128,7 +128,8 @@ def load_plan(
                           f"{data.get('version')!r}); save it again with this pipecompile")
     schedule = _schedule_from_json(_read_json(root / data["schedule"]))
     stage_devices = _stage_devices(data, schedule, devices)
-    program = _program_from_json(root, data, stage_devices)
+    stage_costs = tuple(StageCosts(**_floats(c)) for c in data.get("stage_costs", []))
+    program = _program_from_json(root, data, stage_devices, stage_costs)
     options = CompileOptions(
         devices=tuple(DeviceSpec(name=str(stage_devices[schedule.stage_to_device.index(d)]))
                       for d in range(schedule.num_devices)),
@@ -145,41 +146,17 @@ def load_plan(
     passes = tuple(PassRecord(**p) for p in data["passes"])
     plan = Plan(options, captured=program.captured, schedule=schedule, linear=program.linear,
                 program=program,
-                stage_costs=tuple(StageCosts(**_floats(c)) for c in data.get("stage_costs", [])),
+                stage_costs=stage_costs,
                 cores=data.get("cores"), efficiency=data.get("efficiency", 1.0),
                 overhead=float(data.get("overhead", 0.0)),  # absent before it was saved
                 transfers={(int(a), int(b), str(d)): float(t)
                            for a, b, d, t in data.get("transfers", [])},
                 predicted=Timeline.from_dict(data["predicted"]) if data["predicted"] else None,
-                split_ratio=data.get("split_ratio"), search=_search_from_json(data.get("search")))
+                split_ratio=data.get("split_ratio"),
+                search=SearchResult.from_dict(data["search"]) if data.get("search") else None)
     record = PassRecord("load", time.perf_counter() - start,
                         f"{program.num_stages} stages from {root}")
     return replace(plan, passes=(*passes, record))
-
-
-# -- the planning search's candidates (what explain() shows) ----------------------------------
-
-
-def _search_to_json(found: SearchResult | None) -> dict[str, Any] | None:
-    if found is None:
-        return None
-    return {"candidates": [_plain(asdict(c)) for c in found.candidates],
-            "lower_bound": found.lower_bound, "searched": list(found.searched),
-            "bound_note": found.bound_note}
-
-
-def _search_from_json(data: dict[str, Any] | None) -> SearchResult | None:
-    """The saved candidates, the winner first (infinite steps and needs saved as "inf")."""
-    if not data:
-        return None
-    candidates = tuple(
-        Candidate(c["schedule"], c["microbatches"], c["virtual_stages"],
-                  tuple(c["recompute"]), tuple(c["bounds"]),
-                  float(c["step"]), tuple(map(float, c["memory"])), c["reason"],
-                  float(c["needed"]))
-        for c in data["candidates"])
-    return SearchResult(candidates[0], candidates, data["lower_bound"], tuple(data["searched"]),
-                        data.get("bound_note", SearchResult.bound_note))
 
 
 # -- stages ------------------------------------------------------------------------------------
@@ -200,12 +177,31 @@ def _write_stage(stage: Stage, program: StagedProgram, out: Path) -> dict[str, A
         "weights": f"stage{stage.index}.safetensors", "device": str(stage.device),
         "inputs": list(stage.inputs), "outputs": list(stage.outputs),
         "blocks": list(stage.blocks), "parameter_names": list(stage.parameter_names),
-        "attributes": list(state), "cost": _plain(asdict(stage.cost)) if stage.cost else None,
+        "attributes": list(state), "cost": _cost_to_json(stage.cost),
     }
 
 
-def _program_from_json(root: Path, data: dict[str, Any],
-                       stage_devices: list[torch.device]) -> StagedProgram:
+def _cost_to_json(cost: StageCost | None) -> dict[str, Any] | None:
+    """A stage's `StageCost` without its times: those are the plan's "stage_costs"."""
+    if cost is None:
+        return None
+    return _plain({f.name: getattr(cost, f.name) for f in fields(StageCost) if f.name != "times"})
+
+
+def _cost_from_json(entry: dict[str, Any] | None, times: StageCosts | None) -> StageCost | None:
+    """A saved `StageCost` with the stage's simulator times (a plan saved before they were its
+    "stage_costs" kept them as forward_time and backward_time)."""
+    if entry is None:
+        return None
+    values = _floats(entry)
+    if times is None:
+        times = StageCosts(forward=values["forward_time"], backward=values["backward_time"])
+    known = {f.name for f in fields(StageCost)} - {"times"}
+    return StageCost(**{k: v for k, v in values.items() if k in known}, times=times)
+
+
+def _program_from_json(root: Path, data: dict[str, Any], stage_devices: list[torch.device],
+                       times: Sequence[StageCosts]) -> StagedProgram:
     """The staged program: weights read, each stage's module rebuilt from its code."""
     state = _read_state(root, data)
     captured = _captured_from_json(data["captured"], state)
@@ -216,7 +212,7 @@ def _program_from_json(root: Path, data: dict[str, Any],
         tensors = {n: placed.get(j, n, state[n]) for n in entry["attributes"]}
         module = build_module((root / entry["code"]).read_text(), entry["class"], tensors,
                               filename=str(root / entry["code"]))
-        cost = StageCost(**_floats(entry["cost"])) if entry["cost"] else None
+        cost = _cost_from_json(entry["cost"], times[j] if j < len(times) else None)
         stages.append(Stage(j, module, stage_devices[j], tuple(entry["inputs"]),
                             tuple(entry["outputs"]), tuple(entry["blocks"]),
                             tuple(n for n, _ in module.named_parameters()), cost))

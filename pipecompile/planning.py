@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 
+from .compile_cache import CompileCache
 from .errors import ConfigError
 from .ir import CapturedModel, CostTable, LinearGraph
 from .options import Example
@@ -34,9 +35,8 @@ from .passes.partition import (DeviceSpec, Partition, PartitionMemoryError, Part
 from .measure.profile import profile_blocks
 from .measure.rates import action_overhead, matmul_rate
 from .ranks import Ranks
-from .schedule.actions import Schedule
-from .schedule.schedules import make_schedule
-from .schedule.simulate import StageCosts, simulate
+from .schedule.simulate import inflight  # the passes' in-flight counts (one home: simulate)
+from .stage_costs import BlockTable, inflight_for, partition_problem
 
 __all__ = ["CostModel", "Target", "Choice", "cost", "place", "refine", "device_model",
            "action_cost", "analytic", "inflight"]
@@ -53,6 +53,7 @@ class CostModel:
     optimizer_factor: float = 0.0
     profile: bool = False
     calibration: Calibration | None = None
+    cache: CompileCache | None = None  # keeps the symbolic block costs (None: derived afresh)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class Target:
     virtual_stages: int
     split_points: tuple[str, ...] | None = None
     recompute: tuple[bool | None, ...] | None = None  # per stage (see PartitionProblem)
+    # a block's backward in the placement, relative to its cost: (I + W) / B where the schedule
+    # splits it (`stage_costs.backward_ratio`), as the search placed it
+    backward_ratio: float = 1.0
 
     @property
     def num_stages(self) -> int:
@@ -93,7 +97,7 @@ def cost(linear: LinearGraph, model: CostModel, example: Example, ranks: Ranks,
                         blocks=tuple(numeric_cost(c, sizes, model.device) for c in like.symbolic))
         return _calibrated(costs, model)
     costs = annotate(linear, microbatch_size=model.microbatch_size, device=model.device,
-                     optimizer_factor=model.optimizer_factor)
+                     optimizer_factor=model.optimizer_factor, cache=model.cache)
     if model.profile:
         costs = profile_blocks(linear, costs, example.args, dict(example.kwargs),
                                microbatches=model.microbatches)
@@ -114,7 +118,8 @@ def place(linear: LinearGraph, costs: CostTable, target: Target) -> Partition:
         return evaluate(problem, bounds_from_split_points(linear, target.split_points,
                                                           target.num_stages))
     return partition(problem, inflight_for=functools.partial(
-        _inflight_for, target.schedule, m=target.microbatches, v=target.virtual_stages))
+        inflight_for, target.schedule, microbatches=target.microbatches,
+        virtual_stages=target.virtual_stages))
 
 
 def refine(captured: CapturedModel, current: Choice, *, model: CostModel, target: Target,
@@ -145,7 +150,8 @@ def refine(captured: CapturedModel, current: Choice, *, model: CostModel, target
     return best
 
 
-def device_model(spec: DeviceSpec, ranks: Ranks, dtype: str | None = None) -> DeviceModel:
+def device_model(spec: DeviceSpec, ranks: Ranks, dtype: str | None = None, *,
+                 cache: CompileCache | None = None) -> DeviceModel:
     """The analytic model of the first device. An absolute spec (`spec.flops` given: hardware
     that need not be here) gives its own figures, at its rate for the model's `dtype`; a figure
     it leaves out costs nothing. Otherwise the FLOP rate is measured on this machine (rank 0's
@@ -153,26 +159,20 @@ def device_model(spec: DeviceSpec, ranks: Ranks, dtype: str | None = None) -> De
     if spec.absolute:
         return DeviceModel(flops=spec.rate(dtype), bandwidth=spec.memory_bandwidth or math.inf,
                            op_overhead=spec.op_overhead or 0.0)
-    return DeviceModel(flops=ranks.rate(matmul_rate(spec.name)))
+    return DeviceModel(flops=ranks.rate(matmul_rate(spec.name, cache=cache)))
 
 
-def action_cost(spec: DeviceSpec, ranks: Ranks) -> float:
+def action_cost(spec: DeviceSpec, ranks: Ranks, *, cache: CompileCache | None = None) -> float:
     """Fixed seconds per pipeline action and message: an absolute spec's `action_overhead`
     (0 if it gives none), else `action_overhead` measured on this machine (rank 0's)."""
     if spec.absolute:
         return spec.action_overhead or 0.0
-    return ranks.rate(action_overhead(spec.name))
+    return ranks.rate(action_overhead(spec.name, cache=cache))
 
 
 def analytic(specs: Sequence[DeviceSpec]) -> bool:
     """Whether a compile for `specs` measures nothing: every device gives its own figures."""
     return all(s.absolute for s in specs)
-
-
-def inflight(schedule: Schedule) -> tuple[int, ...]:
-    """Peak in-flight micro-batches per stage, from a unit-cost simulation of the schedule."""
-    timeline = simulate(schedule, [StageCosts(1.0, 2.0)] * schedule.num_stages)
-    return tuple(max(1, timeline.peak_inflight(s)) for s in range(schedule.num_stages))
 
 
 def bounds_from_split_points(linear: LinearGraph, split_points: Sequence[str],
@@ -198,23 +198,5 @@ def bounds_from_split_points(linear: LinearGraph, split_points: Sequence[str],
 
 
 def _problem(costs: CostTable, target: Target) -> PartitionProblem:
-    return PartitionProblem(
-        block_times=tuple(b.time for b in costs.blocks),
-        cut_bytes=costs.cut_bytes,
-        static_bytes=tuple(b.static_bytes for b in costs.blocks),
-        activation_bytes=tuple(b.activation_bytes for b in costs.blocks),
-        devices=target.stage_specs,
-        inflight=target.inflight,
-        forward_times=(None if target.recompute is None
-                       else tuple(b.forward_time for b in costs.blocks)),
-        recompute=target.recompute,
-    )
-
-
-def _inflight_for(schedule: str, devices: int, *, m: int, v: int) -> tuple[int, ...]:
-    """In-flight counts if the pipeline had `devices` devices (for the out-of-memory advice)."""
-    try:
-        return inflight(make_schedule(schedule, devices // v if v > 1 else devices, m,
-                                      virtual_stages=v))
-    except Exception:  # noqa: BLE001 - e.g. interleaving constraints: assume the worst
-        return (m,) * devices
+    return partition_problem(BlockTable.of(costs), target.stage_specs, target.inflight,
+                             recompute=target.recompute, ratio=target.backward_ratio)

@@ -5,30 +5,34 @@
 For every candidate (schedule x micro-batches m x virtual stages v) the blocks, costed at
 micro-batch size batch/m (`costs_for`), are placed optimally under memory (`partition`, where
 each stage may recompute only where memory needs it), the step is predicted by the simulator
-from the placement's per-stage costs (a fixed cost per action and message included), and the
-peak memory per device is summed from the stages. The fastest candidate that fits wins; near
-ties (within `TIE`) go to the one with the least peak memory summed over the devices, then to
-the earlier one in the fixed enumeration order (schedules as listed, then m, then v), so every
-rank given the same costs picks the same plan. Nothing here measures or reads globals.
+exactly as the compiled plan will predict it (`stage_costs`: the placement's per-stage costs,
+the schedule lowered with the cut's real messages, each priced by its bytes, and a fixed cost
+per action and message), and the peak memory per device is summed from the stages. The
+fastest candidate that fits wins; near ties (within `TIE`) go to the one with the least peak
+memory summed over the devices, then to the earlier one in the fixed enumeration order
+(schedules as listed, then m, then v), so every rank given the same costs picks the same plan.
+Nothing here measures or reads globals.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .errors import PartitionError, PipecompileError
-from .ir import CostTable
-from .passes.partition import (DeviceSpec, Partition, PartitionMemoryError, PartitionProblem,
-                               format_bytes, partition)
-from .schedule.actions import Kind, Schedule
+from .passes.partition import (DeviceSpec, PartitionMemoryError, PartitionProblem, format_bytes,
+                               partition)
+from .schedule.actions import Schedule
 from .schedule.schedules import TWO_STAGES_PER_DEVICE, make_schedule
-from .schedule.simulate import StageCosts, simulate
+from .schedule.lowering import relower
+from .schedule.simulate import inflight, simulate
+from .stage_costs import (SPLIT_BACKWARD_RATIO, BlockTable, dataflow, inflight_for,
+                          message_costs, partition_problem, placement_ratio, simulator_costs)
 
-__all__ = ["FSDP_SCHEDULES", "BlockTable", "Space", "Candidate", "SearchResult", "search", "microbatch_choices",
-           "SYNC_SCHEDULES", "SPLIT_BACKWARD_RATIO"]
+# BlockTable and SPLIT_BACKWARD_RATIO live in stage_costs (the pricing); named here for callers
+__all__ = ["FSDP_SCHEDULES", "BlockTable", "Space", "Candidate", "SearchResult", "search",
+           "microbatch_choices", "SYNC_SCHEDULES", "SPLIT_BACKWARD_RATIO"]
 
 #: The synchronous schedules an automatic schedule choice considers, in tie-breaking order
 #: (the zero-bubble ones priced with the measured (I + W) / B of the planning probe).
@@ -37,41 +41,8 @@ SYNC_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1",
 #: Those whose backward runs FSDP's hooks (one autograd backward per micro-batch): fsdp=True.
 FSDP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 
-#: (I + W) / B: what splitting a backward into input and weight gradients costs, for the analytic
-#: costs (profiled blocks time I + W as one backward; the final prediction with profile=True
-#: uses the real stages' measured I and W). Measured on this project's 2-core CPU (torch 2.13,
-#: fp32) through StageWorker: fused backward vs backward_input + backward_weight of a
-#: LayerNorm-Linear-GELU-Linear block (d = 256, 512, 768, hidden 4d, 256/128/64 rows), fastest
-#: and 10th-percentile of 150 interleaved runs, twice: 1.07 to 1.23 in 11 of 12 readings (one
-#: 0.84 under load). The split walks the autograd graph twice.
-SPLIT_BACKWARD_RATIO = 1.15
-
-
 #: Predicted steps within this fraction of the fastest are ties, decided by peak memory.
 TIE = 1e-3
-
-
-@dataclass(frozen=True)
-class BlockTable:
-    """What the search needs of a block cost table (seconds and bytes per micro-batch)."""
-
-    forward: tuple[float, ...]
-    backward_input: tuple[float, ...]
-    backward_weight: tuple[float, ...]
-    static_bytes: tuple[float, ...]
-    activation_bytes: tuple[float, ...]
-    cut_bytes: tuple[float, ...]  # len n + 1
-
-    @classmethod
-    def of(cls, costs: CostTable) -> "BlockTable":
-        b = costs.blocks
-        return cls(tuple(x.forward_time for x in b), tuple(x.backward_input_time for x in b),
-                   tuple(x.backward_weight_time for x in b), tuple(x.static_bytes for x in b),
-                   tuple(x.activation_bytes for x in b), tuple(costs.cut_bytes))
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.forward)
 
 
 @dataclass(frozen=True)
@@ -118,6 +89,31 @@ class SearchResult:
     searched: tuple[str, ...]  # the options that were "auto"
     bound_note: str = "compute / devices, no bubble, no overhead"  # what the bound assumes
 
+    def to_dict(self) -> dict[str, Any]:
+        """Strict JSON (an infinite step or need as "inf"): what a saved plan and
+        `pipecompile plan --json` write; `from_dict` reads it back."""
+        def plain(x: float) -> float | str:
+            return x if math.isfinite(x) else str(x)
+
+        return {"candidates": [{"schedule": c.schedule, "microbatches": c.microbatches,
+                                "virtual_stages": c.virtual_stages, "recompute": list(c.recompute),
+                                "bounds": list(c.bounds), "step": plain(c.step),
+                                "memory": [plain(x) for x in c.memory], "reason": c.reason,
+                                "needed": plain(c.needed)} for c in self.candidates],
+                "lower_bound": self.lower_bound, "searched": list(self.searched),
+                "bound_note": self.bound_note}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SearchResult":
+        """The result `to_dict` wrote, the winner first."""
+        candidates = tuple(
+            Candidate(c["schedule"], c["microbatches"], c["virtual_stages"],
+                      tuple(c["recompute"]), tuple(c["bounds"]), float(c["step"]),
+                      tuple(map(float, c["memory"])), c["reason"], float(c["needed"]))
+            for c in data["candidates"])
+        return cls(candidates[0], candidates, data["lower_bound"], tuple(data["searched"]),
+                   data.get("bound_note", cls.bound_note))
+
 
 def microbatch_choices(batch: int, cap: int = 32) -> tuple[int, ...]:
     """Micro-batch counts that divide `batch`, at most `cap`; over 8 of them: the powers of two
@@ -130,17 +126,19 @@ def microbatch_choices(batch: int, cap: int = 32) -> tuple[int, ...]:
 
 def search(space: Space, devices: Sequence[DeviceSpec],
            costs_for: Callable[[int, int], BlockTable | None], *, overhead: float = 0.0,
-           split_ratio: float = SPLIT_BACKWARD_RATIO, cores: int | None = None,
+           split_ratio: float | None = None, cores: int | None = None,
            efficiency: float = 1.0, searched: tuple[str, ...] = ()) -> SearchResult:
     """Cost every candidate of `space` on `devices` and pick the fastest that fits.
 
     `costs_for(m, num_stages)` is the block table at micro-batch size batch/m, linearized finely
     enough for `num_stages` stages (None: the model has too few blocks). `overhead` is the fixed
-    seconds per action and message; `split_ratio` is (I + W) / B for split-backward schedules.
+    seconds per action and message; `split_ratio` the measured (I + W) / B of split-backward
+    schedules (None: SPLIT_BACKWARD_RATIO; see `stage_costs.backward_ratio`).
     Raises `PartitionMemoryError` when no candidate fits in memory.
     """
     devices = tuple(devices)
     p = len(devices)
+    schedules = _Schedules()
     found: list[Candidate] = []
     for name in space.schedules:
         for m in space.microbatches:
@@ -148,7 +146,7 @@ def search(space: Space, devices: Sequence[DeviceSpec],
                 table = costs_for(m, p * v)
                 if table is None:
                     continue
-                found.append(_candidate(name, m, v, table, devices, space.checkpoint,
+                found.append(_candidate(name, m, v, table, devices, space.checkpoint, schedules,
                                         overhead=overhead, split_ratio=split_ratio, cores=cores,
                                         efficiency=efficiency))
     if not found:
@@ -165,12 +163,10 @@ def search(space: Space, devices: Sequence[DeviceSpec],
         ranked.remove(winner)
         ranked.insert(0, winner)
     best = ranked[0]
-    if not best.fits:
-        table = costs_for(best.microbatches, p * best.virtual_stages)
-        assert table is not None, "the candidate was costed"
-        raise _no_fit(best, table, devices, space.checkpoint, split_ratio)
     table = costs_for(best.microbatches, p * best.virtual_stages)
-    assert table is not None, "the winner was costed"
+    assert table is not None, "the candidate was costed"
+    if not best.fits:
+        raise _no_fit(best, table, devices, space.checkpoint, split_ratio, schedules)
     # the compute spread over what can run at once: every device, or with device threads of
     # one process sharing `cores` cores, that share of them at their measured efficiency
     share = 1.0 if cores is None else min(1.0, cores / p) * efficiency
@@ -187,34 +183,43 @@ def search(space: Space, devices: Sequence[DeviceSpec],
 # -- one candidate ------------------------------------------------------------------------------
 
 
+class _Schedules:
+    """The schedules one search builds (validated by make_schedule), each once, with their peak
+    in-flight micro-batches per stage; kept for that search only."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[str, int, int, int], tuple[Schedule, tuple[int, ...]]] = {}
+
+    def get(self, name: str, p: int, m: int, v: int) -> tuple[Schedule, tuple[int, ...]]:
+        key = (name, p, m, v)
+        if key not in self._made:
+            schedule = make_schedule(name, p, m, virtual_stages=v)
+            self._made[key] = schedule, inflight(schedule)
+        return self._made[key]
+
+
 def _problem(schedule: Schedule, peaks: tuple[int, ...], table: BlockTable,
-             specs: tuple[DeviceSpec, ...], checkpoint: bool | None, split_ratio: float
-             ) -> tuple[PartitionProblem, float]:
-    """The placement problem of one candidate, and its (I + W) / B ratio."""
-    split = any(a.kind is Kind.I for row in schedule.actions for a in row)
-    ratio = split_ratio if split else 1.0
-    times = tuple(f + ratio * (i + w) for f, i, w in
-                  zip(table.forward, table.backward_input, table.backward_weight))
-    modes = None if checkpoint is False else (checkpoint,) * schedule.num_stages
-    return PartitionProblem(
-        block_times=times, cut_bytes=table.cut_bytes, static_bytes=table.static_bytes,
-        activation_bytes=table.activation_bytes, devices=specs, inflight=peaks,
-        forward_times=table.forward if modes else None, recompute=modes), ratio
+             specs: tuple[DeviceSpec, ...], checkpoint: bool | None,
+             split_ratio: float | None) -> PartitionProblem:
+    """One candidate's placement problem: every stage may recompute (checkpoint None: where
+    memory needs it) unless `checkpoint` is False; split backwards at their measured cost."""
+    return partition_problem(
+        table, specs, peaks, ratio=placement_ratio(schedule, split_ratio),
+        recompute=None if checkpoint is False else (checkpoint,) * schedule.num_stages)
 
 
 def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[DeviceSpec, ...],
-               checkpoint: bool | None, *, overhead: float, split_ratio: float,
-               cores: int | None, efficiency: float) -> Candidate:
+               checkpoint: bool | None, schedules: _Schedules, *, overhead: float,
+               split_ratio: float | None, cores: int | None, efficiency: float) -> Candidate:
     try:
-        schedule, peaks = _schedule(name, len(devices), m, v)
+        schedule, peaks = schedules.get(name, len(devices), m, v)
     except PipecompileError as error:  # e.g. interleaving needs m to be a multiple of p
         return Candidate(name, m, v, needed=math.inf,  # ranked after every other candidate
                          reason=f"not valid: {str(error).split(';')[0]}")
     stages = schedule.num_stages
     specs = tuple(devices[d] for d in schedule.stage_to_device)
-    problem, ratio = _problem(schedule, peaks, table, specs, checkpoint, split_ratio)
     try:
-        placement = partition(problem)
+        placement = partition(_problem(schedule, peaks, table, specs, checkpoint, split_ratio))
     except PartitionMemoryError as error:
         limit = min(d.memory for d in devices)
         needed = error.memory_needed * v  # a device holds v stages (at most this together)
@@ -232,39 +237,15 @@ def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[Devi
                          needed=max(memory), reason=(
                              f"needs {format_bytes(memory[d])} on device {d} > limit "
                              f"{format_bytes(devices[d].memory)}"))
-    costs = _stage_costs(table, placement, specs, recompute, ratio)
-    timeline = simulate(schedule, costs, cores=cores, efficiency=efficiency, overhead=overhead,
-                        validated=True)
+    # as the compiled plan predicts it (stage_costs): its stages' costs, the schedule lowered
+    # with the cut's real messages, each priced by its bytes
+    costs = simulator_costs(table, placement.bounds, specs, recompute=recompute,
+                            split_ratio=split_ratio)
+    links = dataflow(table, placement.bounds)
+    timeline = simulate(schedule if links is None else relower(schedule, links), costs,
+                        cores=cores, efficiency=efficiency, overhead=overhead,
+                        transfers=message_costs(table, placement.bounds, specs), validated=True)
     return Candidate(name, m, v, recompute, placement.bounds, timeline.makespan, tuple(memory))
-
-
-@functools.lru_cache(maxsize=256)
-def _schedule(name: str, p: int, m: int, v: int) -> tuple[Schedule, tuple[int, ...]]:
-    """A schedule (validated by make_schedule) and its peak in-flight micro-batches per stage."""
-    schedule = make_schedule(name, p, m, virtual_stages=v)
-    timeline = simulate(schedule, [StageCosts(1.0, 2.0)] * schedule.num_stages, validated=True)
-    return schedule, tuple(max(1, timeline.peak_inflight(s)) for s in range(schedule.num_stages))
-
-
-def _stage_costs(table: BlockTable, placement: Partition, specs: tuple[DeviceSpec, ...],
-                 recompute: tuple[bool, ...], ratio: float) -> list[StageCosts]:
-    """The simulator's per-stage costs of a placement (as `stage_costs.simulator_costs` does
-    for split stages): sums of the blocks at the device's speed, a recomputed forward in B (or
-    I), and a first stage's whole backward in W."""
-    out = []
-    for s, spec in enumerate(specs):
-        a, b = placement.bounds[s], placement.bounds[s + 1]
-        f = sum(table.forward[a:b]) / spec.speed
-        i = sum(table.backward_input[a:b]) / spec.speed
-        w = sum(table.backward_weight[a:b]) / spec.speed
-        again = f if recompute[s] else 0.0
-        if table.cut_bytes[a] == 0:
-            i, w = 0.0, i + w
-        send = (spec.send_time(table.cut_bytes[b]), spec.send_time(table.cut_bytes[a]))
-        out.append(StageCosts(forward=f, backward=(i + w) + again,
-                              backward_input=ratio * i + again, backward_weight=ratio * w,
-                              send_forward=send[0], send_backward=send[1]))
-    return out
 
 
 def _label(c: Candidate, best: Candidate) -> Candidate:
@@ -280,7 +261,8 @@ def _label(c: Candidate, best: Candidate) -> Candidate:
 
 
 def _no_fit(smallest: Candidate, table: BlockTable, devices: tuple[DeviceSpec, ...],
-            checkpoint: bool | None, split_ratio: float) -> PartitionMemoryError:
+            checkpoint: bool | None, split_ratio: float | None,
+            schedules: _Schedules) -> PartitionMemoryError:
     """The error when nothing fits: the smallest plan's need per device, in the partitioner's
     words when its placement failed (with the fewest devices that would fit), and the fixes."""
     p, m, v = len(devices), smallest.microbatches, smallest.virtual_stages
@@ -296,18 +278,12 @@ def _no_fit(smallest: Candidate, table: BlockTable, devices: tuple[DeviceSpec, .
             f"{head} {smallest.reason}. To fix: use more devices or devices with at least "
             f"{format_bytes(smallest.needed)}." + tail,
             memory_needed=smallest.needed, devices_needed=None)
-    schedule, peaks = _schedule(smallest.schedule, p, m, v)
+    schedule, peaks = schedules.get(smallest.schedule, p, m, v)
     specs = tuple(devices[d] for d in schedule.stage_to_device)
-    problem, _ = _problem(schedule, peaks, table, specs, checkpoint, split_ratio)
-
-    def inflight_for(q: int) -> tuple[int, ...]:
-        try:
-            return _schedule(smallest.schedule, q // v, m, v)[1]
-        except PipecompileError:  # e.g. interleaving constraints: assume the worst
-            return (m,) * q
-
     try:
-        partition(problem, inflight_for=inflight_for)
+        partition(_problem(schedule, peaks, table, specs, checkpoint, split_ratio),
+                  inflight_for=lambda q: inflight_for(
+            smallest.schedule, q, microbatches=m, virtual_stages=v))
     except PartitionMemoryError as error:
         return PartitionMemoryError(f"{head}: {error}" + tail,
                                     memory_needed=error.memory_needed,

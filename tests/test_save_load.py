@@ -69,11 +69,11 @@ def test_directory_holds_code_json_and_safetensors_only(tmp_path):
                      "stage1.py", "stage1.safetensors", "stage2.py", "stage2.safetensors"]
     code = (tmp_path / "stage1.py").read_text()
     assert "class Stage1(torch.nn.Module):" in code and "def forward(self, " in code
-    assert pipe.stages[1].module.code.strip() in "\n".join(
+    assert pipe.program.stages[1].module.code.strip() in "\n".join(
         line[4:] for line in code.splitlines())  # the fx code, indented in the class
     plan = json.loads(Path(plan_path).read_text())
     assert plan["microbatches"] == 2 and plan["bounds"] == list(pipe.program.bounds)
-    assert plan["stages"][1]["inputs"] == list(pipe.stages[1].inputs)
+    assert plan["stages"][1]["inputs"] == list(pipe.program.stages[1].inputs)
     assert plan["ties"][0]["names"] == ["wte.weight", "lm_head.weight"]
     schedule = json.loads((tmp_path / "schedule.json").read_text())
     assert Schedule.from_text(pipe.schedule.to_text()).actions == tuple(
@@ -84,7 +84,7 @@ def test_directory_holds_code_json_and_safetensors_only(tmp_path):
     weights = load_file(str(tmp_path / "stage0.safetensors"))
     assert set(weights) == set(plan["stages"][0]["attributes"])  # the names stage 0 reads
     for name, tensor in weights.items():
-        assert torch.equal(tensor, pipe.stages[0].module.get_parameter(name))
+        assert torch.equal(tensor, pipe.program.stages[0].module.get_parameter(name))
 
 
 def test_save_of_a_loaded_pipeline_writes_the_same_files(tmp_path):
@@ -154,7 +154,7 @@ def test_load_errors_name_the_fix(tmp_path):
     case, pipe = _compiled("keyword_tuple")
     pipe.save(tmp_path)
     loaded = pc.load(tmp_path / "plan.json", devices=["cpu"])
-    assert [str(s.device) for s in loaded.stages] == ["cpu"] * 3
+    assert [str(s.device) for s in loaded.program.stages] == ["cpu"] * 3
     with pytest.raises(pc.ConfigError, match="one device per schedule device"):
         pc.load(tmp_path, devices=["cpu", "cpu"])
     with pytest.raises(pc.ConfigError, match="does not exist"):
@@ -189,3 +189,25 @@ def test_simulate_gives_the_prediction_before_and_after_save(tmp_path):
     del data["overhead"]
     plan.write_text(json.dumps(data))
     assert pc.load(tmp_path, loss_fn=zoo.lm_loss).plan.overhead == 0.0
+
+
+def test_plans_saved_with_the_stage_times_in_each_stages_cost_still_load(tmp_path):
+    """Before a stage's `StageCost` took its times from the simulator's costs, plan.json kept
+    forward_time and backward_time in each stage's "cost" (and, earlier still, no plan-level
+    "stage_costs")."""
+    case, pipe = _compiled("gpt")
+    pipe.save(tmp_path)
+    plan = tmp_path / "plan.json"
+    data = json.loads(plan.read_text())
+    assert all("times" not in s["cost"] for s in data["stages"])  # one home: "stage_costs"
+    for entry, costs in zip(data["stages"], data["stage_costs"]):
+        entry["cost"].update(forward_time=costs["forward"], backward_time=costs["backward"])
+    plan.write_text(json.dumps(data))
+    loaded = pc.load(tmp_path, loss_fn=case.loss_fn)
+    assert [s.cost for s in loaded.plan.program.stages] == [
+        s.cost for s in pipe.plan.program.stages]
+    del data["stage_costs"]
+    plan.write_text(json.dumps(data))
+    oldest = pc.load(tmp_path, loss_fn=case.loss_fn).plan.program.stages
+    assert [(s.cost.forward_time, s.cost.backward_time) for s in oldest] == [
+        (s.cost.times.forward, s.cost.times.backward) for s in pipe.plan.program.stages]

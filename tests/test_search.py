@@ -131,7 +131,7 @@ def _compile_gpt(**options):
 def _assert_trains_like_unsplit(case, reference, pipe):
     loss = pipe.step(*case.args, target=case.target)
     ref_loss, ref_grads = reference_step(reference, case.args, {}, case.target, case.loss_fn,
-                                         pipe.microbatches)
+                                         pipe.plan.options.microbatches)
     assert torch.allclose(loss, ref_loss, rtol=1e-12, atol=0), (loss, ref_loss)
     assert len(assert_grads_equal(pipe, ref_grads)) == len(ref_grads)
 
@@ -145,7 +145,7 @@ def test_compile_with_only_defaults_searches_and_trains_like_the_unsplit_model()
     options = pipe.plan.options
     assert (options.schedule, options.microbatches, options.virtual_stages) == (
         best.schedule, best.microbatches, best.virtual_stages)
-    assert options.checkpoint == best.recompute == (False,) * len(pipe.stages)
+    assert options.checkpoint == best.recompute == (False,) * len(pipe.program.stages)
     assert pipe.predicted.makespan == pytest.approx(best.step, rel=1e-9)
     _assert_trains_like_unsplit(case, reference, pipe)
 
@@ -160,7 +160,7 @@ def test_explicit_schedule_searches_only_the_microbatches():
 def test_one_stage_recomputes_and_the_other_not_exactly(tmp_path):
     case, reference, pipe = _compile_gpt(schedule="1f1b", microbatches=4, checkpoint=False)
     plan = pipe.plan
-    mixed = Pipeline(replace(plan, options=replace(plan.options, checkpoint=(True, False))))
+    mixed = Pipeline(replace(plan, choices=replace(plan.choices, checkpoint=(True, False))))
     assert [w.checkpoint for w in mixed.runtime.workers.values()] == [True, False]
     _assert_trains_like_unsplit(case, reference, mixed)
     loaded = pc.load(mixed.save(tmp_path / "saved"), loss_fn=case.loss_fn)
@@ -171,7 +171,7 @@ def test_one_stage_recomputes_and_the_other_not_exactly(tmp_path):
 def test_memory_limit_makes_compile_recompute_only_where_needed():
     _, _, free = _compile_gpt(schedule="1f1b", microbatches=4)
     assert free.plan.options.checkpoint == (False, False)
-    stage0 = free.stages[0].cost.memory
+    stage0 = free.program.stages[0].cost.memory
     # just below stage 0's need: it holds 2 micro-batches in flight, stage 1 only one
     case, reference, pipe = _compile_gpt(schedule="1f1b", microbatches=4,
                                          memory_limit=stage0 * 0.999)
@@ -208,10 +208,10 @@ def test_calibration_scales_the_loss_time_with_the_microbatch_size():
 def _probed(monkeypatch, found, microbatches, **options):
     """Compiled with the probe's result `found`; micro-batches "auto" with one choice, since
     the probe only runs when a searched option depends on time."""
-    import pipecompile.compiler as compiler
+    import pipecompile.choose as choose
 
-    monkeypatch.setattr(compiler, "probe", lambda *args, **kwargs: found)
-    monkeypatch.setattr(compiler, "microbatch_choices", lambda batch: (microbatches,))
+    monkeypatch.setattr(choose, "probe", lambda *args, **kwargs: found)
+    monkeypatch.setattr(choose, "microbatch_choices", lambda batch: (microbatches,))
     return _compile_gpt(microbatches="auto", **options)[2]
 
 
@@ -250,12 +250,12 @@ def test_the_search_prices_candidates_with_the_probed_measurements(monkeypatch):
 def test_no_probe_when_only_recomputation_is_searched(monkeypatch):
     """Schedule and micro-batches given: memory alone decides recomputation, so compile runs
     no probe (its passes would only cost time) and predicts analytically."""
-    import pipecompile.compiler as compiler
+    import pipecompile.choose as choose
 
     def fail(*args, **kwargs):
         raise AssertionError("the probe ran")
 
-    monkeypatch.setattr(compiler, "probe", fail)
+    monkeypatch.setattr(choose, "probe", fail)
     pipe = _compile_gpt(schedule="1f1b", microbatches=2)[2]
     assert pipe.plan.calibration is None and "measured:" not in pipe.explain()
     with pytest.raises(AssertionError, match="the probe ran"):

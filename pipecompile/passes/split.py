@@ -32,7 +32,7 @@ from .inplace import cross_stage_writes, mutated_inputs
 from .linearize import compute_inputs
 from .nodes import getattr_path as _getattr_path
 
-__all__ = ["Stage", "StagedProgram", "TiedParameter", "split"]
+__all__ = ["Stage", "StagedProgram", "TiedParameter", "BlockWiring", "block_wiring", "split"]
 
 
 @dataclass(frozen=True)
@@ -98,15 +98,14 @@ def split(
         raise ConfigError(f"{len(bounds) - 1} stages need {len(bounds) - 1} devices, got {len(devices)}")
     gm = linear.captured.module
     graph = gm.graph
-    stage_of_block = [j for j in range(len(bounds) - 1) for _ in range(bounds[j], bounds[j + 1])]
-    stage_of = _with_items_at_home(graph, {name: stage_of_block[b]
-                                           for name, b in linear.block_of.items()})
+    wiring = block_wiring(linear)
+    stage_of_block = _stage_of_block(bounds)
+    stage_of = {name: stage_of_block[b] for name, b in wiring.home.items()}
     last = len(bounds) - 1 - 1
     output_node = graph.find_nodes(op="output")[0]
 
     _check_writes(graph, stage_of, output_node, last)
-    consumers = _consumers(graph, linear.roles, stage_of, last)
-    producer = {v: stage_of[v] for v in consumers}
+    producer, consumers = wiring.at(bounds)
     placement = _Placement([torch.device(d) for d in devices],
                            {} if placed is None else placed)
     stages = []
@@ -133,32 +132,57 @@ def split(
                          consumers, ties, tensors)
 
 
-def _with_items_at_home(graph: fx.Graph, stage_of: dict[str, int]) -> dict[str, int]:
-    """Every `getitem` of a multi-output node runs in that node's stage, so a tuple (an opaque
-    module's outputs, an op's several results) never crosses a cut: its tensors do, each with
-    its own gradient."""
+@dataclass(frozen=True)
+class BlockWiring:
+    """Where each compute value of a `LinearGraph` is computed and which blocks read it: the
+    one source of a program's wiring, for any cut (`at`). A `getitem` of a multi-output node
+    runs in that node's block, so a tuple (an opaque module's outputs, an op's several results)
+    never crosses a cut: its tensors do, each with its own gradient."""
+
+    home: Mapping[str, int]  # compute node -> the block it runs in
+    readers: Mapping[str, tuple[int, ...]]  # value read by another block -> those blocks
+    #                                         (graph order; the model output: the last block)
+
+    def at(self, bounds: Sequence[int]) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
+        """The stage that produces each value read by another stage, and the stages that read
+        it, when stage j holds blocks [bounds[j], bounds[j+1])."""
+        stage = _stage_of_block(bounds)
+        producer: dict[str, int] = {}
+        consumers: dict[str, tuple[int, ...]] = {}
+        for name, blocks in self.readers.items():
+            src = stage[self.home[name]]
+            dsts = tuple(sorted({stage[b] for b in blocks} - {src}))
+            if dsts:
+                producer[name], consumers[name] = src, dsts
+        return producer, consumers
+
+
+def block_wiring(linear: LinearGraph) -> BlockWiring:
+    """The `BlockWiring` of `linear`'s graph (remat nodes looked through: each stage that needs
+    one recomputes it)."""
+    graph, roles = linear.captured.module.graph, linear.roles
+    home = dict(linear.block_of)
     for node in graph.nodes:
         source = node.args[0] if node.args else None
         if (node.op == "call_function" and node.target is operator.getitem
-                and isinstance(source, fx.Node) and node.name in stage_of
-                and source.name in stage_of):
-            stage_of[node.name] = stage_of[source.name]
-    return stage_of
-
-
-def _consumers(graph, roles, stage_of, last) -> dict[str, tuple[int, ...]]:
-    """For every compute value read outside its own stage: the stages that read it."""
+                and isinstance(source, fx.Node) and node.name in home and source.name in home):
+            home[node.name] = home[source.name]
     readers: dict[str, set[int]] = {}
     for node in graph.nodes:
         role = roles[node.name]
         if role not in (NodeRole.COMPUTE, NodeRole.OUTPUT):
             continue
-        j = last if role == NodeRole.OUTPUT else stage_of[node.name]
+        block = linear.num_blocks - 1 if role == NodeRole.OUTPUT else home[node.name]
         for arg in compute_inputs(node, roles):
-            if stage_of[arg.name] != j:
-                readers.setdefault(arg.name, set()).add(j)
+            if home[arg.name] != block:
+                readers.setdefault(arg.name, set()).add(block)
     order = {n.name: i for i, n in enumerate(graph.nodes)}
-    return {v: tuple(sorted(s)) for v, s in sorted(readers.items(), key=lambda kv: order[kv[0]])}
+    return BlockWiring(home, {v: tuple(sorted(b)) for v, b in
+                              sorted(readers.items(), key=lambda kv: order[kv[0]])})
+
+
+def _stage_of_block(bounds: Sequence[int]) -> list[int]:
+    return [j for j in range(len(bounds) - 1) for _ in range(bounds[j], bounds[j + 1])]
 
 
 def _stage_graph(members, outputs, output_node, is_last, roles, stage_of, j):

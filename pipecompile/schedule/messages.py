@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from pipecompile.errors import ScheduleError
 from pipecompile.schedule.actions import Action, Kind, Schedule
 
 __all__ = ["Link", "Dataflow", "Message", "MessageKey", "message_of", "gradient_values",
-           "transfer_seconds"]
+           "link_bytes", "transfer_seconds"]
 
 MessageKey = tuple[int, int, str]  # (sender stage, receiver stage, "F" or "B")
 
@@ -67,7 +67,8 @@ class Dataflow:
 
     @classmethod
     def of(cls, program: Any) -> Dataflow:
-        """The dataflow of a `StagedProgram`."""
+        """The dataflow of a `StagedProgram` (whose producer and consumer stages come from
+        `passes.split.BlockWiring`, the one source of a program's wiring)."""
         return cls.from_wiring(program.producer, program.consumers, gradient_values(program),
                                program.num_stages)
 
@@ -94,6 +95,10 @@ class Dataflow:
         links = tuple(Link(src, dst, (f"out{src}",), (f"out{src}",) if (src, dst) in backward
                            else ()) for src, dst in sorted(forward | backward))
         return cls(schedule.num_stages, links)
+
+    def producers(self) -> dict[str, int]:
+        """Every value a link carries -> the stage that produces it."""
+        return {name: k.src for k in self.links for name in k.values}
 
     def link(self, src: int, dst: int) -> Link | None:
         return next((k for k in self.links if k.src == src and k.dst == dst), None)
@@ -150,14 +155,26 @@ def message_of(action: Action, dataflow: Dataflow) -> Message:
     return Message(src, dst, action.microbatch, False, link.values)  # type: ignore[arg-type]
 
 
-def gradient_values(program: Any) -> frozenset[str]:
-    """Boundary values that are floating point (gradients flow back through them)."""
+def gradient_values(program: Any, names: Iterable[str] | None = None) -> frozenset[str]:
+    """Boundary values (`names`, default: the program's) that are floating point: gradients
+    flow back through them. `program`: anything with the `captured` model."""
     values = program.captured.values
-    return frozenset(n for n in program.producer
+    return frozenset(n for n in (program.producer if names is None else names)
                      if values[n].dtype is not None and values[n].dtype.is_floating_point)
 
 
-def transfer_seconds(nbytes: Mapping[MessageKey, int],
+def link_bytes(dataflow: Dataflow, size: Callable[[str], float]) -> dict[MessageKey, float]:
+    """Bytes of every message of `dataflow`'s links, ``size(name)`` being one value's bytes:
+    its values forward, its gradients back."""
+    result: dict[MessageKey, float] = {}
+    for link in dataflow.links:
+        result[(link.src, link.dst, "F")] = sum(size(n) for n in link.values)
+        if link.grads:
+            result[(link.dst, link.src, "B")] = sum(size(n) for n in link.grads)
+    return result
+
+
+def transfer_seconds(nbytes: Mapping[MessageKey, float],
                      bandwidth: float | Callable[[int], float],
                      latency: float | Callable[[int], float] = 0.0) -> dict[MessageKey, float]:
     """Seconds per message: its bytes over the sending stage's bandwidth (bytes/s; inf: free)

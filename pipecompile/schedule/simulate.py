@@ -49,7 +49,7 @@ from pipecompile.schedule.actions import Action, Kind, Schedule
 from pipecompile.schedule.messages import Dataflow
 from pipecompile.schedule.validate import dependencies, validate
 
-__all__ = ["StageCosts", "Event", "Transfer", "Timeline", "simulate", "Transfers"]
+__all__ = ["StageCosts", "Event", "Transfer", "Timeline", "simulate", "inflight", "Transfers"]
 
 #: Seconds per message, by (sender stage, receiver stage, "F" or "B"): a mapping (a missing key
 #: costs nothing) or a function.
@@ -301,6 +301,14 @@ def simulate(
     else:
         timeline = _simulate_free(schedule, costs, deps, latency, step_time, overhead)
     return Timeline(timeline.events, timeline.num_devices, _transfers(timeline, deps, latency))
+
+
+def inflight(schedule: Schedule) -> tuple[int, ...]:
+    """Peak in-flight micro-batches per stage (at least 1) of a valid schedule (as
+    `make_schedule` returns them), from a unit-cost simulation (F = I = W = 1): what a stage's
+    activation memory is sized for."""
+    timeline = simulate(schedule, [StageCosts(1.0, 2.0)] * schedule.num_stages, validated=True)
+    return tuple(max(1, timeline.peak_inflight(s)) for s in range(schedule.num_stages))
 
 
 def _transfers(timeline: Timeline, deps, latency) -> tuple[Transfer, ...]:

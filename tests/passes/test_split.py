@@ -9,7 +9,7 @@ import torch.nn as nn
 from pipecompile.capture import capture
 from pipecompile.errors import ConfigError
 from pipecompile.passes.linearize import linearize
-from pipecompile.passes.split import split
+from pipecompile.passes.split import block_wiring, split
 from tests.passes.test_linearize import Skip
 
 
@@ -61,6 +61,19 @@ def test_stage_inputs_and_outputs_are_named_by_value():
         placeholders = [n.name for n in stage.module.graph.find_nodes(op="placeholder")]
         assert tuple(placeholders) == stage.inputs
     assert [s.blocks for s in program.stages] == [(0,), (1,), (2, 3)]
+
+
+def test_the_block_wiring_gives_every_cut_its_producers_and_consumers():
+    """One record per linear graph (the search prices every cut's messages with it): which
+    block computes each value and which blocks read it; a cut maps those to stages."""
+    _, _, program = _tied()
+    wiring = block_wiring(program.linear)
+    # the embedding is read by layers.0 and by the skip's add in the head's block
+    assert dict(wiring.readers) == {"embedding": (1, 3), "linear": (2,), "linear_1": (3,)}
+    assert wiring.at(program.bounds) == (program.producer, program.consumers)
+    assert wiring.at((0, 3, 4)) == ({"embedding": 0, "linear_1": 0}, {"embedding": (1,),
+                                                                       "linear_1": (1,)})
+    assert wiring.at((0, 4)) == ({}, {})
 
 
 def test_stages_in_order_compute_the_model_and_its_gradients():
