@@ -128,7 +128,7 @@ def block_names(pipe) -> list[str]:
     """Per stage, 'first..last' block names of a compiled pipeline (which split it used)."""
     blocks = pipe.program.linear.blocks
     out = []
-    for s in pipe.stages:
+    for s in pipe.program.stages:
         first, last = blocks[s.blocks[0]].name, blocks[s.blocks[-1]].name
         out.append(first if first == last else f"{_short(first)}..{_short(last)}")
     return out

@@ -94,7 +94,7 @@ def _row(name, model, x, y, m, rounds, steps) -> None:
 def _actions(pipe) -> str:
     """Mean duration (ms) of each compute action kind in the pipeline's last step."""
     spans: dict[str, list[float]] = {}
-    for event in pipe.runtime.executor.records:
+    for event in pipe.timeline().events:
         kind = event.action.kind.value
         if kind in ("F", "B", "I", "W"):
             spans.setdefault(kind, []).append(event.end - event.start)

@@ -132,7 +132,7 @@ def _compile(factory, x, bounds, p, linear=None, profile=False, y=None, granular
                       granularity=granularity or (linear.granularity if linear else None))
     if bounds is not None and tuple(pipe.program.bounds) != tuple(bounds):
         raise RuntimeError(f"split_points {split} gave bounds {pipe.program.bounds}, not {bounds}")
-    pipe.executor.threads = False  # one thread: stage times without contention for the cores
+    pipe.runtime.executor.threads = False  # one thread: stage times without core contention
     return pipe
 
 

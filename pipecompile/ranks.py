@@ -41,9 +41,9 @@ class Ranks:
 
     def own_stages(self, schedule: "Schedule") -> tuple[int, ...]:
         """The stages this process runs: all of them, or those of its pipeline position."""
-        return tuple(s for s in range(schedule.num_stages)
-                     if self.topology is None
-                     or schedule.stage_to_device[s] == self.topology.position)
+        if self.topology is None:
+            return tuple(range(schedule.num_stages))
+        return self.topology.own_stages(schedule)
 
     def rate(self, flops: float) -> float:
         """Rank 0's measured matmul rate (every rank plans with the same analytic costs)."""

@@ -41,7 +41,7 @@ def train(rank, name, schedules, devices, data_parallel=1, microbatches=4, steps
         flat_out = torch.utils._pytree.tree_leaves(out)
         results[schedule] = {"losses": losses, "grads": grads, "params": params,
                              "state": {k: v.clone() for k, v in pipe.state_dict().items()},
-                             "out": flat_out, "own": pipe.own_stages}
+                             "out": flat_out, "own": pipe.runtime.own_stages}
     return results
 
 
@@ -91,8 +91,8 @@ def train_async(rank, schedule, steps=2):
         x, y = _batch(step)
         losses.append(pipe.step(x, target=y))
     return {"params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
-            "names": [list(s.parameter_names) for s in pipe.stages], "losses": losses,
-            "versions": pipe.weight_versions()}
+            "names": [list(s.parameter_names) for s in pipe.program.stages], "losses": losses,
+            "versions": pipe.runtime.weight_versions()}
 
 
 def other_batch_size(rank):

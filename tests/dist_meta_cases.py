@@ -43,4 +43,4 @@ def meta_gpt_step(rank, devices, weights=None):
     return {"loss": loss, "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()
                                     if p.grad is not None},
             "params": own, "meta_before": meta_before, "still_meta": still_meta,
-            "missing": missing, "own_stages": pipe.own_stages}
+            "missing": missing, "own_stages": pipe.runtime.own_stages}

@@ -36,7 +36,7 @@ def user_loop(rank, devices, data_parallel, steps=3):
         sched.step()
         opt.zero_grad()
     params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
-    copies = {n: [t.detach().clone() for s, t in c if s in pipe.own_stages]
+    copies = {n: [t.detach().clone() for s, t in c if s in pipe.runtime.own_stages]
               for n, c in pipe.program.tensors.items()}
     return {"losses": losses, "norms": norms, "params": params, "copies": copies,
             "eval": pipe.eval_step(x, target=y)}

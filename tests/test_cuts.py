@@ -17,7 +17,7 @@ def test_unet_long_skip_crosses_every_cut_to_its_reader():
     result = cuts(pipe.program, microbatches=4)
     assert [c.index for c in result] == [0, 1]
     for cut in result:
-        assert cut.after_block == pipe.stages[cut.index].blocks[-1]
+        assert cut.after_block == pipe.program.stages[cut.index].blocks[-1]
         names = [v.name for v in cut.values]
         assert "relu" in names  # enc1's output, read by the last decoder
         skip = cut.values[names.index("relu")]
@@ -30,11 +30,11 @@ def test_unet_long_skip_crosses_every_cut_to_its_reader():
     # micro-batch; cut j carries what a stage <= j returns and a stage > j reads
     real = {"x": case.args[0].chunk(4)[0]}
     with torch.no_grad():
-        for stage in pipe.stages:
+        for stage in pipe.program.stages:
             real.update(zip(stage.outputs, stage.module(*[real[n] for n in stage.inputs])))
     for cut in result:
-        sent = {n for s in pipe.stages[:cut.index + 1] for n in s.outputs}
-        read = {n for s in pipe.stages[cut.index + 1:] for n in s.inputs}
+        sent = {n for s in pipe.program.stages[:cut.index + 1] for n in s.outputs}
+        read = {n for s in pipe.program.stages[cut.index + 1:] for n in s.inputs}
         assert {v.name for v in cut.values} == sent & read
         for v in cut.values:
             assert v.microbatch_shape == tuple(real[v.name].shape), v

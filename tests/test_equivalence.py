@@ -22,7 +22,7 @@ def test_gpipe_step_matches_unsplit_model(name, stages):
     reference = copy.deepcopy(case.model)
     pipe = pc.compile(case.model, case.args, case.kwargs, devices=stages,
                       microbatches=MICROBATCHES, schedule="gpipe", loss_fn=case.loss_fn)
-    assert len(pipe.stages) == stages
+    assert len(pipe.program.stages) == stages
 
     loss = pipe.step(*case.args, target=case.target, **case.kwargs)
     ref_loss, ref_grads = reference_step(reference, case.args, case.kwargs, case.target,
@@ -111,7 +111,7 @@ def test_tied_gpt2_embedding_is_one_parameter_with_summed_gradient():
     assert len(ties) == 1
     assert set(ties[0].names) == {"transformer.wte.weight", "lm_head.weight"}
     stages_using = {s for s, _ in ties[0].copies} | {
-        st.index for st in pipe.stages
+        st.index for st in pipe.program.stages
         if {"transformer.wte.weight", "lm_head.weight"} & set(st.parameter_names)
     }
     assert {0, 3} <= stages_using  # the first and last stage both read the tied weight

@@ -112,7 +112,7 @@ def test_split_points_override_the_partitioner():
     model = zoo.GPT(vocab=32, dim=16, layers=4, heads=2, seq=8)
     x = torch.randint(0, 32, (8, 8))
     pipe = pc.compile(model, (x,), devices=2, split_points=["layers.3"], loss_fn=zoo.lm_loss)
-    names = [pipe.program.linear.blocks[b].name for b in pipe.stages[1].blocks]
+    names = [pipe.program.linear.blocks[b].name for b in pipe.program.stages[1].blocks]
     assert names[0] == "layers.3"
 
 

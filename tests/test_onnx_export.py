@@ -62,7 +62,7 @@ def test_onnx_chain_equals_model_in_eval_mode(name, tmp_path_factory):
     directory = Path(manifest).parent
     data = json.loads(Path(manifest).read_text())
     assert [s["file"] for s in data["stages"]] == ["stage0.onnx", "stage1.onnx"]
-    for entry, stage in zip(data["stages"], pipe.stages):
+    for entry, stage in zip(data["stages"], pipe.program.stages):
         model_proto = onnx.load(str(directory / entry["file"]))
         onnx.checker.check_model(model_proto)
         assert [v.name for v in model_proto.graph.input] == entry["inputs"]
@@ -78,14 +78,14 @@ def test_manifest_format_names_and_ties(tmp_path_factory):
     pco.validate_manifest(data)
     assert data["inputs"] == ["idx"]
     assert data["outputs"] == list(pipe.program.captured.output_names)
-    assert data["stages"][0]["outputs"] == list(pipe.stages[0].outputs)
-    assert data["stages"][1]["inputs"] == list(pipe.stages[1].inputs)
+    assert data["stages"][0]["outputs"] == list(pipe.program.stages[0].outputs)
+    assert data["stages"][1]["inputs"] == list(pipe.program.stages[1].inputs)
     assert data["tied"] == [["wte.weight", "lm_head.weight"]]
     every = set()
     for stage in data["stages"]:
         every |= set(stage["parameters"].values())
     # every parameter is in some file, under the name its stage reads it by (a model name)
-    assert every == {n for s in pipe.stages for n in s.parameter_names}
+    assert every == {n for s in pipe.program.stages for n in s.parameter_names}
     assert every | {"wte.weight"} >= {n for n, _ in pipe.named_parameters()}
 
 

@@ -44,7 +44,7 @@ def test_names_order_and_state_are_the_models():
 
 def test_registered_tensors_are_the_ones_the_stages_train():
     case, _, pipe = _gpt_pipe()
-    stage_tensors = {id(t) for s in pipe.stages for t in s.module.parameters()}
+    stage_tensors = {id(t) for s in pipe.program.stages for t in s.module.parameters()}
     assert {id(p) for p in pipe.parameters()} <= stage_tensors
 
 
@@ -97,7 +97,8 @@ def test_model_names_never_clash_with_the_pipeline_api():
     pipe = pc.compile(model, (x,), devices=2, microbatches=2,
                       loss_fn=lambda out, y: ((out - y) ** 2).mean())
     assert [n for n, _ in pipe.named_parameters()] == [n for n, _ in model.named_parameters()]
-    assert len(pipe.stages) == 2  # still the stage tuple, not the submodule
+    assert len(pipe.program.stages) == 2
+    assert pipe.stages.weight is dict(pipe.named_parameters())["stages.weight"]  # the model's
     loss = pipe.step(x, target=torch.zeros(8, 4, dtype=torch.float64))
     assert loss.item() > 0
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=0)
@@ -113,8 +114,8 @@ def test_loaded_pipeline_simulates_explains_and_times_like_the_compiled_one(tmp_
     case, _, pipe = _gpt_pipe(schedule="1f1b")
     pipe.save(tmp_path)
     loaded = pc.load(tmp_path, loss_fn=case.loss_fn)
-    assert loaded.stage_costs == pipe.stage_costs
-    assert (loaded.cores, loaded.efficiency) == (pipe.cores, pipe.efficiency)
+    assert loaded.plan.stage_costs == pipe.plan.stage_costs
+    assert (loaded.plan.cores, loaded.plan.efficiency) == (pipe.plan.cores, pipe.plan.efficiency)
     assert loaded.predicted.to_dict() == pipe.predicted.to_dict()
     assert loaded.simulate().to_dict() == pipe.simulate().to_dict()
     assert loaded.simulate().makespan > 0

@@ -1,14 +1,18 @@
 """Assembling the runtime of a compiled program: what a `Pipeline` runs its schedules on.
 
-    assemble(program, schedule, options) -> LocalRuntime        one process, a thread per device
-                                         -> DistributedRuntime  this rank's stages over
-                                                                torch.distributed
+    assemble(program, schedule, spec) -> LocalRuntime        one process, a thread per device
+                                      -> DistributedRuntime  this rank's stages over
+                                                             torch.distributed
+    runtime.run(schedule, micro-batches) -> StepResult      losses, measured events, messages
+
+`spec` is a `RuntimeSpec` (spec.py): what the runtime needs of compile's options, nothing else.
 
 Both build one `StageWorker` per stage this process runs (with its weight versions under the
 asynchronous schedules), the `Executor`, one optimizer per stage (synchronous schedules) and a
 transport per step. They differ in how values move (in-process `Mailbox` or `P2PTransport`),
 how a step ends (tied copies' gradients summed locally, or reduced across ranks and replicas)
-and how a forward-only call runs. `Pipeline` holds the result and never asks which it is.
+and how a forward-only call runs. `Pipeline` holds the result and never asks which it is; what a
+step produced comes back as a `StepResult`.
 
 What a user's training loop needs is here too (mechanisms in `training.py`): the caller's
 autocast re-entered in the device threads, a loss scale, train/eval mode (the workers switch
@@ -21,11 +25,12 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..capture import batch_size_of
 from ..errors import ConfigError
 from ..passes.eval_mode import eval_graph
 from ..passes.split import StagedProgram
@@ -33,65 +38,54 @@ from ..rng import seed_random_ops
 from ..tensors import to_device
 from ..schedule.actions import Kind, Schedule
 from .compiled import compile_stage
-from .distributed import (GradientSync, Topology, _default_store, broadcast_outputs,
+from .distributed import (GradientSync, _default_store, broadcast_outputs,
                           forward_only, reduce_mean_loss, value_specs)
 from .executor import Executor, Wiring
-from ..schedule.messages import gradient_values
+from ..schedule.messages import Dataflow, gradient_values
 from .mailbox import Mailbox
-from .microbatch import MicroBatch, split_microbatches
+from .microbatch import MicroBatch, forward_in_chunks, split_microbatches
 from .p2p import P2PTransport, Waiter
-from ..schedule.schedules import ASYNC_SCHEDULE_NAMES
+from ..schedule.schedules import ASYNC_SCHEDULE_NAMES, make_schedule
 from .data_parallel import MicrobatchSync, ReplicaSync, reduces_in_backward
+from .spec import RuntimeSpec, StepResult
 from .stage_worker import LossSpec, StageWorker
 from .training import AutocastState, TiedCopies, clip_grad_norm, counted_parameters
 from .versions import VersionRule, WeightVersions
 
-if TYPE_CHECKING:
-    from ..options import CompileOptions
-
 __all__ = ["Runtime", "LocalRuntime", "DistributedRuntime", "assemble"]
 
 
-def assemble(program: StagedProgram, schedule: Schedule, options: "CompileOptions") -> "Runtime":
+def assemble(program: StagedProgram, schedule: Schedule, spec: RuntimeSpec) -> "Runtime":
     """The runtime of `program` for this process: local, or this rank's part of it."""
-    topology = options.ranks.topology
-    if topology is None:
-        return LocalRuntime(program, schedule, options)
-    return DistributedRuntime(program, schedule, options, topology)
-
+    if spec.topology is None:
+        return LocalRuntime(program, schedule, spec)
+    return DistributedRuntime(program, schedule, spec)
 
 
 class Runtime:
     """Workers, executor and optimizers of the stages this process runs."""
 
-    def __init__(self, program: StagedProgram, schedule: Schedule, options: "CompileOptions",
+    def __init__(self, program: StagedProgram, schedule: Schedule, spec: RuntimeSpec,
                  own_stages: Sequence[int], executor_rows: Sequence[int] | None = None,
                  label: Callable[[int], str] = lambda stage: f"stage {stage}"):
         self.program = program
         self.schedule = schedule
-        self.microbatches = options.microbatches
-        self.timeout = options.timeout
+        self.spec = spec
         self.asynchronous = schedule.name in ASYNC_SCHEDULE_NAMES
         self.own_stages = tuple(own_stages)
         self.grad_values = gradient_values(program)
-        self.workers = _workers(program, schedule, options, self.own_stages, self.grad_values)
-        self.wiring = Wiring(program.producer, program.consumers,
-                             program.captured.input_names, tuple(s.device for s in program.stages),
-                             self.grad_values)
+        self.workers = _workers(program, schedule, spec, self.own_stages, self.grad_values)
+        self.wiring = Wiring(Dataflow.of(program), program.captured.input_names,
+                             tuple(s.device for s in program.stages))
         self.executor = Executor(self.workers, self.wiring, rows=executor_rows, label=label)
         self.optimizers = ([] if self.asynchronous
-                           else _optimizers(program, options.optimizer, self.own_stages))
+                           else _optimizers(program, spec.optimizer, self.own_stages))
         self.parameters = self._parameters()  # every copy this process holds (tied: all)
         self.device_types = sorted({self.wiring.devices[s].type for s in self.own_stages})
         self.ties = TiedCopies(program, self.own_stages)
         self.training = True  # False: the workers run the stages' eval-mode graphs
         self._eval_modules: dict[int, torch.nn.Module] = {}
-        self.compile_stages = options.compile_stages
-        self.fsdp = options.fsdp
         self._train_modules = {i: w.module for i, w in self.workers.items()}
-        self.last_schedule = schedule  # the schedule the last step ran
-        self.summed = False  # the last step's losses are summed (num_items_in_batch), not meaned
-        self.communication: Any = None  # the last step's message statistics (P2P transport)
 
     def own_copy(self, name: str) -> torch.Tensor | None:
         """This process's copy of a parameter or buffer (under torch.distributed: only those
@@ -102,13 +96,14 @@ class Runtime:
         return None
 
     def run(self, schedule: Schedule, mbs: Sequence[MicroBatch], *, batches: int,
-            loss_scale: float | None = None, num_items: Any = None) -> list[torch.Tensor]:
-        """Run `schedule` over micro-batches `mbs`; the mean loss of each batch. The caller's
-        autocast applies in every device thread; `loss_scale` multiplies the loss before
-        backward (a GradScaler's scale), not the returned loss. With `num_items` (the global
-        number of items the loss is normalised by, transformers' `num_items_in_batch`), the
-        loss function is given it, and micro-batch losses and replicas' gradients are summed."""
-        self.summed = num_items is not None
+            loss_scale: float | None = None, num_items: Any = None) -> StepResult:
+        """Run `schedule` over micro-batches `mbs`; its result holds the mean loss of each
+        batch. The caller's autocast applies in every device thread; `loss_scale` multiplies
+        the loss before backward (a GradScaler's scale), not the returned loss. With
+        `num_items` (the global number of items the loss is normalised by, transformers'
+        `num_items_in_batch`), the loss function is given it, and micro-batch losses and
+        replicas' gradients are summed."""
+        summed = num_items is not None
         captured = self.program.captured
         flat = [captured.flatten_inputs(mb.args, mb.kwargs) for mb in mbs]
         self.ties.follow()
@@ -120,37 +115,51 @@ class Runtime:
             if worker.versions is not None:
                 worker.versions.begin_call()
         transport = self.transport(mbs)
-        self.executor.autocast = AutocastState.current(self.device_types)
+        autocast = AutocastState.current(self.device_types)
         for worker in self.workers.values():
             if worker.sync is not None:
-                worker.sync.summed(self.summed)
+                worker.sync.summed(summed)
         with self._scaled_loss(loss_scale, num_items):
-            steps = self.executor.run(schedule, transport, mbs, flat)
-        self.last_schedule = schedule
-        self.communication = getattr(transport, "stats", None)  # P2P: messages, bytes, waits
+            ran = self.executor.run(schedule, transport, mbs, flat, autocast=autocast)
         last = self.workers.get(self.program.num_stages - 1)
         losses = [last.losses.pop(mb.index) for mb in mbs] if last is not None else []
-        m = self.microbatches
-        result = self.finish([losses[b * m:(b + 1) * m] for b in range(batches)])
-        if steps:
+        m = self.spec.microbatches
+        means = self.finish([losses[b * m:(b + 1) * m] for b in range(batches)], summed=summed)
+        if ran.steps:
             for opt in self.optimizers:
                 opt.step()
-        return result
+        return StepResult(tuple(means), schedule, ran.events, summed=summed,
+                          communication=getattr(transport, "stats", None),
+                          peak_inflight=tuple(w.peak_inflight for _, w in
+                                              sorted(self.workers.items())))
 
-    def evaluate(self, mbs: Sequence[MicroBatch]) -> torch.Tensor:
-        """The mean validation loss over `mbs`: forwards only, in eval mode, without
-        autograd (nothing is kept for a backward pass)."""
+    def run_stream(self, batches: Sequence[tuple[tuple, dict, Any]]) -> StepResult:
+        """An asynchronous schedule over a stream of (args, kwargs, target) batches as one
+        schedule, without draining between batches; the result holds each batch's mean loss."""
+        m = self.spec.microbatches
+        split = [mb for a, k, t in batches for mb in split_microbatches(a, k, t, m)]
+        mbs = [replace(mb, index=i) for i, mb in enumerate(split)]
+        schedule = make_schedule(self.schedule.name, self.schedule.num_devices, m,
+                                 batches=len(batches), dataflow=self.wiring.dataflow)
+        return self.run(schedule, mbs, batches=len(batches))
+
+    def evaluate(self, mbs: Sequence[MicroBatch]) -> StepResult:
+        """The mean validation loss over `mbs` (the result's one loss): forwards only, in eval
+        mode, without autograd (nothing is kept for a backward pass)."""
         captured = self.program.captured
         flat = [captured.flatten_inputs(mb.args, mb.kwargs) for mb in mbs]
         self.ties.follow()
-        self.executor.autocast = AutocastState.current(self.device_types)
+        autocast = AutocastState.current(self.device_types)
+        schedule, transport = forward_only(self.schedule, len(mbs)), self.transport(mbs)
         with self.mode(training=False), torch.no_grad():
-            self.executor.run(forward_only(self.schedule, len(mbs)), self.transport(mbs),
-                              mbs, flat, forward_only=True)
+            ran = self.executor.run(schedule, transport, mbs, flat, forward_only=True,
+                                    autocast=autocast)
+            events, outputs = ran.events, dict(ran.outputs)
             last = self.workers.get(self.program.num_stages - 1)
-            losses = ([last.loss_of(self.executor.outputs.pop(mb.index), mb.target)
-                       for mb in mbs] if last is not None else [])
-        return self.mean_loss(losses)
+            losses = ([last.loss_of(outputs.pop(mb.index), mb.target) for mb in mbs]
+                      if last is not None else [])
+        return StepResult((self.mean_loss(losses),), schedule, events,
+                          communication=getattr(transport, "stats", None))
 
     def set_training(self, mode: bool) -> None:
         """Train mode runs the captured (training-mode) stage graphs; eval mode their
@@ -160,7 +169,7 @@ class Runtime:
             return
         for index, worker in self.workers.items():
             stage = self.program.stages[index]
-            if self.fsdp:  # the eval graph reads the gathered weights, gathered for it
+            if self.spec.fsdp:  # the eval graph reads the gathered weights, gathered for it
                 if mode:
                     stage.module.reshard()  # type: ignore[operator]
                 else:
@@ -172,7 +181,7 @@ class Runtime:
                 if index not in self._eval_modules:
                     graph = eval_graph(stage.module)
                     self._eval_modules[index] = (compile_stage(graph, index)
-                                                 if self.compile_stages else graph)
+                                                 if self.spec.compile_stages else graph)
                 worker.module = self._eval_modules[index]
         self.training = mode
 
@@ -189,10 +198,19 @@ class Runtime:
     def clip_grad_norm(self, max_norm: float, norm_type: float,
                        error_if_nonfinite: bool) -> torch.Tensor:
         """Clip by the global norm over every stage (and rank); returns the total norm."""
+        if self.asynchronous:
+            raise ConfigError(
+                f"schedule={self.schedule.name!r} updates the weights during the step, so there "
+                f"are no step gradients to clip afterwards; use a synchronous schedule")
         return clip_grad_norm(counted_parameters(self.program, self.own_stages),
                               self.parameters, max_norm, norm_type,
                               device=self.wiring.devices[self.own_stages[0]],
                               group=self.norm_group, error_if_nonfinite=error_if_nonfinite)
+
+    def weight_versions(self) -> dict[int, int]:
+        """Asynchronous schedules: per stage, the most weight versions held at once so far."""
+        return {i: w.versions.peak_versions for i, w in self.workers.items()
+                if w.versions is not None}
 
     @property
     def norm_group(self) -> Any:
@@ -219,17 +237,26 @@ class Runtime:
         """A fresh transport for one step over `mbs`."""
         raise NotImplementedError
 
-    def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """After the backward passes: complete the gradients; each batch's mean loss."""
+    def finish(self, losses: list[list[torch.Tensor]], *, summed: bool) -> list[torch.Tensor]:
+        """After the backward passes: complete the gradients; each batch's mean loss (with
+        `summed`, gradients and losses are sums over micro-batches and replicas)."""
         raise NotImplementedError
 
-    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean of one batch's micro-batch losses (of every replica's, on every rank)."""
+    def mean_loss(self, losses: list[torch.Tensor], *, summed: bool = False) -> torch.Tensor:
+        """The mean (`summed`: the sum) of one batch's micro-batch losses, of every
+        replica's, on every rank."""
         raise NotImplementedError
 
     def forward(self, args: tuple, kwargs: dict) -> Any:
         """Forward only, on the whole batch; the model's outputs."""
         raise NotImplementedError
+
+    def call(self, args: tuple, kwargs: dict) -> Any:
+        """`forward`, a model captured with static shapes in chunks of its captured batch."""
+        captured, batch = self.program.captured, batch_size_of(args, kwargs)
+        if not captured.dynamic_batch and batch != captured.captured_batch_size:
+            return forward_in_chunks(self.forward, captured, args, kwargs, batch)
+        return self.forward(args, kwargs)
 
     def _parameters(self) -> list[torch.Tensor]:
         seen = {}
@@ -243,19 +270,19 @@ class Runtime:
 class LocalRuntime(Runtime):
     """Every stage in this process, a worker thread per device, values through a `Mailbox`."""
 
-    def __init__(self, program: StagedProgram, schedule: Schedule, options: "CompileOptions"):
-        super().__init__(program, schedule, options, range(program.num_stages))
+    def __init__(self, program: StagedProgram, schedule: Schedule, spec: RuntimeSpec):
+        super().__init__(program, schedule, spec, range(program.num_stages))
 
     def transport(self, mbs: Sequence[MicroBatch]) -> Mailbox:
-        return Mailbox(self.wiring.devices, self.timeout)
+        return Mailbox(self.wiring.devices, self.spec.timeout)
 
-    def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    def finish(self, losses: list[list[torch.Tensor]], *, summed: bool) -> list[torch.Tensor]:
         self._sum_tied_gradients()
-        return [self.mean_loss(chunk) for chunk in losses]
+        return [self.mean_loss(chunk, summed=summed) for chunk in losses]
 
-    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+    def mean_loss(self, losses: list[torch.Tensor], *, summed: bool = False) -> torch.Tensor:
         stacked = torch.stack([l.to(losses[0].device) for l in losses])
-        return stacked.sum() if self.summed else stacked.mean()
+        return stacked.sum() if summed else stacked.mean()
 
     def forward(self, args: tuple, kwargs: dict) -> Any:
         captured = self.program.captured
@@ -285,21 +312,21 @@ class LocalRuntime(Runtime):
 class DistributedRuntime(Runtime):
     """This rank's stages; values as point-to-point messages; gradients reduced across ranks."""
 
-    def __init__(self, program: StagedProgram, schedule: Schedule, options: "CompileOptions",
-                 topology: Topology):
-        own = options.ranks.own_stages(schedule)
-        super().__init__(program, schedule, options, own, executor_rows=[topology.position],
+    def __init__(self, program: StagedProgram, schedule: Schedule, spec: RuntimeSpec):
+        topology = spec.topology
+        assert topology is not None, "a distributed runtime runs one rank of a topology"
+        super().__init__(program, schedule, spec, topology.own_stages(schedule),
+                         executor_rows=[topology.position],
                          label=lambda st: f"rank {topology.rank} (stage {st})")
         self.topology = topology
-        in_backward = options.fsdp or (options.data_parallel > 1 and reduces_in_backward(
-            schedule, any(map(options.stage_checkpoint, self.own_stages)),
-            options.compile_stages))
+        in_backward = spec.fsdp or (spec.data_parallel > 1 and reduces_in_backward(
+            schedule, any(s in spec.checkpoint for s in self.own_stages), spec.compile_stages))
         self.sync = GradientSync(topology, program, schedule, self.own_stages,
-                                 sharded=options.fsdp, replicas_reduced=in_backward)
-        if in_backward and not options.fsdp:  # replicated: DDP's reducer, armed per step
+                                 sharded=spec.fsdp, replicas_reduced=in_backward)
+        if in_backward and not spec.fsdp:  # replicated: DDP's reducer, armed per step
             for index, worker in self.workers.items():
-                worker.sync = ReplicaSync(program.stages[index].module, options.microbatches,
-                                          self.sync.dp_group, options.data_parallel)
+                worker.sync = ReplicaSync(program.stages[index].module, spec.microbatches,
+                                          self.sync.dp_group, spec.data_parallel)
         self.waiter = Waiter()
         # constant per plan: the receive buffers' specs, and their shapes per distinct sizes
         self.specs = value_specs(program)
@@ -312,7 +339,7 @@ class DistributedRuntime(Runtime):
             rank_of_stage=lambda stage: topology.rank_of(position[stage]),
             specs=self.specs, shapes=self.shapes,
             devices=self.wiring.devices, sizes=[self._sizes(mb) for mb in mbs],
-            timeout=self.timeout, waiter=self.waiter, store=_default_store(),
+            timeout=self.spec.timeout, waiter=self.waiter, store=_default_store(),
             label=lambda stage: f"rank {topology.rank} (stage {stage})")
 
     def _sizes(self, mb: MicroBatch) -> dict[Any, int]:
@@ -320,14 +347,13 @@ class DistributedRuntime(Runtime):
         captured = self.program.captured
         return captured.sizes_of(captured.flatten_inputs(mb.args, mb.kwargs))
 
-    def finish(self, losses: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    def finish(self, losses: list[list[torch.Tensor]], *, summed: bool) -> list[torch.Tensor]:
         if not self.asynchronous:
-            self.sync.reduce(self.parameters, summed=self.summed)
-        return [self.mean_loss(chunk) for chunk in losses]
+            self.sync.reduce(self.parameters, summed=summed)
+        return [self.mean_loss(chunk, summed=summed) for chunk in losses]
 
-    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        return reduce_mean_loss(losses, self.wiring.devices[self.own_stages[0]],
-                                summed=self.summed)
+    def mean_loss(self, losses: list[torch.Tensor], *, summed: bool = False) -> torch.Tensor:
+        return reduce_mean_loss(losses, self.wiring.devices[self.own_stages[0]], summed=summed)
 
     @property
     def norm_group(self) -> Any:
@@ -340,27 +366,26 @@ class DistributedRuntime(Runtime):
         (mb,) = split_microbatches(args, kwargs, None, 1)
         flat = captured.flatten_inputs(mb.args, mb.kwargs)
         self.ties.follow()
-        self.executor.autocast = None  # the caller's thread runs this rank's row
-        with torch.no_grad():
-            self.executor.run(forward_only(self.schedule), self.transport([mb]), [mb], [flat],
-                              forward_only=True)
+        with torch.no_grad():  # the caller's thread runs this rank's row, in its autocast
+            ran = self.executor.run(forward_only(self.schedule), self.transport([mb]), [mb],
+                                    [flat], forward_only=True)
         autocast = AutocastState.current(self.device_types) is not None
         return captured.unflatten_outputs(
-            broadcast_outputs(self.executor.outputs.get(0), self.program, self._sizes(mb),
+            broadcast_outputs(ran.outputs.get(0), self.program, self._sizes(mb),
                               self.topology, self.sync.replica_group, self.schedule,
                               self.wiring.devices, same_dtypes=not autocast))
 
 
-def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOptions",
+def _workers(program: StagedProgram, schedule: Schedule, spec: RuntimeSpec,
              own: Sequence[int], grad_values: frozenset[str]) -> dict[int, StageWorker]:
     """One worker per stage in `own`; the last computes the loss. Asynchronous schedules give
     each worker its weight versions and their optimizer."""
-    m, last = options.microbatches, program.num_stages - 1
+    m, last = spec.microbatches, program.num_stages - 1
     asynchronous = schedule.name in ASYNC_SCHEDULE_NAMES
     scale = (VersionRule(schedule.name, program.num_stages, 0, m).loss_scale
              if asynchronous else 1.0 / m)
-    loss = LossSpec(program.captured.unflatten_outputs, options.loss_fn, scale)
-    if asynchronous and options.compile_stages:
+    loss = LossSpec(program.captured.unflatten_outputs, spec.loss_fn, scale)
+    if asynchronous and spec.compile_stages:
         raise ConfigError(
             f"compile_stages=True with schedule={schedule.name!r} is not supported (its stashed "
             f"weight versions run the uncompiled graph); use a synchronous schedule or "
@@ -375,22 +400,21 @@ def _workers(program: StagedProgram, schedule: Schedule, options: "CompileOption
             continue
         versions = None
         if asynchronous:
-            rule = VersionRule(schedule.name, program.num_stages, s.index, m,
-                               options.vertical_sync)
-            assert options.optimizer is not None, "resolve_options requires it for async"
-            versions = WeightVersions(s.module, rule, options.optimizer)
+            rule = VersionRule(schedule.name, program.num_stages, s.index, m, spec.vertical_sync)
+            assert spec.optimizer is not None, "resolve_options requires it for async"
+            versions = WeightVersions(s.module, rule, spec.optimizer)
         module, own_streams = s.module, False
-        if options.rng == "global" and options.stage_checkpoint(s.index):
+        recompute = s.index in spec.checkpoint
+        if spec.rng == "global" and recompute:
             seeded, names = seed_random_ops(s.module, 0)
             module, own_streams = (seeded, True) if names else (module, False)
         workers[s.index] = StageWorker(
-            s.index, compile_stage(module, s.index) if options.compile_stages else module,
+            s.index, compile_stage(module, s.index) if spec.compile_stages else module,
             s.inputs, s.outputs, frozenset(n for n in s.inputs if n in grad_values),
-            loss if s.index == last else None, options.stage_checkpoint(s.index),
-            versions=versions,
-            fused_backward=options.compile_stages, own_streams=own_streams,
+            loss if s.index == last else None, recompute, versions=versions,
+            fused_backward=spec.compile_stages, own_streams=own_streams,
             split_weights=splits, exclusive_params=exclusive,
-            sync=MicrobatchSync(s.module, m, options.data_parallel) if options.fsdp else None)
+            sync=MicrobatchSync(s.module, m, spec.data_parallel) if spec.fsdp else None)
     return workers
 
 

@@ -60,6 +60,11 @@ class Topology:
     def rank_of(self, position: int, replica: int | None = None) -> int:
         return (self.replica if replica is None else replica) * self.pipeline_size + position
 
+    def own_stages(self, schedule: Schedule) -> tuple[int, ...]:
+        """The stages this rank runs: those `schedule` puts on its pipeline position."""
+        return tuple(s for s in range(schedule.num_stages)
+                     if schedule.stage_to_device[s] == self.position)
+
 
 def topology_from_environment(pipeline_size: int, data_parallel: int,
                               timeout: float) -> Topology | None:

@@ -66,10 +66,10 @@ def test_profile_measures_the_stages_and_the_loss_and_leaves_the_model_as_it_was
     note = next(line for line in log.splitlines() if line.startswith("calibrate"))
     loss_ms = float(note.split("loss ")[1].split(" ms/mb")[0])
     assert loss_ms > 0  # cross-entropy over 4096 classes was timed on the last stage
-    for costs in pipe.stage_costs:  # measured, not summed from blocks
+    for costs in pipe.plan.stage_costs:  # measured, not summed from blocks
         assert costs.forward > 0 and costs.backward > 0 and costs.backward_weight > 0
-    assert pipe.stage_costs[1].backward_input > 0
-    assert 0 < pipe.efficiency <= 1
+    assert pipe.plan.stage_costs[1].backward_input > 0
+    assert 0 < pipe.plan.efficiency <= 1
     assert all(p.grad is None for p in pipe.parameters())
     # measuring changed nothing: a step still equals the unsplit model's
     loss = pipe.step(x, target=y)

@@ -112,12 +112,12 @@ def test_eval_graph_of_a_stage_keeps_its_interface():
     pipe = pc.compile(model, (x,), devices=2, microbatches=2)
     model.eval()
     env = {"x": x}
-    for stage in pipe.stages:
+    for stage in pipe.program.stages:
         gm = eval_graph(stage.module)
         placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
         assert placeholders == list(stage.inputs)
         with torch.no_grad():
             env.update(zip(stage.outputs, gm(*[env[n] for n in stage.inputs])))
     with torch.no_grad():
-        torch.testing.assert_close(env[pipe.stages[-1].outputs[0]], model(x), rtol=1e-5,
+        torch.testing.assert_close(env[pipe.program.stages[-1].outputs[0]], model(x), rtol=1e-5,
                                    atol=1e-6)

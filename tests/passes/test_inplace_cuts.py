@@ -36,7 +36,7 @@ def test_inplace_relu_after_residual_add_on_four_stages(granularity, capture):
     y = torch.randint(0, 3, (8,))
     pipe = _check_step(model, x, y, F.cross_entropy, devices=["cpu"] * 4,
                        granularity=granularity, capture=capture)
-    assert len(pipe.stages) == 4
+    assert len(pipe.program.stages) == 4
 
 
 def test_export_capture_makes_activation_inplace_ops_out_of_place():
@@ -57,7 +57,7 @@ def test_write_into_view_of_received_value_is_exact(schedule):
     x = torch.randn(4, 6, dtype=torch.float64)
     pipe = _check_step(model, x, torch.randn(4, 6, dtype=torch.float64), F.mse_loss,
                        devices=["cpu"] * 2, split_points=["layers.1"], schedule=schedule)
-    first = pipe.stages[1].module.graph
+    first = pipe.program.stages[1].module.graph
     assert any(n.target is torch.ops.aten.clone.default for n in first.nodes)
 
 

@@ -48,7 +48,7 @@ def _run(schedule, stages, optimizer, *, vertical_sync=False, microbatches=4, st
     pipe = pc.compile(model, (x,), devices=stages, microbatches=microbatches, schedule=schedule,
                       loss_fn=zoo.lm_loss, optimizer=OPTIMIZERS[optimizer],
                       vertical_sync=vertical_sync)
-    names = [list(s.parameter_names) for s in pipe.stages]
+    names = [list(s.parameter_names) for s in pipe.program.stages]
     reference = AsyncReference(reference_model, names, OPTIMIZERS[optimizer], schedule=schedule,
                                microbatches=microbatches, vertical_sync=vertical_sync)
     for step in range(steps):
@@ -66,7 +66,7 @@ def _run(schedule, stages, optimizer, *, vertical_sync=False, microbatches=4, st
                                               (4, "sgd-momentum"), (4, "adamw")])
 def test_pipedream_matches_reference(stages, optimizer):
     pipe = _run("pipedream", stages, optimizer)
-    versions = pipe.weight_versions()
+    versions = pipe.runtime.weight_versions()
     for s, count in versions.items():
         assert count <= stages - s, (s, count)  # at most p - s versions on stage s
     assert versions[0] == stages  # and stage 0 really needs all of them
@@ -80,7 +80,7 @@ def test_pipedream_vertical_sync_matches_reference(stages):
 @pytest.mark.parametrize("stages,optimizer", [(2, "adamw"), (3, "sgd-momentum"), (4, "adamw")])
 def test_2bw_matches_reference(stages, optimizer):
     pipe = _run("2bw", stages, optimizer)
-    assert max(pipe.weight_versions().values()) <= 2
+    assert max(pipe.runtime.weight_versions().values()) <= 2
 
 
 def test_fit_stream_has_no_flush_and_matches_reference():
@@ -95,7 +95,8 @@ def test_fit_stream_has_no_flush_and_matches_reference():
     losses = pipe.fit([((bx,), by) for bx, by in data])
     assert len(losses) == batches
 
-    reference = AsyncReference(reference_model, [list(s.parameter_names) for s in pipe.stages],
+    reference = AsyncReference(reference_model,
+                               [list(s.parameter_names) for s in pipe.program.stages],
                                opt, schedule="pipedream", microbatches=m)
     mbs = [(mb.args, mb.kwargs, mb.target)
            for bx, by in data for mb in split_microbatches((bx,), {}, by, m)]

@@ -125,7 +125,7 @@ def test_unet_long_skip_is_one_message_from_stage_0_to_3(unet) -> None:
     printed = str(pipe.schedule)
     for text in ("0SEND_F0>3", "3RECV_F0<0", "3SEND_B1>0", "0RECV_B1<3"):
         assert text in printed, text
-    e1 = pipe.stages[0].outputs
+    e1 = pipe.program.stages[0].outputs
     assert Dataflow.of(pipe.program).link(0, 3).values == e1
     validate(pipe.schedule, Dataflow.of(pipe.program))
     size = case.args[0].shape[0] // 2

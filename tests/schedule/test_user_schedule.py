@@ -54,7 +54,8 @@ def _check_exact(pipe, reference, x, y, microbatches=4):
 
 def test_text_schedule_equals_unsplit_model_and_builtin_1f1b():
     pipe, reference, x, y = _compile(ONE_F_ONE_B)
-    assert pipe.microbatches == 4 and len(pipe.stages) == 2  # from the schedule ("auto")
+    # from the schedule ("auto")
+    assert pipe.plan.options.microbatches == 4 and len(pipe.program.stages) == 2
     builtin, _, _, _ = _compile("1f1b", microbatches=4)
     assert pipe.schedule.name == "my-1f1b"
     assert pipe.schedule.actions == builtin.schedule.actions  # messages and STEPs added alike
@@ -77,7 +78,7 @@ def test_csv_file_schedule(tmp_path):
 def test_schedule_object_from_make_schedule():
     given = make_schedule("gpipe", 2, 4)  # lowered already: its messages are replaced
     pipe, reference, x, y = _compile(given, checkpoint=False)
-    assert pipe.schedule.name == "gpipe" and pipe.microbatches == 4
+    assert pipe.schedule.name == "gpipe" and pipe.plan.options.microbatches == 4
     _check_exact(pipe, reference, x, y)
 
 
@@ -86,7 +87,7 @@ def test_split_backward_and_virtual_stages_from_text(name):
     """I/W actions and two stages per device (a V, or interleaved), written as text."""
     written = replace(strip_communication(make_schedule(name, 2, 4)), name=f"my-{name}")
     pipe, reference, x, y = _compile(written.to_text(), checkpoint=False)
-    assert len(pipe.stages) == written.num_stages
+    assert len(pipe.program.stages) == written.num_stages
     assert pipe.schedule.stage_to_device == written.stage_to_device
     _check_exact(pipe, reference, x, y)
 

@@ -93,7 +93,7 @@ def test_step_equals_unsplit_model_on_two_devices(name: str) -> None:
     reference = copy.deepcopy(case.model)
     pipe = pc.compile(case.model, case.args, case.kwargs, devices=2, microbatches=4,
                       schedule=name, loss_fn=case.loss_fn)
-    assert len(pipe.stages) == 4  # virtual_stages=2 implied
+    assert len(pipe.program.stages) == 4  # virtual_stages=2 implied
     assert pipe.schedule.stage_to_device == ((0, 1, 1, 0) if name == "zb-v" else (0, 1, 0, 1))
     loss = pipe.step(*case.args, target=case.target, **case.kwargs)
     ref_loss, ref_grads = reference_step(reference, case.args, case.kwargs, case.target,

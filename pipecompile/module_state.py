@@ -1,0 +1,129 @@
+"""The `Pipeline` as the model's `nn.Module`: the model's names over a plan's tensors.
+
+    mirror_model(pipe, model)           before any plan (lazy): the model's own tensors
+    adopt(pipe, plan, runtime, model)   register this process's copies of the plan's tensors
+                                        under the model's names (mirror.py), with its hooks
+    own_state(pipe)                     every (name, tensor) registered, tied names included
+    check_runnable(pipe, plan, where)   the plan's devices are here, no tensor left on meta
+    load_state(pipe, program, ...)      `load_state_dict` into every copy of every tensor
+    to_empty / init_weights / load_weights
+                                        a meta model's tensors given memory, then values
+                                        (materialize.py), this process's only
+
+A lazily compiled pipeline adopts each plan it switches to; every plan places the model's
+tensors through one shared table, so the names keep pointing at the same objects.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch.nn.modules.module import _IncompatibleKeys
+
+from .deferred import check_same_tensors
+from .errors import ConfigError
+from . import materialize
+from .materialize import check_materialised, copy_to_ties
+from .mirror import copy_state_dict_hooks, mirror
+from .options import require_present
+from .passes.split import StagedProgram
+from .plan import Plan
+from .runtime.assemble import Runtime
+
+__all__ = ["mirror_model", "adopt", "own_state", "check_runnable", "load_state", "to_empty",
+           "init_weights", "load_weights"]
+
+
+def mirror_model(pipe: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Register `model`'s own tensors on `pipe` under their names, a tied one under each (a
+    pipeline not planned yet)."""
+    persistent = set(model.state_dict(keep_vars=True))
+    mirror(pipe, ((n, t, n in persistent) for n, t in
+                  [*model.named_parameters(remove_duplicate=False),
+                   *model.named_buffers(remove_duplicate=False)]))
+
+
+def adopt(pipe: torch.nn.Module, plan: Plan, runtime: Runtime, model: torch.nn.Module | None,
+          *, keep: bool = False) -> None:
+    """Register `runtime`'s copies of `plan`'s tensors on `pipe` under the model's names (the
+    state-dict keys first, in the model's order), replacing what was registered before.
+    `keep`: the parameters registered now must be those the plan trains (an optimizer built
+    over them before the first plan would otherwise update tensors no stage uses)."""
+    assert plan.program is not None, "a finished plan"
+    captured = plan.program.captured
+    persistent = set(captured.state_keys)
+    names = [*captured.state_keys, *(n for n in plan.program.tensors if n not in persistent)]
+    owned = [(n, runtime.own_copy(n)) for n in dict.fromkeys(names)]
+    if keep:
+        check_same_tensors(dict(torch.nn.Module.named_parameters(pipe)), dict(owned))
+    for table in (pipe._modules, pipe._parameters, pipe._buffers):
+        table.clear()
+    pipe._non_persistent_buffers_set.clear()
+    mirror(pipe, ((n, t, n in persistent) for n, t in owned if t is not None))
+    if model is not None:
+        copy_state_dict_hooks(pipe, model)
+
+
+def own_state(pipe: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer registered on `pipe`, a tied one under each of its names."""
+    yield from torch.nn.Module.named_parameters(pipe, remove_duplicate=False)
+    yield from pipe.named_buffers(remove_duplicate=False)
+
+
+def check_runnable(pipe: torch.nn.Module, plan: Plan, where: str) -> None:
+    """Raise a `ConfigError` naming the call `where` unless `plan`'s devices are present and
+    none of `pipe`'s tensors is on meta (given no memory yet)."""
+    require_present(plan.options.devices, where=where)
+    check_materialised(own_state(pipe), where)
+
+
+def load_state(pipe: torch.nn.Module, program: StagedProgram, state_dict: Mapping[str, Any],
+               *, strict: bool, assign: bool) -> _IncompatibleKeys:
+    """Load `state_dict` (the model's keys) into every copy of every tensor: this process's,
+    and a tied weight's copies on other devices. `strict` asks for the keys this process holds
+    (under torch.distributed: its stages', as `set_state_dict` passes them) and accepts any of
+    the model's keys."""
+    keys = set(program.captured.checkpoint_keys)
+    held = set(torch.nn.Module.state_dict(pipe, keep_vars=True))
+    missing, unexpected = sorted(held - set(state_dict)), sorted(set(state_dict) - keys)
+    if strict and (missing or unexpected):
+        raise ConfigError(
+            f"load_state_dict: missing keys {missing[:5]}, unexpected keys "
+            f"{unexpected[:5]}; pass strict=False to load a subset")
+    if assign:
+        raise ConfigError("load_state_dict(assign=True) would replace the stages' tensors; "
+                          "a Pipeline loads by copying (assign=False)")
+    torch.nn.Module.load_state_dict(pipe, {k: v for k, v in state_dict.items() if k in keys},
+                                    strict=False)
+    copy_to_ties(program.tensors, dict(own_state(pipe)))
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def to_empty(pipe: torch.nn.Module, program: StagedProgram, own_stages: Sequence[int], *,
+             device: Any = None) -> None:
+    """Give `pipe`'s meta tensors memory on their stages' devices (uninitialised)."""
+    if device is not None:
+        raise ConfigError("pipe.to_empty() allocates each stage's tensors on the device "
+                          "compile placed it on; call it without device=")
+    materialize.to_empty(program.tensors, {s: program.stages[s].device for s in own_stages})
+
+
+def init_weights(pipe: torch.nn.Module, model: torch.nn.Module | None,
+                 fn: Callable[[torch.nn.Module], None] | None) -> list[str]:
+    """`fn(module)` (default: its `reset_parameters()`) for every module of `model` holding
+    one of `pipe`'s tensors, seeded by (torch's seed, the module's name)."""
+    if model is None:
+        raise ConfigError("init_weights needs the model's modules; a pipeline rebuilt by "
+                          "pipecompile.load has only its graphs: use load_weights(path)")
+    check_materialised(own_state(pipe), "pipe.init_weights()")
+    return materialize.init_weights(model, dict(own_state(pipe)), fn)
+
+
+def load_weights(pipe: torch.nn.Module, program: StagedProgram,
+                 path: str | os.PathLike) -> _IncompatibleKeys:
+    """`pipe`'s tensors read from `path` (only the files and tensors it holds)."""
+    check_materialised(own_state(pipe), "pipe.load_weights()")
+    return materialize.load_weights(pipe, path, program.captured.checkpoint_keys,
+                                    [t.names for t in program.ties])
