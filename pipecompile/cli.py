@@ -1,7 +1,7 @@
 """The `pipecompile` command (also `python -m pipecompile`).
 
     pipecompile inspect FILE.py:FACTORY --devices 4 [--schedule 1f1b] [--microbatches 8]
-                        [--code] [--draw partition.svg] [--json]
+                        [--code] [--runtime] [--draw partition.svg] [--json]
     pipecompile plan    FILE.py:FACTORY ... [--gantt timeline.png] [--json]
     pipecompile plan    FILE.py:FACTORY --devices 32 --device h100 [--arg layers=80]
     pipecompile export  FILE.py:FACTORY ... [--onnx DIR] [--save DIR] [--json]
@@ -11,12 +11,13 @@ example_inputs, example_kwargs)`; the model is compiled as `pipecompile.compile(
 example_inputs, example_kwargs, devices=..., microbatches=..., schedule=...)`.
 
 `inspect` prints the stage table, each cut's boundary tensors (name, shape, dtype, bytes per
-micro-batch) and, with --code, each stage's graph code. `plan` prints the schedule as an action
-grid, the predicted step time, bubble and peak in-flight micro-batches per stage, and the plans
-the search compared (--schedule and --microbatches default to "auto"); --gantt draws the
-predicted timeline. `export` writes ONNX files and a manifest (--onnx) and/or the saved
-program (--save, read back by `pipecompile.load`). --json prints one JSON object on stdout
-instead of text. Progress goes to stderr. A bad FILE, FACTORY or option prints a one-line error
+micro-batch), with --code each stage's graph code and with --runtime each device's generated
+training step. `plan` prints the schedule as an action grid, the predicted step time, bubble
+and peak in-flight micro-batches per stage, and the plans the search compared (--schedule and
+--microbatches default to "auto"); --gantt draws the predicted timeline. `export` writes ONNX
+files and a manifest (--onnx) and/or the saved program (--save, read back by
+`pipecompile.load`). --json prints one JSON object on stdout instead of text. Progress goes to
+stderr. A bad FILE, FACTORY or option prints a one-line error
 on stderr and exits with status 2.
 
 `--device NAME` plans for --devices devices of a named preset (`pipecompile.hardware`: h100,
@@ -76,7 +77,7 @@ def _inspect(args: argparse.Namespace) -> tuple[dict, str]:
 
     pipe = _compile(args)
     program = pipe.program
-    boundary = cuts(program, microbatches=pipe.microbatches)
+    boundary = cuts(program, microbatches=pipe.plan.options.microbatches)
     result: dict[str, Any] = {
         "stages": [_stage_json(s, program) for s in program.stages],
         "cuts": [{"index": c.index, "after_block": c.block_name, "bytes": c.nbytes,
@@ -101,6 +102,12 @@ def _inspect(args: argparse.Namespace) -> tuple[dict, str]:
         result["code"] = {str(s.index): s.module.code for s in program.stages}
         for s in program.stages:
             lines += ["", f"# stage {s.index} ({s.device})", s.module.code.strip("\n")]
+    if args.runtime:
+        devices = range(pipe.schedule.num_devices)
+        result["runtime_code"] = {str(d): pipe.runtime_code(d) for d in devices}
+        for d in devices:
+            lines += ["", f"# device {d}: its generated training step",
+                      pipe.runtime_code(d).strip("\n")]
     if args.draw:
         log.info("drawing the partition")
         result["drawing"] = pipe.draw(args.draw)
@@ -117,20 +124,13 @@ def _plan(args: argparse.Namespace) -> tuple[dict, str]:
                            "actions": [[str(a) for a in row] for row in schedule.actions]},
               **_predicted_json(pipe)}
     search = pipe.plan.search
-    if search is not None:
-        result["search"] = {
-            "searched": list(search.searched), "lower_bound_s": search.lower_bound,
-            "candidates": [{"schedule": c.schedule, "microbatches": c.microbatches,
-                            "virtual_stages": c.virtual_stages,
-                            "recompute": list(c.recomputed),
-                            "step_time_s": c.step if c.fits else None,
-                            "memory": list(c.memory), "verdict": c.reason or "chosen"}
-                           for c in search.candidates]}
+    if search is not None:  # as a saved plan holds it: seconds, bytes, the winner first
+        result["search"] = search.to_dict()
     if args.device:  # hardware that is not here: the stage table and the pass log
         result["devices"] = [dict(name=d.name, hardware=d.hardware, flops=d.flops,
                                   memory=d.memory, bandwidth=d.bandwidth, latency=d.latency)
                              for d in pipe.plan.options.devices]
-        table = stage_table(pipe.program, schedule, microbatches=pipe.microbatches,
+        table = stage_table(pipe.program, schedule, microbatches=pipe.plan.options.microbatches,
                             predicted=pipe.predicted, specs=pipe.plan.stage_specs)
         return result, "\n".join([table, "", pipe.explain()])
     lines = [str(schedule), ""]
@@ -154,7 +154,7 @@ def _export(args: argparse.Namespace) -> tuple[dict, str]:
     result, lines = {}, []
     if args.onnx:
         start = time.perf_counter()
-        log.info("exporting %d stages to ONNX in %s", len(pipe.stages), args.onnx)
+        log.info("exporting %d stages to ONNX in %s", len(pipe.program.stages), args.onnx)
         result["onnx"] = pipe.export_onnx(args.onnx)
         log.info("exported in %.1f s", time.perf_counter() - start)
         lines.append(f"ONNX manifest: {result['onnx']}")
@@ -258,7 +258,7 @@ def _predicted_json(pipe) -> dict[str, Any]:
     if t is None:
         return {"step_time_s": None, "bubble_fraction": None, "peak_inflight": None}
     return {"step_time_s": t.makespan, "bubble_fraction": t.bubble_fraction,
-            "peak_inflight": [t.peak_inflight(s) for s in range(len(pipe.stages))]}
+            "peak_inflight": [t.peak_inflight(s) for s in range(len(pipe.program.stages))]}
 
 
 def _table(rows: Sequence[tuple[str, ...]], *, indent: int) -> list[str]:
@@ -359,6 +359,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect_ = commands.add_parser("inspect", parents=[common],
                                   help="stage table, cuts and boundary tensors, code")
     inspect_.add_argument("--code", action="store_true", help="print each stage's graph code")
+    inspect_.add_argument("--runtime", action="store_true",
+                          help="print each device's generated training step")
     inspect_.add_argument("--draw", metavar="PATH", help="draw the partition (.svg or .png)")
     inspect_.set_defaults(command=_inspect)
     plan = commands.add_parser("plan", parents=[common],

@@ -6,7 +6,7 @@
     Block           a contiguous run of compute nodes that the partitioner places as one unit.
     LinearGraph     the blocks in order plus, for every cut, its boundary: the values produced
                     before the cut and used after it.
-    StageCost       the cost model's prediction for one stage of the split program.
+    StageCost       one stage of the split program as the stage table reports it.
 
 Values are named by their fx node names; those names are global to a compiled program and are
 the names of stage inputs/outputs and of ONNX values.
@@ -22,6 +22,8 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.utils._pytree import TreeSpec
+
+from .schedule.simulate import StageCosts
 
 __all__ = ["CapturedModel", "ValueInfo", "Block", "LinearGraph", "NodeRole", "StageCost",
            "StageTimes", "microbatch_size"]
@@ -64,6 +66,12 @@ class ValueInfo:
             return sympy.Integer(8)
         return sympy.expand(self.numel * _itemsize(self.dtype))
 
+    def bytes_at(self, sizes: Mapping[sympy.Symbol, int]) -> int:
+        """Bytes of the value when the size symbols have the values `sizes` (a message's size)."""
+        item = _itemsize(self.dtype) if self.dtype is not None else 8
+        return item * math.prod(d if isinstance(d, int) else int(evaluate(d, sizes))
+                                for d in self.shape)
+
     def __repr__(self) -> str:
         dims = ", ".join(str(d) for d in self.shape)
         kind = str(self.dtype).replace("torch.", "") if self.dtype is not None else "scalar"
@@ -105,6 +113,10 @@ class CapturedModel:
     def flatten_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
         from torch.fx._pytree import tree_flatten_spec
 
+        positional, keywords = self.in_spec.child(0), self.in_spec.child(1)
+        if (not kwargs and keywords.num_children == 0 and positional.num_children == len(args)
+                and all(c.is_leaf() for c in positional.children())):
+            return list(args)  # each argument a leaf, no keywords: what the walk would give
         return list(tree_flatten_spec((tuple(args), dict(kwargs)), self.in_spec))
 
     def unflatten_outputs(self, flat: list[Any]) -> Any:
@@ -253,16 +265,26 @@ class CostTable:
 
 @dataclass(frozen=True)
 class StageCost:
-    """Predicted cost of one stage per micro-batch (from the cost model)."""
+    """One stage as the stage table reports it, per micro-batch: its size and memory, and
+    `times`, the simulator's costs of the stage (`stage_costs.simulator_costs`: the one source
+    of a stage's times; `forward_time` and `backward_time` read them)."""
 
     num_blocks: int
     params: int
     forward_flops: float
-    forward_time: float
-    backward_time: float
     memory: float  # params + grads + optimizer state + activations of in-flight micro-batches
     inflight: int
     send_bytes: float  # boundary bytes after this stage
+    times: StageCosts
+
+    @property
+    def forward_time(self) -> float:
+        return self.times.forward
+
+    @property
+    def backward_time(self) -> float:
+        """The fused backward, a recomputed forward included."""
+        return self.times.backward
 
 
 def evaluate(expr: Any, sizes: Mapping[sympy.Symbol, int]) -> float:

@@ -24,11 +24,10 @@ forward's masks, and other device threads draw from the same generator in betwee
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -54,16 +53,21 @@ def derive_seed(seed: int, index: int, name: str, step: int = 0) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-@contextlib.contextmanager
-def microbatch(index: int | None, *, step: int = 0) -> Iterator[None]:
+class microbatch:  # noqa: N801 - used as a function: `with microbatch(i, step=s):`
     """Random ops of seeded graphs run in this thread draw the stream of micro-batch `index`
-    of training step `step`."""
-    previous = getattr(_context, "key", None)
-    _context.key = None if index is None else (index, step)
-    try:
-        yield
-    finally:
-        _context.key = previous
+    of training step `step` (a class, not a generator: entered on every forward)."""
+
+    __slots__ = ("key", "previous")
+
+    def __init__(self, index: int | None, *, step: int = 0):
+        self.key = None if index is None else (index, step)
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_context, "key", None)
+        _context.key = self.key
+
+    def __exit__(self, *exc: Any) -> None:
+        _context.key = self.previous
 
 
 def seeded_call(op: Any, name: str, seed: int, *args: Any, **kwargs: Any) -> Any:

@@ -24,7 +24,7 @@ def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 
 def test_inspect_json_with_code_and_drawing(tmp_path):
     done = _run("inspect", f"{FACTORIES}:keyword_tuple", "--devices", "3", "--microbatches", "2",
-                "--code", "--draw", str(tmp_path / "partition.svg"), "--json")
+                "--code", "--runtime", "--draw", str(tmp_path / "partition.svg"), "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)  # stdout is only the JSON object
     assert [s["index"] for s in result["stages"]] == [0, 1, 2]
@@ -37,6 +37,9 @@ def test_inspect_json_with_code_and_drawing(tmp_path):
         assert value["producer"] == 0 and value["consumers"] == [1]
     assert cut["bytes"] == 2 * 4 * 8 * 4
     assert "def forward(self, x" in result["code"]["0"]
+    assert sorted(result["runtime_code"]) == ["0", "1", "2"]
+    assert "def device_1(" in result["runtime_code"]["1"]
+    assert "1F0: stage 1, forward of micro-batch 0" in result["runtime_code"]["1"]
     assert 0 < result["predicted"]["bubble_fraction"] < 1
     assert (tmp_path / "partition.svg").read_text().lstrip().startswith("<?xml")
     assert "pipecompile: compiling KeywordTupleModel for 3 devices" in done.stderr  # progress
@@ -71,7 +74,7 @@ def test_plan_prints_the_schedule_and_draws_the_prediction(tmp_path, capsys):
     status = main(["plan", f"{FACTORIES}:keyword_tuple", "--devices", "2", "--json"])
     result = json.loads(capsys.readouterr().out)
     chosen = result["search"]["candidates"][0]  # --schedule and --microbatches are "auto"
-    assert chosen["verdict"] == "chosen"
+    assert chosen["reason"] == "" and chosen["step"] > 0  # the winner: no reason it lost
     assert result["schedule"]["name"] == chosen["schedule"] and len(result["peak_inflight"]) == 2
 
 

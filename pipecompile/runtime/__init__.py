@@ -1,1 +1,1 @@
-"""Runtime: schedules as data and the executors that interpret them."""
+"""Runtime: stage workers, transports, and the executor that runs each device's generated step."""

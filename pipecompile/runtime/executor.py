@@ -1,8 +1,9 @@
-"""Executor: interpret a lowered schedule's action lists over stage workers and a transport.
+"""Executor: run a lowered schedule's generated device functions over stage workers.
 
-Each device row of the schedule is walked in order by its own thread (in one process: one
-thread per device; under torch.distributed: this rank's row only). A dispatch table maps the
-action kind to a small function. Values move exactly as the schedule says:
+Each device row of the schedule is emitted once as a straight-line Python function
+(`codegen.py`: one block of statements per action, no interpretation per action) and run by
+its own thread (in one process: one thread per device; under torch.distributed: this rank's row
+only). Values move exactly as the schedule says:
 
     F(s, i)          reads the values handed to stage s for micro-batch i; hands each output to
                      the stages reading it: directly when they share s's device, else into the
@@ -18,7 +19,8 @@ complete (tied parameters and data-parallel replicas summed); an asynchronous ST
 micro-batch: PipeDream, 2BW) updates its stage in place, in order.
 
 Every wait has a timeout; an exception in one thread stops the others and is raised as a
-`StageExecutionError` naming the stage and the action.
+`StageExecutionError` naming the device, stage, action and micro-batch, found from the
+generated code's frame in the traceback.
 """
 
 from __future__ import annotations
@@ -31,33 +33,37 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..errors import PipecompileError, StageExecutionError
+from ..errors import ConfigError, PipecompileError, StageExecutionError
 from ..schedule.actions import Action, Kind, Schedule
-from ..tensors import to_device
 from .mailbox import Aborted
-from ..schedule.messages import Dataflow, Message, message_of
-from .microbatch import MicroBatch
+from ..schedule.messages import Dataflow, Message
 from ..schedule.simulate import Event
+from .codegen import DeviceCode, StageCode, emit, failed_action, load
+from .microbatch import MicroBatch
 from .stage_worker import StageWorker
 from .transport import Transport
 
-__all__ = ["Executor", "Wiring"]
+__all__ = ["Executor", "Executed", "Wiring"]
 
 
 @dataclass(frozen=True)
 class Wiring:
-    """Which stage produces each boundary value, which stages read it, which carry gradients."""
+    """The program's links (`Dataflow`: which stage produces each boundary value, which stages
+    read it, which carry gradients), its flat model inputs and each stage's device."""
 
-    producer: Mapping[str, int]
-    consumers: Mapping[str, tuple[int, ...]]
+    dataflow: Dataflow
     input_names: tuple[str, ...]  # flat model inputs, fed to every stage that reads them
     devices: tuple[torch.device, ...]  # device of each stage
-    grad_values: frozenset[str]  # floating point boundary values (gradients flow back)
 
-    def dataflow(self) -> Dataflow:
-        """The links that lowering turns into messages."""
-        return Dataflow.from_wiring(self.producer, self.consumers, self.grad_values,
-                                    len(self.devices))
+
+@dataclass(frozen=True)
+class Executed:
+    """What running a schedule's rows gave: the synchronous STEPs for the caller to apply,
+    the timed actions, and (forward-only runs) the last stage's outputs per micro-batch."""
+
+    steps: tuple[Action, ...]
+    events: tuple[Event, ...]
+    outputs: Mapping[int, Mapping[str, Any]]
 
 
 class Executor:
@@ -71,59 +77,62 @@ class Executor:
         self.threads = threads
         self.rows = rows  # None: every device row of the schedule
         self.label = label  # how errors name a stage (the distributed executor adds the rank)
-        self.records: list[Event] = []
-        self.outputs: dict[int, dict[str, Any]] = {}  # forward-only runs: last stage's outputs
-        self.forward_only = False
-        self.autocast: Any = None  # the caller's AutocastState, re-entered around computation
-        self.dataflow = wiring.dataflow()
-        # Constant per plan, looked up on every action: each stage's links out and in, and
-        # the message of each SEND/RECV action (the dataflow's links are scanned once).
-        stages = range(len(wiring.devices))
-        self._readers = {s: self.dataflow.readers(s) for s in stages}
-        self._sources = {s: tuple(k for k in self.dataflow.sources(s) if k.grads) for s in stages}
-        self._messages: dict[Action, Message] = {}
-        # Per step: values handed to (stage, mb), output gradients summed for (stage, mb), and
-        # each message's values from its producing action until its SEND. Each key is written
-        # and read by one device's thread only.
-        self._inputs: dict[tuple[int, int], dict[str, Any]] = {}
-        self._grads: dict[tuple[int, int], dict[str, Any]] = {}
-        self._outbox: dict[tuple[int, int, int, bool], dict[str, Any]] = {}
-        self._home: tuple[int, ...] = ()
+        self.dataflow = wiring.dataflow
+        produced = self.dataflow.producers()
+        self._stages = {
+            s: StageCode(s, w.input_names, frozenset(n for n in w.input_names if n not in produced),
+                         w.loss is not None, wiring.devices[s].type == "cuda")
+            for s, w in self.workers.items()}
+        # generated code per schedule and mode, by the schedule's identity and by its value
+        self._programs: dict[tuple, _Program] = {}
+
+    def code(self, schedule: Schedule, device: int, *, forward_only: bool = False) -> str:
+        """The generated source of device row `device` running `schedule`."""
+        rows = self.rows if self.rows is not None else range(schedule.num_devices)
+        if device not in rows:
+            raise ConfigError(f"device {device} is not run by this process (it runs rows "
+                              f"{list(rows)}); under torch.distributed each rank generates "
+                              f"only its own row")
+        return self._program(schedule, [device], forward_only, stepwise=False).rows[0].source
 
     def run(self, schedule: Schedule, transport: Transport, microbatches: Sequence[MicroBatch],
-            flat_inputs: Sequence[Sequence[Any]], *, forward_only: bool = False) -> list[Action]:
-        """Execute every non-STEP action of the rows; returns their STEP actions.
+            flat_inputs: Sequence[Sequence[Any]], *, forward_only: bool = False,
+            autocast: Any = None) -> Executed:
+        """Execute every non-STEP action of the rows (the synchronous STEPs come back).
 
         `forward_only` runs F actions without keeping anything for a backward pass and collects
-        the last stage's outputs in `self.outputs[microbatch]`.
+        the last stage's outputs. `autocast` (the caller's `AutocastState`, or None) is entered
+        in each device thread, around its whole row.
         """
-        self.forward_only = forward_only
-        self.outputs = {}
-        feeds = [dict(zip(self.wiring.input_names, flat)) for flat in flat_inputs]
         rows = list(self.rows) if self.rows is not None else list(range(schedule.num_devices))
-        self.records = []
-        self._start = time.perf_counter()
+        stepwise = not self.threads and len(rows) > 1
+        program = self._program(schedule, rows, forward_only, stepwise)
+        names = self.wiring.input_names
+        feeds = [dict(zip(names, flat)) for flat in flat_inputs]
+        targets = [mb.target for mb in microbatches]
+        outputs: dict[int, Any] = {}
+        records: list[list[tuple]] = [[] for _ in program.rows]
+        args = [(self.workers, self.wiring.devices, transport, feeds, targets, outputs,
+                 records[r]) for r in range(len(program.rows))]
+        entered = (lambda: autocast.entered()) if autocast is not None \
+            else contextlib.nullcontext
         errors: list[BaseException] = []
-        steps = [a for d in rows for a in schedule.actions[d]
-                 if a.kind is Kind.STEP and a.microbatch is None]
-        context = (transport, feeds, microbatches)
-        self._inputs, self._grads, self._outbox = {}, {}, {}
-        self._home = schedule.stage_to_device
+        start = time.perf_counter()
         # Every receive of these rows, posted now: messages move while the devices compute.
-        transport.post([self._message(a) for d in rows for a in schedule.actions[d]
-                        if a.kind in (Kind.RECV_F, Kind.RECV_B)])
-
-        if self.threads and len(rows) > 1:
-            pool = [threading.Thread(target=self._row, args=(d, schedule, context, errors),
-                                     daemon=True, name=f"pipecompile-device{d}") for d in rows]
+        transport.post(program.receives)
+        if stepwise:
+            self._interleave(program, args, transport, errors, entered)
+        elif len(program.rows) > 1:
+            pool = [threading.Thread(target=self._row,
+                                     args=(code, args[r], transport, errors, entered),
+                                     daemon=True, name=f"pipecompile-device{code.device}")
+                    for r, code in enumerate(program.rows)]
             for t in pool:
                 t.start()
             for t in pool:
                 t.join()
-        elif len(rows) == 1:
-            self._row(rows[0], schedule, context, errors)
         else:
-            self._interleave(rows, schedule, context, errors)
+            self._row(program.rows[0], args[0], transport, errors, entered)
         if not errors:
             try:
                 transport.finish()
@@ -132,202 +141,111 @@ class Executor:
                 errors.append(exc)
         if errors:
             raise errors[0]
-        return steps
+        events = tuple(Event(code.device, code.actions[k], began - start, end - start)
+                       for code, row in zip(program.rows, records) for k, began, end in row)
+        return Executed(program.steps, events, outputs)
 
-    def _row(self, device: int, schedule: Schedule, context, errors: list) -> None:
-        with _device_stream(self._row_device(device, schedule)):
-            self._walk(device, schedule, context, errors)
+    def _program(self, schedule: Schedule, rows: Sequence[int], forward_only: bool,
+                 stepwise: bool) -> "_Program":
+        """The generated code of `rows`, emitted once per schedule and mode (a few kept)."""
+        key = (id(schedule), tuple(rows), forward_only, stepwise)
+        known = self._programs.get(key)
+        if known is not None and known.schedule is schedule:
+            return known
+        # an equal schedule made again (a forward-only call builds its own each time)
+        same = (schedule, tuple(rows), forward_only, stepwise)
+        known = self._programs.get(same)
+        if known is not None:
+            return known
+        codes = tuple(load(emit(schedule, d, self._stages, self.dataflow,
+                                forward_only=forward_only, stepwise=stepwise)) for d in rows)
+        receives = tuple(m for code in codes for a, m in zip(_comm(code.actions), code.messages)
+                         if a.kind in (Kind.RECV_F, Kind.RECV_B))
+        steps = tuple(a for d in rows for a in schedule.actions[d]
+                      if a.kind is Kind.STEP and a.microbatch is None)
+        program = _Program(schedule, codes, receives, steps)
+        while len(self._programs) >= 2 * _KEEP:  # the oldest go (dicts keep insertion order)
+            del self._programs[next(iter(self._programs))]
+        self._programs[key] = self._programs[same] = program
+        return program
 
-    def _row_device(self, row: int, schedule: Schedule) -> torch.device:
-        stages = [s for s in range(schedule.num_stages) if schedule.stage_to_device[s] == row]
+    def _row(self, code: DeviceCode, args: tuple, transport: Transport,
+             errors: list[BaseException], entered: Callable[[], Any]) -> None:
+        """Run one row's generated function in this thread; a failure aborts the others."""
+        try:
+            with _device_stream(self._row_device(code)), entered():
+                code.fn(*args)
+        except Aborted:
+            return
+        except BaseException as exc:  # noqa: BLE001 - reported with its action
+            error = self._error(code, exc)
+            errors.append(error)
+            transport.abort(error)
+
+    def _interleave(self, program: "_Program", args: list[tuple], transport: Transport,
+                    errors: list[BaseException], entered: Callable[[], Any]) -> None:
+        """One thread, several rows: round-robin over their generators, each running until a
+        receive whose message has not arrived; no row moving in a whole round is a deadlock."""
+        running = {r: code.fn(*args[r]) for r, code in enumerate(program.rows)}
+        waiting: dict[int, int] = {}  # row -> the action index it waits at
+        with entered():
+            while running:
+                moved = False
+                for r, generator in list(running.items()):
+                    try:
+                        at = next(generator)
+                    except StopIteration:
+                        del running[r]
+                        moved = True
+                        continue
+                    except BaseException as exc:  # noqa: BLE001
+                        errors.append(self._error(program.rows[r], exc))
+                        transport.abort(errors[-1])
+                        return
+                    moved = moved or waiting.get(r) != at
+                    waiting[r] = at
+                if running and not moved:
+                    blocked = [str(program.rows[r].actions[waiting[r]]) for r in running]
+                    errors.append(StageExecutionError(
+                        f"schedule {program.schedule.name!r} cannot progress: blocked on "
+                        f"{blocked}"))
+                    return
+
+    def _row_device(self, code: DeviceCode) -> torch.device:
+        stages = sorted({a.stage for a in code.actions})
         return self.wiring.devices[stages[0]] if stages else torch.device("cpu")
 
-    def _walk(self, device: int, schedule: Schedule, context, errors: list) -> None:
-        transport = context[0]
-        for action in schedule.actions[device]:
-            if action.kind is Kind.STEP and action.microbatch is None:
-                continue  # a synchronous step waits for every stage: the caller applies it
-            try:
-                self._record(device, action, self._dispatch(action, context))
-            except Aborted:
-                return
-            except BaseException as exc:  # noqa: BLE001 - reported with its action
-                error = self._error(action, exc)
-                errors.append(error)
-                transport.abort(error)
-                return
-
-    def _interleave(self, rows, schedule, context, errors) -> None:
-        """One thread, several rows: round-robin, running each row's next ready action."""
-        cursors = {d: 0 for d in rows}
-        pending = sum(len(schedule.actions[d]) for d in rows)
-        while pending:
-            progressed = False
-            for device in rows:
-                actions = schedule.actions[device]
-                while cursors[device] < len(actions):
-                    action = actions[cursors[device]]
-                    if action.kind is not Kind.STEP or action.microbatch is not None:
-                        if not self._ready(action, context[0]):
-                            break
-                        try:
-                            self._record(device, action, self._dispatch(action, context))
-                        except BaseException as exc:  # noqa: BLE001
-                            errors.append(self._error(action, exc))
-                            context[0].abort(errors[-1])
-                            return
-                    cursors[device] += 1
-                    pending -= 1
-                    progressed = True
-            if not progressed:
-                blocked = [str(schedule.actions[d][c]) for d, c in cursors.items()
-                           if c < len(schedule.actions[d])]
-                errors.append(StageExecutionError(
-                    f"schedule {schedule.name!r} cannot progress: blocked on {blocked}"))
-                return
-
-    def _ready(self, action: Action, transport: Transport) -> bool:
-        """Only a receive waits for another row; everything else is ready in row order."""
-        if action.kind in (Kind.RECV_F, Kind.RECV_B):
-            return transport.poll(self._message(action))
-        return True
-
-    def _record(self, device: int, action: Action, began: float) -> None:
-        self.records.append(Event(device, action, began - self._start,
-                                  time.perf_counter() - self._start))
-
-    def _error(self, action: Action, exc: BaseException) -> BaseException:
+    def _error(self, code: DeviceCode, exc: BaseException) -> BaseException:
         if isinstance(exc, PipecompileError):
             return exc  # already user-facing (a non-scalar loss, a failure of another rank)
-        error = StageExecutionError(
-            f"{self.label(action.stage)} failed in action {action}: {type(exc).__name__}: {exc}")
+        action = failed_action(code, exc.__traceback__)
+        if action is None:
+            where = f"device {code.device}"
+        else:
+            mb = "" if action.microbatch is None else f", micro-batch {action.microbatch}"
+            where = (f"{self.label(action.stage)} failed in action {action} (device "
+                     f"{code.device}{mb})")
+        error = StageExecutionError(f"{where}: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         return error
 
-    # -- actions ---------------------------------------------------------------------------
 
-    def _dispatch(self, action: Action, context) -> float:
-        """Run `action`; returns when its compute began (after its inputs arrived)."""
-        called = time.perf_counter()
-        if self.autocast is not None and action.kind in _COMPUTE:  # thread-local: re-entered
-            with self.autocast.entered():
-                began = _ACTIONS[action.kind](self, action, *context)
-        else:
-            began = _ACTIONS[action.kind](self, action, *context)
-        return began if began is not None else called
+@dataclass(frozen=True)
+class _Program:
+    """The generated code of a schedule's rows, with what a run needs besides."""
 
-    def _forward(self, action, transport, feeds, microbatches) -> float:
-        stage, mb = action.stage, action.microbatch
-        worker = self.workers[stage]
-        device = self.wiring.devices[stage]
-        handed = self._inputs.pop((stage, mb), {})
-        inputs = {}
-        for name in worker.input_names:
-            if name not in self.wiring.producer:
-                inputs[name] = to_device(feeds[mb][name], device)
-            elif name in handed:
-                inputs[name] = handed[name]
-            else:
-                raise StageExecutionError(
-                    f"{self.label(stage)} has no value {name!r} for micro-batch {mb} in action "
-                    f"{action}: no receive from stage {self.wiring.producer[name]} ran before "
-                    f"it; lower the schedule with the program's wiring (relower)")
-        began = time.perf_counter()
-        if self.forward_only:
-            outputs = worker.infer(inputs)
-            if worker.loss is not None:
-                self.outputs[mb] = outputs
-        else:
-            target = to_device(microbatches[mb].target, device) if worker.loss is not None else None
-            outputs = worker.forward(mb, inputs, target)
-        _publish(device)
-        for link in self._readers[stage]:
-            values = {name: outputs[name] for name in link.values}
-            if self._home[link.dst] == self._home[stage]:
-                self._hand(self._inputs, (link.dst, mb), values, add=False)
-            else:
-                self._outbox[(stage, link.dst, mb, False)] = values
-        return began
-
-    def _backward(self, action, transport, feeds, microbatches) -> float:
-        return self._backward_with(StageWorker.backward, action, transport)
-
-    def _backward_input(self, action, transport, feeds, microbatches) -> float:
-        return self._backward_with(StageWorker.backward_input, action, transport)
-
-    def _backward_with(self, method: Callable, action, transport) -> float:
-        """B or I: the summed output gradients in, the input gradients handed back."""
-        stage, mb = action.stage, action.microbatch
-        grads_in = self._grads.pop((stage, mb), {})
-        began = time.perf_counter()
-        grads = method(self.workers[stage], mb, grads_in)
-        _publish(self.wiring.devices[stage])
-        for link in self._sources[stage]:
-            values = {name: grads.get(name) for name in link.grads}
-            if self._home[link.src] == self._home[stage]:
-                self._hand(self._grads, (link.src, mb), values, add=True)
-            else:
-                self._outbox[(stage, link.src, mb, True)] = values
-        return began
-
-    def _hand(self, store: dict, key: tuple[int, int], values: Mapping[str, Any], *,
-              add: bool) -> None:
-        """Values for stage key[0]: put (activations) or summed (gradients of a value read by
-        several stages); a None gradient (the value did not reach the loss) adds nothing."""
-        device = self.wiring.devices[key[0]]
-        held = store.setdefault(key, {})
-        for name, value in values.items():
-            value = to_device(value, device)
-            if not add:
-                held[name] = value
-            elif value is not None:
-                held[name] = value if held.get(name) is None else held[name] + value
-
-    def _message(self, action: Action) -> Message:
-        message = self._messages.get(action)
-        if message is None:  # several threads may store the same message: harmless
-            message = self._messages[action] = message_of(action, self.dataflow)
-        return message
-
-    def _backward_weight(self, action, transport, feeds, microbatches) -> None:
-        self.workers[action.stage].backward_weight(action.microbatch)
-
-    def _update(self, action, transport, feeds, microbatches) -> None:
-        """Asynchronous STEP: this stage's update, in the device's own order."""
-        self.workers[action.stage].apply_update()
-
-    def _send(self, action, transport, feeds, microbatches) -> None:
-        """Give the transport the message this action names, with all its values."""
-        message = self._message(action)
-        key = (message.src, message.dst, message.microbatch, message.backward)
-        values = self._outbox.pop(key, None)
-        if values is None:
-            raise StageExecutionError(
-                f"{self.label(action.stage)}: {action} has nothing to send ({message}); the "
-                f"action that computes it has not run on this device")
-        transport.send(message, values)
-
-    def _receive(self, action, transport, feeds, microbatches) -> None:
-        """Take the message from the transport: inputs of the next F, or gradients to sum."""
-        message = self._message(action)
-        values = transport.recv(message)
-        store = self._grads if message.backward else self._inputs
-        self._hand(store, (message.dst, message.microbatch), values, add=message.backward)
+    schedule: Schedule
+    rows: tuple[DeviceCode, ...]
+    receives: tuple[Message, ...]  # every receive of the rows: posted at step start
+    steps: tuple[Action, ...]  # synchronous STEPs: the caller applies them
 
 
-_ACTIONS: dict[Kind, Callable] = {
-    Kind.F: Executor._forward,
-    Kind.B: Executor._backward,
-    Kind.I: Executor._backward_input,
-    Kind.W: Executor._backward_weight,
-    Kind.STEP: Executor._update,
-    Kind.SEND_F: Executor._send,
-    Kind.RECV_F: Executor._receive,
-    Kind.SEND_B: Executor._send,
-    Kind.RECV_B: Executor._receive,
-}
+_KEEP = 8  # generated programs kept per executor (schedules it ran recently)
 
-_COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})  # actions that run the stage or autograd
+
+def _comm(actions: Sequence[Action]) -> list[Action]:
+    """The send and receive actions, in order: the i-th has the generated code's i-th message."""
+    return [a for a in actions if a.kind in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)]
 
 
 def _device_stream(device: torch.device):
@@ -336,10 +254,3 @@ def _device_stream(device: torch.device):
     if device.type == "cuda":
         return torch.cuda.stream(torch.cuda.Stream(device))
     return contextlib.nullcontext()
-
-
-def _publish(device: torch.device) -> None:
-    """Values leave this thread's stream: wait for the kernels that produce them (CUDA only)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-

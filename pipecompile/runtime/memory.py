@@ -20,12 +20,12 @@ import contextlib
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
 
-__all__ = ["SavedActivations", "storage_keys", "step_started"]
+__all__ = ["SavedActivations", "inputs_layout", "storage_keys", "step_started"]
 
 _MAX_LAYOUTS = 64  # layouts whose counts one stage keeps
 _ORDER = itertools.count()  # orders the events of stages that share a device (one thread)
@@ -112,10 +112,10 @@ class SavedActivations:
         storages `excluded` (parameters and buffers: `storage_keys`). With a `layout` key (a
         fresh micro-batch whose body saves the same tensors whenever the key is the same),
         the bytes are counted on the key's first body and reused after."""
-        known = self.counted.get(layout) if layout is not None else None
+        known = self.known(layout)
         if known is not None:
             yield
-            self._add(mb, [(-1 - mb, 0, known, known)])  # a span of its own: not merged
+            self.add_known(mb, known)
             return
         spans: list[_Span] = []
 
@@ -128,6 +128,23 @@ class SavedActivations:
         if layout is not None and len(self.counted) < _MAX_LAYOUTS:  # bounded: a scalar
             self.counted[layout] = _union_bytes(spans)  # input may differ on every step
         self._add(mb, spans)
+
+    def known(self, layout: Any) -> int | None:
+        """The bytes a forward of `layout` saves, if one was counted (see `record`)."""
+        return self.counted.get(layout) if layout is not None else None
+
+    def add_known(self, mb: int, nbytes: int) -> None:
+        """Micro-batch `mb` holds `nbytes` counted before under its layout (`known`)."""
+        span = (-1 - mb, 0, nbytes, nbytes)  # a span of its own: not merged with others
+        if mb in self.spans:
+            self._add(mb, [span])
+            return
+        # a fresh micro-batch (every training forward): what `_add` computes, without merging
+        self.spans[mb] = [span]
+        self.held[mb] = nbytes
+        self.microbatch[mb] = max(self.microbatch.get(mb, 0), nbytes)
+        self.peak = max(self.peak, sum(self.held.values()))
+        self.events.append((next(_ORDER), nbytes))
 
     def hold(self, mb: int, tensors: Iterable[Any], excluded: frozenset[int] = frozenset()
              ) -> None:
@@ -171,3 +188,38 @@ def step_started(devices: Iterable[torch.device], step: int) -> None:
                 continue
             _resets[str(device)] = step
         torch.cuda.reset_peak_memory_stats(device)
+
+
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _value_layout(value: Any) -> Any:
+    """What decides the tensors a graph saves for `value`: a tensor's shape, strides, dtype,
+    device and whether it needs a gradient; a scalar itself. None: no simple layout."""
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
+    if isinstance(value, _SCALARS):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        parts = tuple(_value_layout(v) for v in value)
+        return None if None in parts else (type(value), parts)
+    return None
+
+
+def inputs_layout(inputs: Mapping[str, Any], target: Any) -> Any:
+    """The per-forward part of a layout key (`StageWorker._layout`: what `SavedActivations.record` reuses a count by): each input's layout, the
+    inputs that share a storage, and the target's layout; None when one is not plain."""
+    values = []
+    storages: dict[int, int] = {}
+    for name, value in inputs.items():
+        layout = _value_layout(value)
+        if layout is None:
+            return None
+        if isinstance(value, torch.Tensor):
+            shared = storages.setdefault(value.untyped_storage().data_ptr(), len(storages))
+            layout = (*layout, shared)
+        values.append((name, layout))
+    aim = _value_layout(target)
+    if aim is None and target is not None:
+        return None
+    return (tuple(values), aim, torch.is_grad_enabled())

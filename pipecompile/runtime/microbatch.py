@@ -54,6 +54,12 @@ def split_microbatches(
             return leaf.chunk(num)
         return None
 
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in (*args, target)
+                          if a is not None):  # tensors only: no pytree walk per micro-batch
+        pieces = [chunks(a) for a in args]
+        aims = chunks(target)
+        return [MicroBatch(i, tuple(a if p is None else p[i] for a, p in zip(args, pieces)), {},
+                           target if aims is None else aims[i], sizes[i]) for i in range(num)]
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs), target))
     pieces = [chunks(leaf) for leaf in leaves]
     out = []

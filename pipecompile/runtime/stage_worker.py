@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from ..errors import LossError
-from ..rng import generator_lock, microbatch
+from ..rng import generator_lock, microbatch, seeded_call
 from . import split_backward
-from .memory import SavedActivations, step_started, storage_keys
+from .memory import SavedActivations, inputs_layout, step_started, storage_keys
 from .versions import WeightVersions
 from .weight_store import WeightGradStore, collecting, defer_weight_grads
 
@@ -121,47 +121,15 @@ class _Saved:
     weights: dict | None = None  # asynchronous schedules: the weight version this mb uses
 
 
-_SCALARS = (int, float, bool, str, type(None))
+_ALONE = object()  # a probe of the output structure: is unflatten([x]) just x?
 
 
-def _value_layout(value: Any) -> Any:
-    """What decides the tensors a graph saves for `value`: a tensor's shape, strides, dtype,
-    device and whether it needs a gradient; a scalar itself. None: no simple layout."""
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
-    if isinstance(value, _SCALARS):
-        return (type(value), value)
-    if isinstance(value, (tuple, list)):
-        parts = tuple(_value_layout(v) for v in value)
-        return None if None in parts else (type(value), parts)
-    return None
-
-
-def _layout(module: torch.nn.Module, params: tuple[torch.Tensor, ...],
-            inputs: Mapping[str, Any], target: Any) -> Any:
-    """A key under which a training forward saves the same tensors for backward (what
-    `SavedActivations.record` reuses a count by), or None when the inputs are not all plain.
-    Inputs that share a storage are part of it, as are autocast, grad mode and which of the
-    module's parameters are trainable. The captured graph is static; the last stage's loss_fn
-    is taken to save the same tensors for targets of the same layout too."""
-    values = []
-    storages: dict[int, int] = {}
-    for name, value in inputs.items():
-        layout = _value_layout(value)
-        if layout is None:
-            return None
-        if isinstance(value, torch.Tensor):
-            shared = storages.setdefault(value.untyped_storage().data_ptr(), len(storages))
-            layout = (*layout, shared)
-        values.append((name, layout))
-    aim = _value_layout(target)
-    if aim is None and target is not None:
-        return None
-    autocast = tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
-                     for t in sorted({v.device.type for v in inputs.values()
-                                      if isinstance(v, torch.Tensor)} | {"cpu"}))
-    trainable = tuple(p.requires_grad for p in params)
-    return (module, tuple(values), aim, autocast, torch.is_grad_enabled(), trainable)
+def _is_seeded(module: torch.nn.Module) -> bool:
+    """Whether a graph in `module` has random ops seeded per micro-batch (`rng.seeded_call`):
+    only those read the `microbatch` context."""
+    return any(node.op == "call_function" and node.target is seeded_call
+               for m in module.modules() if isinstance(m, torch.fx.GraphModule)
+               for node in m.graph.nodes)
 
 
 @dataclass
@@ -194,7 +162,12 @@ class StageWorker:
     # the storages of the stage's parameters and buffers (not activations), found once: they
     # are updated in place, and an eval-mode or compiled graph shares them
     _state_keys: frozenset[int] | None = field(default=None, init=False, repr=False)
-    _params_of: tuple[Any, tuple] = field(default=(None, ()), init=False, repr=False)
+    # per module run (train, eval or compiled graph): (module, whether it is seeded)
+    _seeded_of: tuple[Any, bool] = field(default=(None, False), init=False, repr=False)
+    # per step and module: the layout key's part that cannot change within a step
+    _step_layout: tuple[Any, Any] = field(default=(None, None), init=False, repr=False)
+    _scale: tuple[Any, Any] = field(default=(None, None), init=False, repr=False)
+    _unflatten: Any = field(default=None, init=False, repr=False)
     saved: dict[int, _Saved] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: detached losses
     peak_inflight: int = 0  # most micro-batches held at once (activations saved) so far
@@ -209,43 +182,77 @@ class StageWorker:
                 seen[id(p)] = p
         return list(seen.values())
 
+    def __post_init__(self) -> None:
+        # The stage's behaviours are picked here, once, not tested on every micro-batch:
+        # recomputation (checkpoint) or kept activations; weight versions (asynchronous
+        # schedules) or the live weights; the split backward's I (the compiled graph's fused
+        # backward, or the autograd frontier split).
+        self._forward = self._forward_recomputed if self.checkpoint else self._forward_kept
+        self._backward = self._backward_versioned if self.versions is not None \
+            else self._backward_fused
+        self._input_grads = self._input_grads_fused if self.fused_backward \
+            else self._input_grads_split
+
     def forward(self, mb: int, inputs: Mapping[str, Any], target: Any = None) -> dict[str, Any]:
         """Run micro-batch `mb`; returns the stage outputs (the loss too, on the last stage)."""
         weights = self.versions.acquire(mb) if self.versions is not None else None
         if mb == 0:
             self._begin_step(inputs)
-        if self.checkpoint:
-            rng = _RngState.capture([*inputs.values(), *self.module.parameters(),
-                                     *self.module.buffers()])
-            stream = (self._forward_seed(), 0) if self.own_streams else (mb, self.steps)
-            with torch.no_grad(), microbatch(stream[0], step=stream[1]):
-                outputs = self._run(inputs, weights)
-            # what a checkpointed stage keeps until backward: the inputs it recomputes from
-            self.activations.hold(mb, inputs.values(), self._state(weights))
-            self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=rng, target=target,
-                                    stream=stream,
-                                    weights=weights)
-            self.peak_inflight = max(self.peak_inflight, len(self.saved))
-            if self.loss is not None:
-                with torch.no_grad():
-                    self.losses[mb] = self._loss(outputs, target)
-            return dict(zip(self.output_names, outputs))
+        outputs = self._forward(mb, inputs, target, weights)
+        self.peak_inflight = max(self.peak_inflight, len(self.saved))
+        return outputs
+
+    def _forward_recomputed(self, mb: int, inputs: Mapping[str, Any], target: Any,
+                            weights: dict | None) -> dict[str, Any]:
+        """Checkpointing: no autograd graph; the inputs and random state are kept to
+        recompute from in backward."""
+        rng = _RngState.capture([*inputs.values(), *self.module.parameters(),
+                                 *self.module.buffers()])
+        stream = (self._forward_seed(), 0) if self.own_streams else (mb, self.steps)
+        with torch.no_grad(), microbatch(stream[0], step=stream[1]):
+            outputs = self._run(inputs, weights)
+        # what a checkpointed stage keeps until backward: the inputs it recomputes from
+        self.activations.hold(mb, inputs.values(), self._state(weights))
+        self.saved[mb] = _Saved({}, {}, inputs=dict(inputs), rng=rng, target=target,
+                                stream=stream, weights=weights)
+        if self.loss is not None:
+            with torch.no_grad():
+                self.losses[mb] = self._loss(outputs, target)
+        return dict(zip(self.output_names, outputs))
+
+    def _forward_kept(self, mb: int, inputs: Mapping[str, Any], target: Any,
+                      weights: dict | None) -> dict[str, Any]:
+        """The autograd graph is kept until backward; its saved bytes are counted (by layout:
+        a forward like one counted before reuses that count without hooks)."""
         leaves = self._leaves(inputs)
         module, store = self._weight_split(leaves)
-        layout = _layout(module, self._module_params(), inputs, target) \
-            if weights is None else None
-        with self.activations.record(mb, self._state(weights), layout):
-            with microbatch(mb, step=self.steps), _collecting(store):
-                outputs = self._run({**inputs, **leaves}, weights, module)
-            saved = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=weights,
-                           store=store)
-            if self.loss is not None:
-                saved.loss = self._loss(outputs, target)
+        layout = self._layout(module, inputs, target) if weights is None else None
+        known = self.activations.known(layout)
+        if known is None:
+            with self.activations.record(mb, self._state(weights), layout):
+                saved = self._keep(mb, module, inputs, leaves, target, weights, store)
+        else:
+            saved = self._keep(mb, module, inputs, leaves, target, weights, store)
+            self.activations.add_known(mb, known)
         if saved.loss is not None:
             self.losses[mb] = saved.loss.detach()
         self.saved[mb] = saved
-        self.peak_inflight = max(self.peak_inflight, len(self.saved))
-        return dict(saved.outputs)
+        return saved.outputs
+
+    def _keep(self, mb: int, module: Any, inputs: Mapping[str, Any], leaves: dict,
+              target: Any, weights: dict | None, store: WeightGradStore | None) -> _Saved:
+        """Run the forward (and the loss) with autograd recording what backward needs."""
+        given = {**inputs, **leaves} if leaves else inputs
+        if store is not None or self._seeded(module):
+            with microbatch(mb, step=self.steps), _collecting(store):
+                outputs = self._run(given, weights, module)
+        else:  # no seeded random op and no deferred linear: no context to enter
+            outputs = self._run(given, weights, module)
+        saved = _Saved(leaves, dict(zip(self.output_names, outputs)), weights=weights,
+                       store=store)
+        if self.loss is not None:
+            saved.loss = self._loss(outputs, target)
+        return saved
 
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Forward without keeping anything for backward (forward-only calls)."""
@@ -260,8 +267,11 @@ class StageWorker:
         saved = self._restore(mb)
         roots, grads = self._roots(saved, output_grads)
         del self.saved[mb]
-        if saved.weights is not None:
-            return self._backward_versioned(mb, saved, roots, grads)
+        return self._backward(mb, saved, roots, grads)
+
+    def _backward_fused(self, mb: int, saved: _Saved, roots: list, grads: list
+                        ) -> dict[str, Any]:
+        """One autograd backward: parameter gradients accumulate into `.grad`."""
         if self.sync is not None:
             self.sync.before_backward()
         if roots:
@@ -293,10 +303,19 @@ class StageWorker:
         """Zero-bubble I: gradients of the inputs only; records what `backward_weight` needs."""
         saved = self._restore(mb)
         roots, grads = self._roots(saved, output_grads)
-        if self.fused_backward or saved.store is not None:
-            if roots:  # a deferred linear queues its weight gradient into saved.store
-                torch.autograd.backward(roots, grads)
-            return {name: leaf.grad for name, leaf in saved.leaves.items()}
+        if saved.store is not None:  # deferred linears: I is an ordinary backward
+            return self._input_grads_fused(saved, roots, grads)
+        return self._input_grads(saved, roots, grads)
+
+    def _input_grads_fused(self, saved: _Saved, roots: list, grads: list) -> dict[str, Any]:
+        """I as one ordinary backward: a deferred linear queues its weight gradient into
+        saved.store; a compiled stage's backward is one node and computes both (W frees)."""
+        if roots:
+            torch.autograd.backward(roots, grads)
+        return {name: leaf.grad for name, leaf in saved.leaves.items()}
+
+    def _input_grads_split(self, saved: _Saved, roots: list, grads: list) -> dict[str, Any]:
+        """I up to the autograd frontier of the inputs; what W needs is kept (split_backward)."""
         names = list(saved.leaves)
         result, saved.weight_work = split_backward.backward_input(
             roots, grads, [saved.leaves[n] for n in names], self.params)
@@ -320,13 +339,42 @@ class StageWorker:
         tensors = [*inputs.values(), *self.module.parameters()]
         step_started({t.device for t in tensors if isinstance(t, torch.Tensor)}, self.steps)
 
-    def _module_params(self) -> tuple[torch.Tensor, ...]:
-        """The parameters of the module run now (train or eval graph), listed once per module."""
-        module, params = self._params_of
-        if module is not self.module:
-            params = tuple(self.module.parameters())
-            self._params_of = (self.module, params)
-        return params
+    def _layout(self, module: torch.nn.Module, inputs: Mapping[str, Any], target: Any) -> Any:
+        """A key under which a training forward saves the same tensors for backward (what
+        `SavedActivations.record` reuses a count by), or None when the inputs are not all
+        plain. Inputs that share a storage are part of it, as are autocast, grad mode and which
+        of the module's parameters are trainable (those cannot change within a step, so they
+        are read once per step). The captured graph is static; the last stage's loss_fn is
+        taken to save the same tensors for targets of the same layout too."""
+        given = inputs_layout(inputs, target)
+        if given is None:
+            return None
+        key, fixed = self._step_layout
+        if key != (self.steps, module):
+            types = sorted({v.device.type for v in inputs.values()
+                            if isinstance(v, torch.Tensor)} | {"cpu"})
+            autocast = tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
+                             for t in types)
+            fixed = (module, autocast, tuple(p.requires_grad for p in module.parameters()))
+            self._step_layout = ((self.steps, module), fixed)
+        return (fixed, given)
+
+    def _seeded(self, module: torch.nn.Module) -> bool:
+        known, seeded = self._seeded_of
+        if known is not module:
+            seeded = _is_seeded(module)
+            self._seeded_of = (module, seeded)
+        return seeded
+
+    def _scale_of(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss's incoming gradient, the loss scale, made once per scale, dtype and device
+        (autograd reads it and never writes it; held here, it is never stolen into a .grad)."""
+        assert self.loss is not None, "only the last stage computes the loss"
+        key = (self.loss.scale, loss.dtype, loss.device)
+        if self._scale[0] != key:
+            self._scale = (key, torch.full((), self.loss.scale, dtype=loss.dtype,
+                                           device=loss.device))
+        return self._scale[1]
 
     def _state(self, weights: dict | None) -> frozenset[int]:
         """The storages of the parameters and buffers (and a stashed weight version): what
@@ -375,7 +423,10 @@ class StageWorker:
     def _loss(self, outputs: tuple, target: Any) -> torch.Tensor:
         spec = self.loss
         assert spec is not None, "only the last stage computes the loss"
-        result = spec.unflatten(list(outputs))
+        if self._unflatten is None:  # one output that is the whole result: no pytree walk
+            single = len(outputs) == 1 and spec.unflatten([_ALONE]) is _ALONE
+            self._unflatten = (lambda flat: flat[0]) if single else spec.unflatten
+        result = self._unflatten(list(outputs))
         if spec.loss_fn is None:
             loss = result
         elif spec.num_items is not None:
@@ -416,7 +467,7 @@ class StageWorker:
             assert saved.loss is not None, "the last stage's forward computed the loss"
             # d(scale * loss) = scale * d(loss): the scale as the loss's incoming gradient
             # gives the same gradients (the mul's backward multiplies 1 by it) with no extra op
-            return [saved.loss], [torch.full_like(saved.loss, self.loss.scale)]
+            return [saved.loss], [self._scale_of(saved.loss)]
         roots, grads = [], []
         for name, out in saved.outputs.items():
             grad = output_grads.get(name)

@@ -38,7 +38,7 @@ def _check(name, schedule, devices, microbatches=4, **options):
 def test_schedule_matches_unsplit_model_gpt2(schedule, devices):
     pipe = _check("gpt2", schedule, devices)
     virtual = 2 if schedule == "interleaved-1f1b" else 1
-    assert len(pipe.stages) == devices * virtual
+    assert len(pipe.program.stages) == devices * virtual
     # what ran: a forward and a backward (I and W under zero-bubble) per stage and micro-batch
     ran = Counter(e.action.kind.value for e in pipe.timeline().events)
     count = devices * virtual * 4
@@ -63,7 +63,7 @@ def test_single_thread_interleaving_gives_the_same_gradients():
     reference = copy.deepcopy(case.model)
     pipe = pc.compile(case.model, case.args, devices=4, schedule="1f1b", microbatches=4,
                       loss_fn=case.loss_fn)
-    pipe.executor.threads = False
+    pipe.runtime.executor.threads = False
     pipe.step(*case.args, target=case.target)
     _, ref_grads = reference_step(reference, case.args, {}, case.target, case.loss_fn, 4)
     assert_grads_equal(pipe, ref_grads)
@@ -76,8 +76,8 @@ def test_measured_inflight_matches_simulator(schedule):
     pipe = pc.compile(case.model, case.args, devices=4 if schedule != "interleaved-1f1b" else 2,
                       microbatches=8, schedule=schedule, loss_fn=case.loss_fn)
     pipe.step(*case.args, target=case.target)
-    measured = pipe.peak_inflight()
-    predicted = tuple(pipe.predicted.peak_inflight(s) for s in range(len(pipe.stages)))
+    measured = pipe.last_step.peak_inflight
+    predicted = tuple(pipe.predicted.peak_inflight(s) for s in range(len(pipe.program.stages)))
     assert measured == predicted, (measured, predicted)
     if schedule == "gpipe":
         assert measured[0] == 8

@@ -1,5 +1,5 @@
 """Mailbox: the in-process transport moves whole messages, times out naming the stage, and wakes
-its waiters on abort; a value read by two stages gets its gradients summed."""
+its waiters on abort."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from pipecompile.errors import StageExecutionError
-from pipecompile.schedule.actions import Action
-from pipecompile.runtime.executor import Executor, Wiring
 from pipecompile.runtime.mailbox import Aborted, Mailbox
 from pipecompile.schedule.messages import Message
 from pipecompile.runtime.transport import Transport
@@ -50,20 +48,6 @@ def test_finish_reports_a_message_nobody_received() -> None:
     box.send(Message(0, 2, 0, False, ("x",)), {"x": torch.ones(1)})
     with pytest.raises(StageExecutionError, match="1 message.* from stage 0 to stage 2"):
         box.finish()
-
-
-def test_gradient_of_a_value_read_by_two_stages_is_summed() -> None:
-    # e1 made by stage 0 is read by stages 1 and 3 (a long skip): two backward messages, one sum.
-    wiring = Wiring({"e1": 0}, {"e1": (1, 3)}, (), CPU, frozenset({"e1"}))
-    executor = Executor({}, wiring)
-    executor._home = (0, 1, 2, 3)
-    box = Mailbox(CPU, timeout=5.0)
-    box.send(Message(1, 0, 0, True, ("e1",)), {"e1": torch.tensor([1.0, 2.0])})
-    box.send(Message(3, 0, 0, True, ("e1",)), {"e1": torch.tensor([10.0, 20.0])})
-    for peer in (3, 1):
-        executor._receive(Action.parse(f"0RECV_B0<{peer}"), box, None, None)
-    assert torch.equal(executor._grads[(0, 0)]["e1"], torch.tensor([11.0, 22.0]))
-    box.finish()
 
 
 def test_timeout_names_the_waiting_stage_and_the_message() -> None:

@@ -1,0 +1,298 @@
+"""Codegen: each device's row of a lowered schedule, emitted as one straight-line Python function.
+
+The executor does not interpret the action list. For every device row it emits a function that
+performs that row's actions in order, one commented block per action, as torch.fx emits a
+graph's ``forward``: values live in local dictionaries named for the stage and micro-batch they
+belong to, messages are constants, and each local is deleted after its last use so nothing lives
+longer than the interpreter kept it. For a 2-stage 1F1B, device 1 reads::
+
+    # 1RECV_F0<0: stage 1, receive the values of micro-batch 0
+    t = now()
+    X1_0 = to_device(transport.recv(M[0]), d1)
+    records.append((0, t, now()))
+    # 1F0: stage 1, forward of micro-batch 0
+    t = now()
+    o = w1.forward(0, {'h': X1_0['h']}, to_device(targets[0], d1))
+    ...
+
+The source is compiled under a file name registered with `linecache`, so a failing step's
+traceback shows the generated line, and `failed_action` maps that line back to its action.
+Lowering mistakes (a forward with no receive before it, a send of nothing) are found while
+emitting, before any thread starts. ``stepwise=True`` emits a generator instead: before each
+receive it yields while the message is not there, so one thread can interleave several rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import linecache
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Callable, Mapping, Sequence
+
+from ..errors import StageExecutionError
+from ..schedule.actions import Action, Kind, Schedule
+from ..schedule.messages import Dataflow, Message, message_of
+from ..tensors import to_device
+
+__all__ = ["StageCode", "DeviceCode", "emit", "load", "failed_action"]
+
+_COUNTER = itertools.count()
+
+
+@dataclass(frozen=True)
+class StageCode:
+    """What the emitter knows of a stage: its input names, which of them come from the model's
+    inputs (not from another stage), whether it computes the loss, whether its device is an
+    accelerator (values leaving it wait for its stream)."""
+
+    index: int
+    inputs: tuple[str, ...]
+    fed: frozenset[str]
+    loss: bool
+    accelerator: bool = False
+
+
+@dataclass
+class DeviceCode:
+    """One device row's generated function, its source and the first line of each action."""
+
+    device: int
+    source: str
+    filename: str
+    actions: tuple[Action, ...]  # the row's actions, in order (records name them by index)
+    starts: tuple[int, ...]  # first source line of each action's block
+    messages: tuple[Message, ...]
+    fn: Callable[..., Any] = field(default=lambda *a: None, repr=False)
+
+    def action_at(self, line: int) -> Action | None:
+        """The action whose block holds source line `line`."""
+        i = bisect.bisect_right(self.starts, line) - 1
+        return self.actions[i] if i >= 0 else None
+
+
+def emit(schedule: Schedule, device: int, stages: Mapping[int, StageCode], dataflow: Dataflow,
+         *, forward_only: bool = False, stepwise: bool = False) -> DeviceCode:
+    """The Python source of device row `device` of `schedule` (not yet compiled: `load`)."""
+    return _Emitter(schedule, device, stages, dataflow, forward_only, stepwise).run()
+
+
+def load(code: DeviceCode) -> DeviceCode:
+    """Compile `code` under its own file name, registered with `linecache` for tracebacks."""
+    linecache.cache[code.filename] = (len(code.source), None, code.source.splitlines(True),
+                                      code.filename)
+    namespace: dict[str, Any] = {"M": code.messages, "to_device": to_device, "acc": _acc,
+                                 "publish": _publish, "now": time.perf_counter}
+    exec(compile(code.source, code.filename, "exec"), namespace)  # noqa: S102 - our own source
+    code.fn = namespace[f"device_{code.device}"]
+    return code
+
+
+def failed_action(code: DeviceCode, tb: TracebackType | None) -> Action | None:
+    """The action whose generated line the traceback `tb` passed through last."""
+    found = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == code.filename:
+            found = code.action_at(tb.tb_lineno)
+        tb = tb.tb_next
+    return found
+
+
+def _acc(store: dict, values: Mapping[str, Any], names: Sequence[str], device: Any) -> None:
+    """Add gradients `values[names]` into `store` (a value read by several stages gets the sum
+    of their gradients); a None gradient (the value did not reach the loss) adds nothing."""
+    for name in names:
+        value = values.get(name)
+        if value is None:
+            continue
+        value = to_device(value, device)
+        held = store.get(name)
+        store[name] = value if held is None else held + value
+
+
+def _publish(device: Any) -> None:
+    """Values leave this thread's stream: wait for the kernels that produce them."""
+    import torch
+
+    torch.cuda.current_stream(device).synchronize()
+
+
+class _Emitter:
+    """Writes one row's function; tracks which local dictionaries exist at each point."""
+
+    def __init__(self, schedule: Schedule, device: int, stages: Mapping[int, StageCode],
+                 dataflow: Dataflow, forward_only: bool, stepwise: bool):
+        self.schedule, self.device, self.stages = schedule, device, stages
+        self.dataflow, self.forward_only, self.stepwise = dataflow, forward_only, stepwise
+        self.home = schedule.stage_to_device
+        self.lines: list[str] = []
+        self.messages: list[Message] = []
+        self.inputs: dict[tuple[int, int], set[str]] = {}  # X{s}_{i}: values handed to s for mb i
+        self.grads: set[tuple[int, int]] = set()  # G{s}_{i}: output gradients summed so far
+        self.outbox: set[tuple[int, int, int, bool]] = set()  # S{src}_{dst}_{i}{F|B}
+
+    def run(self) -> DeviceCode:
+        actions = tuple(self.schedule.actions[self.device])
+        own = [s for s, d in enumerate(self.home) if d == self.device]
+        mode = "forward-only" if self.forward_only else "training step"
+        self.line(f"def device_{self.device}(workers, devices, transport, feeds, targets, "
+                  f"outputs, records):", indent=0)
+        self.line(f'"""Device {self.device} of schedule {self.schedule.name!r} '
+                  f'({mode}): stages {own}, {len(actions)} actions."""')
+        for s in own:
+            self.line(f"w{s}, d{s} = workers[{s}], devices[{s}]")
+        starts = []
+        for k, action in enumerate(actions):
+            starts.append(len(self.lines) + 1)
+            self.action(k, action)
+        if not actions or self.stepwise:
+            self.line("return" if not self.stepwise else "yield from ()")
+        source = "\n".join(self.lines) + "\n"
+        filename = (f"<pipecompile-{next(_COUNTER)}: device {self.device}, "
+                    f"{self.schedule.name} {mode}>")
+        return DeviceCode(self.device, source, filename, actions, tuple(starts),
+                          tuple(self.messages))
+
+    def line(self, text: str, indent: int = 1) -> None:
+        self.lines.append("    " * indent + text)
+
+    def message(self, action: Action) -> tuple[int, Message]:
+        self.messages.append(message_of(action, self.dataflow))
+        return len(self.messages) - 1, self.messages[-1]
+
+    def action(self, k: int, a: Action) -> None:
+        s, i = a.stage, a.microbatch
+        doing = _DOING[a.kind]
+        self.line(f"# {a}: stage {s}, " + (f"{doing} {i}" if i is not None
+                                            else doing.split(",")[0]))
+        if a.kind is Kind.STEP:
+            if i is not None:  # PipeDream, 2BW: the stage updates in place, in row order
+                self.line(f"t = now(); w{s}.apply_update(); records.append(({k}, t, now()))")
+            else:
+                self.line("pass  # applied by the caller once the step's gradients are complete")
+            return
+        sent = self.message(a) if a.kind in _COMM else None
+        if self.stepwise and sent is not None and a.kind in (Kind.RECV_F, Kind.RECV_B):
+            self.line(f"while not transport.poll(M[{sent[0]}]):")
+            self.line(f"yield {k}", indent=2)
+        self.line("t = now()")
+        getattr(self, "_" + a.kind.name.lower())(a, s, i, sent)
+        self.line(f"records.append(({k}, t, now()))")
+
+    # -- one method per action kind --------------------------------------------------------
+
+    def _f(self, a: Action, s: int, i: int, _: Any) -> None:
+        stage = self.stages[s]
+        handed = self.inputs.pop((s, i), set())
+        args = []
+        for name in stage.inputs:
+            if name in stage.fed:
+                args.append(f"{name!r}: to_device(feeds[{i}][{name!r}], d{s})")
+            elif name in handed:
+                args.append(f"{name!r}: X{s}_{i}[{name!r}]")
+            else:
+                producer = next((k.src for k in self.dataflow.sources(s) if name in k.values),
+                                "another stage")
+                raise StageExecutionError(
+                    f"stage {s} has no value {name!r} for micro-batch {i} in action {a}: no "
+                    f"receive from stage {producer} ran before it; lower the schedule with the "
+                    f"program's wiring (relower)")
+        inputs = "{" + ", ".join(args) + "}"
+        if self.forward_only:
+            self.line(f"o = w{s}.infer({inputs})")
+            if stage.loss:
+                self.line(f"outputs[{i}] = o")
+        else:
+            target = f"to_device(targets[{i}], d{s})" if stage.loss else "None"
+            self.line(f"o = w{s}.forward({i}, {inputs}, {target})")
+        if handed:
+            self.line(f"del X{s}_{i}")
+        if stage.accelerator:
+            self.line(f"publish(d{s})")
+        for link in self.dataflow.readers(s):
+            picked = "{" + ", ".join(f"{n!r}: o[{n!r}]" for n in link.values) + "}"
+            if self.home[link.dst] == self.device:
+                key = (link.dst, i)
+                if key in self.inputs:
+                    self.line(f"X{link.dst}_{i}.update({picked})")
+                else:
+                    self.line(f"X{link.dst}_{i} = {picked}")
+                self.inputs.setdefault(key, set()).update(link.values)
+            else:
+                self.line(f"S{s}_{link.dst}_{i}F = {picked}")
+                self.outbox.add((s, link.dst, i, False))
+        self.line("del o")
+
+    def _b(self, a: Action, s: int, i: int, _: Any, method: str = "backward") -> None:
+        grads = f"G{s}_{i}" if (s, i) in self.grads else "{}"
+        self.line(f"g = w{s}.{method}({i}, {grads})")
+        if (s, i) in self.grads:
+            self.grads.discard((s, i))
+            self.line(f"del G{s}_{i}")
+        for link in self.dataflow.sources(s):
+            if not link.grads:
+                continue
+            if self.home[link.src] == self.device:
+                key = (link.src, i)
+                if key not in self.grads:
+                    self.line(f"G{link.src}_{i} = {{}}")
+                    self.grads.add(key)
+                self.line(f"acc(G{link.src}_{i}, g, {link.grads!r}, d{link.src})")
+            else:
+                picked = "{" + ", ".join(f"{n!r}: g.get({n!r})" for n in link.grads) + "}"
+                self.line(f"S{s}_{link.src}_{i}B = {picked}")
+                self.outbox.add((s, link.src, i, True))
+        self.line("del g")
+
+    def _i(self, a: Action, s: int, i: int, _: Any) -> None:
+        self._b(a, s, i, None, "backward_input")
+
+    def _w(self, a: Action, s: int, i: int, _: Any) -> None:
+        self.line(f"w{s}.backward_weight({i})")
+
+    def _send_f(self, a: Action, s: int, i: int, sent: tuple[int, Message]) -> None:
+        j, message = sent
+        key = (message.src, message.dst, i, message.backward)
+        if key not in self.outbox:
+            raise StageExecutionError(
+                f"stage {s}: {a} has nothing to send ({message}); the action that computes it "
+                f"has not run on this device")
+        self.outbox.discard(key)
+        box = f"S{message.src}_{message.dst}_{i}{'B' if message.backward else 'F'}"
+        self.line(f"transport.send(M[{j}], {box})")
+        self.line(f"del {box}")
+
+    _send_b = _send_f
+
+    def _recv_f(self, a: Action, s: int, i: int, sent: tuple[int, Message]) -> None:
+        j, message = sent
+        key = (message.dst, i)
+        received = f"to_device(transport.recv(M[{j}]), d{message.dst})"
+        if key in self.inputs:
+            self.line(f"X{message.dst}_{i}.update({received})")
+        else:
+            self.line(f"X{message.dst}_{i} = {received}")
+        self.inputs.setdefault(key, set()).update(message.values)
+
+    def _recv_b(self, a: Action, s: int, i: int, sent: tuple[int, Message]) -> None:
+        j, message = sent  # gradients for the outputs of the receiving stage, message.dst
+        key = (message.dst, i)
+        if key not in self.grads:
+            self.line(f"G{message.dst}_{i} = {{}}")
+            self.grads.add(key)
+        self.line(f"acc(G{message.dst}_{i}, transport.recv(M[{j}]), {message.values!r}, "
+                  f"d{message.dst})")
+
+
+_COMM = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+_DOING = {  # what an action does, completed by its micro-batch (a STEP may have none)
+    Kind.F: "forward of micro-batch", Kind.B: "backward of micro-batch",
+    Kind.I: "input gradients (zero-bubble I) of micro-batch",
+    Kind.W: "weight gradients (zero-bubble W) of micro-batch",
+    Kind.STEP: "optimizer step, after micro-batch", Kind.SEND_F: "send the values of micro-batch",
+    Kind.RECV_F: "receive the values of micro-batch",
+    Kind.SEND_B: "send the gradients of micro-batch",
+    Kind.RECV_B: "receive the gradients of micro-batch",
+}
