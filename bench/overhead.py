@@ -11,7 +11,7 @@ cost of one pipeline action (one process with device threads, and 2 gloo ranks).
     adds, is the runtime's fixed cost per action. Measured for devices=1, devices=2 in one
     process (two device threads, `Mailbox`) and 2 gloo ranks (spawned processes).
 
-    python bench/overhead.py            # a: GPT d=128 L=4 batch 16x64 and a tiny MLP, m=8
+    python bench/overhead.py            # a: GPT d=128 L=4 16x64 and a tiny MLP (m=8), an MLP 32x4 (m=64)
     python bench/overhead.py --quick    # fewer repeats, smaller GPT
     python bench/overhead.py --part a   # only (a); --part b only (b)
 
@@ -54,6 +54,9 @@ def _case(name: str, quick: bool, batch: int):
         model = zoo.GPT(vocab=512, dim=dim, layers=layers, heads=4, seq=seq)
         x = torch.randint(0, 512, (batch, seq))
         return model, x, torch.randint(0, 512, (batch, seq)), zoo.lm_loss
+    if name == "mlp32":  # 4 layers of width 32: the issue's one-sample-per-micro-batch case
+        model = _mlp(32, 4)
+        return model, torch.randn(batch, 32), torch.randn(batch, 32), _mse
     model = _mlp()
     return model, torch.randn(batch, 8), torch.randn(batch, 8), _mse
 
@@ -73,10 +76,11 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def part_a(quick: bool) -> None:
-    m, repeats = 8, (15 if quick else 60)
+    repeats = 15 if quick else 60
     rows = []
-    for name in ("gpt", "mlp"):
-        model, x, y, loss_fn = _case(name, quick, 16)
+    # (case, batch, m): m = 8 micro-batches of 2 samples, and one sample per micro-batch
+    for name, batch, m in (("gpt", 16, 8), ("mlp", 16, 8), ("mlp32", 64, 64)):
+        model, x, y, loss_fn = _case(name, quick, batch)
         pipe = pc.compile(model, (x,), devices=1, schedule="gpipe", microbatches=m,
                           loss_fn=loss_fn)
         # 1f1b at one stage runs F0 B0 F1 B1 ... as the plain loop does; gpipe holds every
@@ -105,13 +109,14 @@ def part_a(quick: bool) -> None:
                 if i >= 2:  # warm-up
                     times[key].append(t)
         base = med(times["plain model"])
-        label = "GPT " + ("d=64 L=2 16x32" if quick else "d=128 L=4 16x64") if name == "gpt" \
-            else "MLP 8x8 (2 layers) batch 16"
+        label = {"gpt": "GPT " + ("d=64 L=2 16x32" if quick else "d=128 L=4 16x64") + ", m=8",
+                 "mlp": "MLP 8x8 (2 layers) batch 16, m=8",
+                 "mlp32": "MLP 32x32 (4 layers) batch 64, m=64"}[name]
         for key, ts in times.items():
             rows.append([label, key, fmt_ms(med(ts)), spread(ts),
                          f"{(med(ts) / base - 1) * 100:+.1f}%",
                          f"{(med(ts) - base) * 1e6 / (2 * m):.0f}"])
-    print(f"\n(a) 1-stage pipeline vs plain model, m={m}, {repeats} alternating repeats, "
+    print(f"\n(a) 1-stage pipeline vs plain model, {repeats} alternating repeats, "
           f"medians; load {loadavg()}")
     print(table(rows, ["model", "system", "ms/step", "spread", "vs plain",
                        "extra us per action (2m actions)"]))
@@ -127,14 +132,15 @@ def _fit(ms: Sequence[int], ts: Sequence[float]) -> tuple[float, float]:
 
 
 def _sweep(ms: Sequence[int], repeats: int, devices: int, mb_size: int,
-           barrier: Callable[[], None] = lambda: None) -> dict[str, dict[int, float]]:
+           barrier: Callable[[], None] = lambda: None,
+           schedule: str = "gpipe") -> dict[str, dict[int, float]]:
     """Median step time per m: plain model and pipeline with `devices` devices. Every repeat
     runs every m (pipeline, then plain), so load from other work spreads over all of them."""
     torch.set_num_threads(1)
     cases = {}
     for m in ms:
         model, x, y, loss_fn = _case("mlp", True, mb_size * m)
-        pipe = pc.compile(model, (x,), devices=devices, schedule="gpipe", microbatches=m,
+        pipe = pc.compile(model, (x,), devices=devices, schedule=schedule, microbatches=m,
                           loss_fn=loss_fn, split_points=["2"] if devices == 2 else None)
         cases[m] = (model, list(model.parameters()), x, y, loss_fn, pipe)
     times: dict[str, dict[int, list[float]]] = {"plain": {m: [] for m in ms},
@@ -166,6 +172,7 @@ def part_b(quick: bool) -> None:
     # device threads (they share the GIL); a rank runs its stage's F and B, one SEND, one RECV
     results = {
         "1 process, devices=1": (_sweep(ms, repeats, 1, mb), 2, 0, 1.0),
+        "1 process, devices=1, 1f1b": (_sweep(ms, repeats, 1, mb, schedule="1f1b"), 2, 0, 1.0),
         "1 process, devices=2 (threads)": (_sweep(ms, repeats, 2, mb), 8, 2, 1.0),
     }
     ranks = spawn(_rank_sweep, 2, ms, repeats, mb)
@@ -178,14 +185,15 @@ def part_b(quick: bool) -> None:
         slope, icpt = _fit(ms, [res["pipe"][m] for m in ms])
         pslope, _ = _fit(ms, [res["plain"][m] for m in ms])
         extra = slope - share * pslope  # the runtime's own seconds per micro-batch
-        base = extra if base is None else base
+        base = extra if base is None else base  # the devices=1 gpipe row
         per_message = (f"{(extra - base) / messages * 1e6:.0f}" if messages else "-")
         rows.append([name, " ".join(f"{res['pipe'][m] * 1e3:.2f}" for m in ms),
                      " ".join(f"{res['plain'][m] * 1e3:.2f}" for m in ms),
                      f"{slope * 1e6:.0f}", f"{pslope * 1e6:.0f}", f"{icpt * 1e3:.2f}",
                      f"{extra * 1e6:.0f}", f"{actions}", f"{extra / actions * 1e6:.0f}",
                      per_message])
-    print(f"\n(b) tiny MLP (8x8, 2 layers), micro-batch of {mb} samples, gpipe, m in {ms}, "
+    print(f"\n(b) tiny MLP (8x8, 2 layers), micro-batch of {mb} samples, gpipe (one row 1f1b), "
+          f"m in {ms}, "
           f"{repeats} repeats, medians; load {loadavg()}")
     print(table(rows, ["runtime", "pipe ms/step at each m", "plain ms/step",
                        "pipe us/mb (slope)", "plain us/mb", "pipe intercept ms",

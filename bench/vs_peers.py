@@ -34,6 +34,14 @@ weights) are printed and checked: equal losses show that the systems do the same
     DS_BUILD_OPS=0 pip install deepspeed==0.19.8      # benchmark-only; skipped if not importable
     torchrun --nproc-per-node 2 bench/vs_peers.py             # d=128, 8 layers, batch 16x64
     torchrun --nproc-per-node 2 bench/vs_peers.py --quick     # d=64, 4 layers, batch 16x32
+    torchrun --nproc-per-node 2 bench/vs_peers.py --overhead  # d=16, 8 layers, 32x8, m=32
+
+`--overhead` is the overhead-bound mode: so little compute per micro-batch (one sample of 8
+tokens through d=16 layers) that each system's fixed cost per action decides the step. It runs
+pipecompile, DeepSpeed, torch.distributed.pipelining and the 1-process bound, and prints each
+system's cost per action: (median step - T1 / 2) / (4 m), where T1 / 2 is half the unsplit
+model's step (the compute of one rank) and 4 m the actions of a rank's 1F1B step (F, B, one
+SEND, one RECV per micro-batch).
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ DS_M4, DS_M2 = "deepspeed m=4", "deepspeed m=2"
 PC_M4, PC_M2 = "pipecompile m=4", "pipecompile m=2"
 SYSTEMS = ("pipecompile", "deepspeed", "torch.pipelining", BOUND, HALVES, COMPILED, DS_COMPILED,
            AUTO, DS_M4, DS_M2, PC_M4, PC_M2)
+OVERHEAD_SYSTEMS = ("pipecompile", "deepspeed", "torch.pipelining", BOUND)
 NOT_PEERS = ("pipecompile", COMPILED, BOUND, HALVES, AUTO, PC_M4, PC_M2)  # no speedup column
 OTHER_M = (AUTO, DS_M4, DS_M2, PC_M4, PC_M2)  # at another micro-batch count: not vs m=8 bounds
 
@@ -359,9 +368,17 @@ def _report(per_rank: list[dict], opts, load_before: str) -> None:
             print(f"  two cores at once run each half {h / (C.med(times[BOUND]) / 2):.2f}x "
                   f"slower than half the 1-process step (medians)")
         _efficiencies(times, "machine bound", h * factor, h_best * factor)
+    if BOUND in times and opts.overhead:
+        half = C.med(times[BOUND]) / 2
+        print(f"\ncost per action = (median step - T1 / 2) / (4 m), T1 / 2 = {C.fmt_ms(half)} ms, "
+              f"4 m = {4 * opts.m} actions per rank and step:")
+        for n in times:
+            if n != BOUND:
+                print(f"  {n:<18} {(C.med(times[n]) - half) / (4 * opts.m) * 1e6:.0f} us")
     if pc_t:
         print("\ntargets (medians): ", end="")
-        checks = [("deepspeed", 1.15), ("torch.pipelining", 1.3)]
+        checks = ([("deepspeed", 1.1), ("torch.pipelining", 2.0)] if opts.overhead
+                  else [("deepspeed", 1.15), ("torch.pipelining", 1.3)])
         out = [f">= {need}x {n} (eager pipecompile): {C.med(times[n]) / C.med(pc_t):.2f}x "
                f"{'met' if C.med(times[n]) / C.med(pc_t) >= need else 'NOT met'}"
                for n, need in checks if n in times]
@@ -428,12 +445,18 @@ def _options() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="d=64, 4 layers, seq 32, 2 rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS)
+    parser.add_argument("--overhead", action="store_true",
+                        help="overhead-bound: d=16, 8 layers, batch 32x8, m=32 (1 sample each)")
     opts = parser.parse_args()
     opts.dim, opts.layers, opts.seq = (64, 4, 32) if opts.quick else (128, 8, 64)
+    opts.heads, opts.vocab, opts.batch, opts.m = 4, 512, 16, 8
+    if opts.overhead:
+        opts.dim, opts.layers, opts.seq, opts.heads, opts.vocab = 16, 8, 8, 2, 64
+        opts.batch, opts.m = 32, 32
+    opts.systems = opts.systems or (list(OVERHEAD_SYSTEMS) if opts.overhead else list(SYSTEMS))
     opts.rounds = opts.rounds or (2 if opts.quick else 5)
     opts.steps = opts.steps or (2 if opts.quick else 4)
-    opts.heads, opts.vocab, opts.batch, opts.m = 4, 512, 16, 8
     return opts
 
 
