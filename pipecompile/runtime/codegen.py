@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
+
 from ..errors import StageExecutionError
 from ..schedule.actions import Action, Kind, Schedule
 from ..schedule.messages import Dataflow, Message, message_of
@@ -114,8 +116,6 @@ def _acc(store: dict, values: Mapping[str, Any], names: Sequence[str], device: A
 
 def _publish(device: Any) -> None:
     """Values leave this thread's stream: wait for the kernels that produce them."""
-    import torch
-
     torch.cuda.current_stream(device).synchronize()
 
 
@@ -231,6 +231,8 @@ class _Emitter:
         if (s, i) in self.grads:
             self.grads.discard((s, i))
             self.line(f"del G{s}_{i}")
+        if self.stages[s].accelerator:
+            self.line(f"publish(d{s})")
         for link in self.dataflow.sources(s):
             if not link.grads:
                 continue

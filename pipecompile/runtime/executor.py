@@ -123,8 +123,8 @@ class Executor:
         if stepwise:
             self._interleave(program, args, transport, errors, entered)
         elif len(program.rows) > 1:
-            pool = [threading.Thread(target=self._row,
-                                     args=(code, args[r], transport, errors, entered),
+            pool = [threading.Thread(target=self._row, args=(code, program.devices[r], args[r],
+                                                             transport, errors, entered),
                                      daemon=True, name=f"pipecompile-device{code.device}")
                     for r, code in enumerate(program.rows)]
             for t in pool:
@@ -132,7 +132,7 @@ class Executor:
             for t in pool:
                 t.join()
         else:
-            self._row(program.rows[0], args[0], transport, errors, entered)
+            self._row(program.rows[0], program.devices[0], args[0], transport, errors, entered)
         if not errors:
             try:
                 transport.finish()
@@ -163,17 +163,18 @@ class Executor:
                          if a.kind in (Kind.RECV_F, Kind.RECV_B))
         steps = tuple(a for d in rows for a in schedule.actions[d]
                       if a.kind is Kind.STEP and a.microbatch is None)
-        program = _Program(schedule, codes, receives, steps)
+        program = _Program(schedule, codes, receives, steps,
+                           tuple(self._row_device(code) for code in codes))
         while len(self._programs) >= 2 * _KEEP:  # the oldest go (dicts keep insertion order)
             del self._programs[next(iter(self._programs))]
         self._programs[key] = self._programs[same] = program
         return program
 
-    def _row(self, code: DeviceCode, args: tuple, transport: Transport,
+    def _row(self, code: DeviceCode, device: torch.device, args: tuple, transport: Transport,
              errors: list[BaseException], entered: Callable[[], Any]) -> None:
         """Run one row's generated function in this thread; a failure aborts the others."""
         try:
-            with _device_stream(self._row_device(code)), entered():
+            with _device_stream(device), entered():
                 code.fn(*args)
         except Aborted:
             return
@@ -238,6 +239,7 @@ class _Program:
     rows: tuple[DeviceCode, ...]
     receives: tuple[Message, ...]  # every receive of the rows: posted at step start
     steps: tuple[Action, ...]  # synchronous STEPs: the caller applies them
+    devices: tuple[torch.device, ...]  # each row's device (its first stage's)
 
 
 _KEEP = 8  # generated programs kept per executor (schedules it ran recently)

@@ -173,3 +173,20 @@ def test_an_executor_generates_only_the_rows_it_runs():
     with pytest.raises(ConfigError, match="device 0 is not run by this process"):
         executor.code(pipe.schedule, 0)
     assert executor.code(pipe.schedule, 1) == pipe.runtime_code(1)
+
+
+def test_an_accelerator_stage_publishes_its_values_after_forward_and_backward():
+    # on CUDA each device thread has its own stream: values leave it only once computed
+    flow = Dataflow.from_wiring({"h": 0}, {"h": (1,)}, {"h"}, 2)
+    row = (Action(0, Kind.F, 0), Action(0, Kind.SEND_F, 0, peer=1),
+           Action(0, Kind.RECV_B, 0, peer=1), Action(0, Kind.B, 0))
+    schedule = Schedule("cuda", 2, 1, (0, 1), (row, ()))
+    lines = [line.strip() for line in emit(
+        schedule, 0, {0: StageCode(0, ("x",), frozenset({"x"}), False, accelerator=True)},
+        flow).source.splitlines()]
+    forward = next(i for i, line in enumerate(lines) if line.startswith("o = w0.forward"))
+    backward = next(i for i, line in enumerate(lines) if line.startswith("g = w0.backward"))
+    assert lines[forward + 1] == "publish(d0)"
+    assert "publish(d0)" in lines[backward + 1:backward + 3]
+    cpu = emit(schedule, 0, {0: StageCode(0, ("x",), frozenset({"x"}), False)}, flow)
+    assert "publish" not in cpu.source
