@@ -228,10 +228,6 @@ class Pipeline(torch.nn.Module):
         return self._last or StepResult((), self.schedule)
 
     @property
-    def last_schedule(self) -> Schedule:
-        return self.last_step.schedule
-
-    @property
     def communication(self) -> Any:
         """The last step's message statistics (point-to-point transport), else None."""
         return self.last_step.communication
@@ -246,7 +242,7 @@ class Pipeline(torch.nn.Module):
 
     def simulate(self, schedule: Schedule | None = None) -> Timeline:
         """Predicted timeline of `schedule` (default: the last one run, else the step's)."""
-        return predict(schedule or self.last_schedule, self.plan)
+        return predict(schedule or self.last_step.schedule, self.plan)
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None
                      ) -> tuple[DeviceMemory, ...]:

@@ -116,7 +116,7 @@ def test_fit_stream_has_no_flush_and_matches_reference():
         assert next_forward < last_backward
     # simulated: the stream's bubble is that of one pipeline fill, not one per batch
     costs = [StageCosts(1.0, 2.0)] * stages
-    stream = simulate(pipe.last_schedule, costs).bubble_fraction
+    stream = simulate(pipe.last_step.schedule, costs).bubble_fraction
     assert abs(stream - (stages - 1) / (batches * m + stages - 1)) < 1e-9
     flushed = simulate(make_schedule("1f1b", stages, m), costs).bubble_fraction
     assert stream < flushed
