@@ -28,6 +28,7 @@ import bisect
 import itertools
 import linecache
 import time
+import weakref
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Callable, Mapping, Sequence
@@ -82,9 +83,11 @@ def emit(schedule: Schedule, device: int, stages: Mapping[int, StageCode], dataf
 
 
 def load(code: DeviceCode) -> DeviceCode:
-    """Compile `code` under its own file name, registered with `linecache` for tracebacks."""
+    """Compile `code` under its own file name, registered with `linecache` for tracebacks
+    (as long as `code` lives: the entry goes with it)."""
     linecache.cache[code.filename] = (len(code.source), None, code.source.splitlines(True),
                                       code.filename)
+    weakref.finalize(code, linecache.cache.pop, code.filename, None)
     namespace: dict[str, Any] = {"M": code.messages, "to_device": to_device, "acc": _acc,
                                  "publish": _publish, "now": time.perf_counter}
     exec(compile(code.source, code.filename, "exec"), namespace)  # noqa: S102 - our own source

@@ -5,6 +5,7 @@ and micro-batch from the generated frame; mis-lowered schedules fail while emitt
 from __future__ import annotations
 
 import ast
+import gc
 import linecache
 import traceback
 
@@ -190,3 +191,15 @@ def test_an_accelerator_stage_publishes_its_values_after_forward_and_backward():
     assert "publish(d0)" in lines[backward + 1:backward + 3]
     cpu = emit(schedule, 0, {0: StageCode(0, ("x",), frozenset({"x"}), False)}, flow)
     assert "publish" not in cpu.source
+
+
+def test_the_linecache_entry_goes_with_the_generated_code():
+    flow = Dataflow.chain(2)
+    row = (Action(0, Kind.F, 0), Action(0, Kind.SEND_F, 0, peer=1))
+    schedule = Schedule("short-lived", 2, 1, (0, 1), (row, ()))
+    code = load(emit(schedule, 0, {0: StageCode(0, ("x",), frozenset({"x"}), False)}, flow))
+    filename = code.filename
+    assert filename in linecache.cache
+    del code
+    gc.collect()
+    assert filename not in linecache.cache
