@@ -135,16 +135,7 @@ class SavedActivations:
 
     def add_known(self, mb: int, nbytes: int) -> None:
         """Micro-batch `mb` holds `nbytes` counted before under its layout (`known`)."""
-        span = (-1 - mb, 0, nbytes, nbytes)  # a span of its own: not merged with others
-        if mb in self.spans:
-            self._add(mb, [span])
-            return
-        # a fresh micro-batch (every training forward): what `_add` computes, without merging
-        self.spans[mb] = [span]
-        self.held[mb] = nbytes
-        self.microbatch[mb] = max(self.microbatch.get(mb, 0), nbytes)
-        self.peak = max(self.peak, sum(self.held.values()))
-        self.events.append((next(_ORDER), nbytes))
+        self._add(mb, [(-1 - mb, 0, nbytes, nbytes)])  # a span of its own: not merged
 
     def hold(self, mb: int, tensors: Iterable[Any], excluded: frozenset[int] = frozenset()
              ) -> None:
