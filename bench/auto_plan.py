@@ -8,6 +8,7 @@ them, its ratio to the best measured and to gpipe with m=4 (the old default).
 
     python bench/auto_plan.py            # a deep-narrow and a wide GPT, 2 and 4 devices
     python bench/auto_plan.py --quick    # GPT only, 2 devices, m in 2, 4, 8
+    python bench/auto_plan.py --cnn      # a small residual CNN only, 2 devices, m in 2, 4, 8
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def _wide_gpt(quick: bool):
     model = zoo.GPT(vocab=256, dim=256, layers=4, heads=4, seq=32)
     x, y = torch.randint(0, 256, (32, 32)), torch.randint(0, 256, (32, 32))
     return "GPT d=256 L=4 batch 32x32", model, x, y, zoo.lm_loss
+
+
+def _cnn(quick: bool):
+    model = zoo.ResidualCNN(width=16, blocks=6)
+    x, y = torch.randn(32, 3, 16, 16), torch.randint(0, 10, (32,))
+    return "ResidualCNN width 16, 6 blocks, batch 32x3x16x16", model, x, y, \
+        torch.nn.functional.cross_entropy
 
 
 def _measure(pipes: list, x, y, rounds: int) -> list[float]:
@@ -95,11 +103,13 @@ def _run(name, model, x, y, loss_fn, devices: int, limit, ms, steps: int) -> flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cnn", action="store_true", help="the small residual CNN only")
     opts = parser.parse_args()
+    opts.quick = opts.quick or opts.cnn
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(_common.machine())
-    models = [_gpt] if opts.quick else [_gpt, _wide_gpt]
+    models = [_cnn] if opts.cnn else [_gpt] if opts.quick else [_gpt, _wide_gpt]
     ms = (2, 4, 8) if opts.quick else (2, 4, 8, 16)
     for make in models:
         name, model, x, y, loss_fn = make(opts.quick)

@@ -33,6 +33,7 @@ import torch
 from ..errors import LossError
 from ..rng import generator_lock, microbatch, seeded_call
 from . import split_backward
+from .direct_forward import DirectCalls
 from .memory import SavedActivations, inputs_layout, step_started, storage_keys
 from .versions import WeightVersions
 from .weight_store import WeightGradStore, collecting, defer_weight_grads
@@ -168,6 +169,7 @@ class StageWorker:
     _step_layout: tuple[Any, Any] = field(default=(None, None), init=False, repr=False)
     _scale: tuple[Any, Any] = field(default=(None, None), init=False, repr=False)
     _unflatten: Any = field(default=None, init=False, repr=False)
+    _direct: DirectCalls = field(init=False, repr=False)  # training forwards' direct calls
     saved: dict[int, _Saved] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: detached losses
     peak_inflight: int = 0  # most micro-batches held at once (activations saved) so far
@@ -192,6 +194,7 @@ class StageWorker:
             else self._backward_fused
         self._input_grads = self._input_grads_fused if self.fused_backward \
             else self._input_grads_split
+        self._direct = DirectCalls(f"stage {self.index}")
 
     def forward(self, mb: int, inputs: Mapping[str, Any], target: Any = None) -> dict[str, Any]:
         """Run micro-batch `mb`; returns the stage outputs (the loss too, on the last stage)."""
@@ -256,7 +259,7 @@ class StageWorker:
 
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Forward without keeping anything for backward (forward-only calls)."""
-        return dict(zip(self.output_names, self._run(inputs)))
+        return dict(zip(self.output_names, self._run(inputs, direct=False)))
 
     def loss_of(self, outputs: Mapping[str, Any], target: Any) -> torch.Tensor:
         """The last stage's loss of `outputs` (by output name), e.g. of an `infer` result."""
@@ -391,10 +394,13 @@ class StageWorker:
             return int(torch.randint(0, 2**62, (), dtype=torch.int64))
 
     def _run(self, inputs: Mapping[str, Any], weights: dict | None = None,
-             module: Any = None) -> tuple:
+             module: Any = None, direct: bool = True) -> tuple:
+        """The stage's forward; a training forward calls the graph's direct forward."""
         args = [inputs[n] for n in self.input_names]
         if weights is not None:  # a stashed version, without touching the live parameters
             return tuple(torch.func.functional_call(self.module, weights, tuple(args)))
+        if direct:
+            return tuple(self._direct(module or self.module, args, self.steps))
         return tuple((module or self.module)(*args))
 
     def _weight_split(self, leaves: Mapping[str, Any]) -> tuple[Any, WeightGradStore | None]:
