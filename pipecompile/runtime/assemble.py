@@ -10,8 +10,8 @@
 Both build one `StageWorker` per stage this process runs (with its weight versions under the
 asynchronous schedules), the `Executor`, one optimizer per stage (synchronous schedules) and a
 transport per step. They differ in how values move (in-process `Mailbox` or `P2PTransport`),
-how a step ends (tied copies' gradients summed locally, or reduced across ranks and replicas)
-and how a forward-only call runs. `Pipeline` holds the result and never asks which it is; what a
+how a step's STEPs complete the gradients (`stage_steps.py`: tied copies summed locally, or
+reduced across ranks and replicas) and how a forward-only call runs. `Pipeline` holds the result and never asks which it is; what a
 step produced comes back as a `StepResult`.
 
 What a user's training loop needs is here too (mechanisms in `training.py`): the caller's
@@ -48,6 +48,7 @@ from .p2p import P2PTransport, Waiter
 from ..schedule.schedules import ASYNC_SCHEDULE_NAMES, make_schedule
 from .data_parallel import MicrobatchSync, ReplicaSync, reduces_in_backward
 from .spec import RuntimeSpec, StepResult
+from .stage_steps import StageSteps
 from .stage_worker import LossSpec, StageWorker
 from .training import AutocastState, TiedCopies, clip_grad_norm, counted_parameters
 from .versions import VersionRule, WeightVersions
@@ -78,14 +79,22 @@ class Runtime:
         self.wiring = Wiring(Dataflow.of(program), program.captured.input_names,
                              tuple(s.device for s in program.stages))
         self.executor = Executor(self.workers, self.wiring, rows=executor_rows, label=label)
-        self.optimizers = ([] if self.asynchronous
-                           else _optimizers(program, spec.optimizer, self.own_stages))
+        by_stage = ({} if self.asynchronous
+                    else _optimizers(program, spec.optimizer, self.own_stages))
+        self.optimizers = list(by_stage.values())
+        self.stage_steps = StageSteps(program, self.own_stages, by_stage, timeout=spec.timeout,
+                                reduce=self._reduce_across_ranks())
         self.parameters = self._parameters()  # every copy this process holds (tied: all)
         self.device_types = sorted({self.wiring.devices[s].type for s in self.own_stages})
         self.ties = TiedCopies(program, self.own_stages)
         self.training = True  # False: the workers run the stages' eval-mode graphs
         self._eval_modules: dict[int, torch.nn.Module] = {}
         self._train_modules = {i: w.module for i, w in self.workers.items()}
+
+    def _reduce_across_ranks(self) -> Callable[[bool], None] | None:
+        """What completes gradients across processes before an optimizer step (None: this
+        process holds every stage)."""
+        return None
 
     def own_copy(self, name: str) -> torch.Tensor | None:
         """This process's copy of a parameter or buffer (under torch.distributed: only those
@@ -119,15 +128,16 @@ class Runtime:
         for worker in self.workers.values():
             if worker.sync is not None:
                 worker.sync.summed(summed)
+        steps = self.stage_steps.round(schedule, summed=summed)
         with self._scaled_loss(loss_scale, num_items):
-            ran = self.executor.run(schedule, transport, mbs, flat, autocast=autocast)
+            ran = self.executor.run(schedule, transport, mbs, flat, autocast=autocast,
+                                    finish=steps)
+        steps.complete()
         last = self.workers.get(self.program.num_stages - 1)
         losses = [last.losses.pop(mb.index) for mb in mbs] if last is not None else []
         m = self.spec.microbatches
-        means = self.finish([losses[b * m:(b + 1) * m] for b in range(batches)], summed=summed)
-        if ran.steps:
-            for opt in self.optimizers:
-                opt.step()
+        means = [self.mean_loss(losses[b * m:(b + 1) * m], summed=summed)
+                 for b in range(batches)]
         return StepResult(tuple(means), schedule, ran.events, summed=summed,
                           communication=getattr(transport, "stats", None),
                           peak_inflight=tuple(w.peak_inflight for _, w in
@@ -276,10 +286,6 @@ class LocalRuntime(Runtime):
     def transport(self, mbs: Sequence[MicroBatch]) -> Mailbox:
         return Mailbox(self.wiring.devices, self.spec.timeout)
 
-    def finish(self, losses: list[list[torch.Tensor]], *, summed: bool) -> list[torch.Tensor]:
-        self._sum_tied_gradients()
-        return [self.mean_loss(chunk, summed=summed) for chunk in losses]
-
     def mean_loss(self, losses: list[torch.Tensor], *, summed: bool = False) -> torch.Tensor:
         stacked = torch.stack([l.to(losses[0].device) for l in losses])
         return stacked.sum() if summed else stacked.mean()
@@ -294,19 +300,6 @@ class LocalRuntime(Runtime):
             outputs = tuple(module(*[to_device(env[n], stage.device) for n in stage.inputs]))
             env.update(zip(stage.outputs, outputs))
         return captured.unflatten_outputs(list(outputs))
-
-    def _sum_tied_gradients(self) -> None:
-        """Copies of a tied parameter on different devices each get the sum of their grads."""
-        for tie in self.program.ties:
-            copies = list({id(t): t for _, t in self.program.tensors[tie.names[0]]}.values())
-            grads = [t.grad for t in copies if t.grad is not None]
-            if len(copies) < 2 or not grads:
-                continue  # one object shared by the stages: autograd already summed
-            total = grads[0].clone()
-            for g in grads[1:]:
-                total += g.to(total.device)
-            for t in copies:
-                t.grad = total.to(t.device)
 
 
 class DistributedRuntime(Runtime):
@@ -347,10 +340,11 @@ class DistributedRuntime(Runtime):
         captured = self.program.captured
         return captured.sizes_of(captured.flatten_inputs(mb.args, mb.kwargs))
 
-    def finish(self, losses: list[list[torch.Tensor]], *, summed: bool) -> list[torch.Tensor]:
-        if not self.asynchronous:
-            self.sync.reduce(self.parameters, summed=summed)
-        return [self.mean_loss(chunk, summed=summed) for chunk in losses]
+    def _reduce_across_ranks(self) -> Callable[[bool], None]:
+        def reduce(summed: bool) -> None:
+            if not self.asynchronous:
+                self.sync.reduce(self.parameters, summed=summed)
+        return reduce
 
     def mean_loss(self, losses: list[torch.Tensor], *, summed: bool = False) -> torch.Tensor:
         return reduce_mean_loss(losses, self.wiring.devices[self.own_stages[0]], summed=summed)
@@ -419,12 +413,12 @@ def _workers(program: StagedProgram, schedule: Schedule, spec: RuntimeSpec,
 
 
 def _optimizers(program: StagedProgram, optimizer: Callable | None,
-                own_stages: Sequence[int]) -> list[torch.optim.Optimizer]:
+                own_stages: Sequence[int]) -> dict[int, torch.optim.Optimizer]:
     """One optimizer per stage over the parameters it owns (a shared object: its first stage)."""
     if optimizer is None:
-        return []
+        return {}
     owned: set[int] = set()
-    result = []
+    result = {}
     for stage in program.stages:
         if stage.index not in own_stages:
             continue
@@ -434,5 +428,5 @@ def _optimizers(program: StagedProgram, optimizer: Callable | None,
                 owned.add(id(p))
                 params.append(p)
         if params:
-            result.append(optimizer(params))
+            result[stage.index] = optimizer(params)
     return result

@@ -140,8 +140,8 @@ class _Emitter:
         actions = tuple(self.schedule.actions[self.device])
         own = [s for s, d in enumerate(self.home) if d == self.device]
         mode = "forward-only" if self.forward_only else "training step"
-        self.line(f"def device_{self.device}(workers, devices, transport, feeds, targets, "
-                  f"outputs, records):", indent=0)
+        self.line(f"def device_{self.device}(workers, devices, transport, finish, feeds, "
+                  f"targets, outputs, records):", indent=0)
         self.line(f'"""Device {self.device} of schedule {self.schedule.name!r} '
                   f'({mode}): stages {own}, {len(actions)} actions."""')
         for s in own:
@@ -173,8 +173,13 @@ class _Emitter:
         if a.kind is Kind.STEP:
             if i is not None:  # PipeDream, 2BW: the stage updates in place, in row order
                 self.line(f"t = now(); w{s}.apply_update(); records.append(({k}, t, now()))")
-            else:
-                self.line("pass  # applied by the caller once the step's gradients are complete")
+            elif self.stepwise:  # one thread runs every row: poll the stages it waits for
+                self.line(f"finish.arrive({s})")
+                self.line(f"while not finish.ready({s}):")
+                self.line(f"yield {k}", indent=2)
+                self.line(f"t = now(); finish.apply({s}); records.append(({k}, t, now()))")
+            else:  # complete the stage's gradients (ties, replicas), then its optimizer
+                self.line(f"t = now(); finish({s}); records.append(({k}, t, now()))")
             return
         sent = self.message(a) if a.kind in _COMM else None
         if self.stepwise and sent is not None and a.kind in (Kind.RECV_F, Kind.RECV_B):

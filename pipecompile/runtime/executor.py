@@ -14,9 +14,9 @@ only). Values move exactly as the schedule says:
                      input gradients handed back directly or through SEND_B messages
 
 The transport is a `Mailbox` (threads of one process) or a `P2PTransport` (ranks). A
-synchronous STEP is returned to the caller, which applies it once the step's gradients are
-complete (tied parameters and data-parallel replicas summed); an asynchronous STEP (with a
-micro-batch: PipeDream, 2BW) updates its stage in place, in order.
+synchronous STEP(s) completes stage s's gradients (tied copies and data-parallel replicas
+summed) and steps its optimizer where the row reaches it (`stage_steps.py`); an asynchronous
+STEP (with a micro-batch: PipeDream, 2BW) updates its stage in place, in order.
 
 Every wait has a timeout; an exception in one thread stops the others and is raised as a
 `StageExecutionError` naming the device, stage, action and micro-batch, found from the
@@ -40,6 +40,7 @@ from ..schedule.messages import Dataflow, Message
 from ..schedule.simulate import Event
 from .codegen import DeviceCode, StageCode, emit, failed_action, load
 from .microbatch import MicroBatch
+from .stage_steps import StepRound
 from .stage_worker import StageWorker
 from .transport import Transport
 
@@ -58,10 +59,9 @@ class Wiring:
 
 @dataclass(frozen=True)
 class Executed:
-    """What running a schedule's rows gave: the synchronous STEPs for the caller to apply,
-    the timed actions, and (forward-only runs) the last stage's outputs per micro-batch."""
+    """What running a schedule's rows gave: the timed actions, and (forward-only runs) the
+    last stage's outputs per micro-batch."""
 
-    steps: tuple[Action, ...]
     events: tuple[Event, ...]
     outputs: Mapping[int, Mapping[str, Any]]
 
@@ -97,8 +97,9 @@ class Executor:
 
     def run(self, schedule: Schedule, transport: Transport, microbatches: Sequence[MicroBatch],
             flat_inputs: Sequence[Sequence[Any]], *, forward_only: bool = False,
-            autocast: Any = None) -> Executed:
-        """Execute every non-STEP action of the rows (the synchronous STEPs come back).
+            autocast: Any = None, finish: StepRound | None = None) -> Executed:
+        """Execute every action of the rows; a synchronous STEP(s) calls `finish(s)`
+        (`stage_steps.StepRound`: the stage's gradients completed, its optimizer stepped).
 
         `forward_only` runs F actions without keeping anything for a backward pass and collects
         the last stage's outputs. `autocast` (the caller's `AutocastState`, or None) is entered
@@ -112,8 +113,8 @@ class Executor:
         targets = [mb.target for mb in microbatches]
         outputs: dict[int, Any] = {}
         records: list[list[tuple]] = [[] for _ in program.rows]
-        args = [(self.workers, self.wiring.devices, transport, feeds, targets, outputs,
-                 records[r]) for r in range(len(program.rows))]
+        args = [(self.workers, self.wiring.devices, transport, finish, feeds, targets,
+                 outputs, records[r]) for r in range(len(program.rows))]
         entered = (lambda: autocast.entered()) if autocast is not None \
             else contextlib.nullcontext
         errors: list[BaseException] = []
@@ -143,7 +144,7 @@ class Executor:
             raise errors[0]
         events = tuple(Event(code.device, code.actions[k], began - start, end - start)
                        for code, row in zip(program.rows, records) for k, began, end in row)
-        return Executed(program.steps, events, outputs)
+        return Executed(events, outputs)
 
     def _program(self, schedule: Schedule, rows: Sequence[int], forward_only: bool,
                  stepwise: bool) -> "_Program":
@@ -161,9 +162,7 @@ class Executor:
                                 forward_only=forward_only, stepwise=stepwise)) for d in rows)
         receives = tuple(m for code in codes for a, m in zip(_comm(code.actions), code.messages)
                          if a.kind in (Kind.RECV_F, Kind.RECV_B))
-        steps = tuple(a for d in rows for a in schedule.actions[d]
-                      if a.kind is Kind.STEP and a.microbatch is None)
-        program = _Program(schedule, codes, receives, steps,
+        program = _Program(schedule, codes, receives,
                            tuple(self._row_device(code) for code in codes))
         while len(self._programs) >= 2 * _KEEP:  # the oldest go (dicts keep insertion order)
             del self._programs[next(iter(self._programs))]
@@ -173,6 +172,7 @@ class Executor:
     def _row(self, code: DeviceCode, device: torch.device, args: tuple, transport: Transport,
              errors: list[BaseException], entered: Callable[[], Any]) -> None:
         """Run one row's generated function in this thread; a failure aborts the others."""
+        finish = args[3]
         try:
             with _device_stream(device), entered():
                 code.fn(*args)
@@ -182,6 +182,8 @@ class Executor:
             error = self._error(code, exc)
             errors.append(error)
             transport.abort(error)
+            if finish is not None:
+                finish.abort(error)
 
     def _interleave(self, program: "_Program", args: list[tuple], transport: Transport,
                     errors: list[BaseException], entered: Callable[[], Any]) -> None:
@@ -238,7 +240,6 @@ class _Program:
     schedule: Schedule
     rows: tuple[DeviceCode, ...]
     receives: tuple[Message, ...]  # every receive of the rows: posted at step start
-    steps: tuple[Action, ...]  # synchronous STEPs: the caller applies them
     devices: tuple[torch.device, ...]  # each row's device (its first stage's)
 
 

@@ -102,7 +102,7 @@ def test_gradient_of_a_value_read_by_two_stages_is_summed():
     box.send(Message(1, 0, 0, True, ("e1",)), {"e1": torch.tensor([1.0, 2.0])})
     box.send(Message(3, 0, 0, True, ("e1",)), {"e1": torch.tensor([10.0, 20.0])})
     worker, records = _Recorder(("x",)), []
-    code.fn({0: worker}, (CPU,) * 4, box, [{"x": torch.zeros(2)}], [None], {}, records)
+    code.fn({0: worker}, (CPU,) * 4, box, None, [{"x": torch.zeros(2)}], [None], {}, records)
     assert torch.equal(worker.given[0]["e1"], torch.tensor([11.0, 22.0]))
     assert [k for k, _, _ in records] == list(range(len(row)))
     for peer in (1, 3):  # the forward values went out to both readers
@@ -124,7 +124,7 @@ def test_generated_source_is_in_linecache_and_lines_map_to_actions():
             raise ValueError("bad input")
 
     with pytest.raises(ValueError) as info:
-        code.fn({0: Broken(("x",))}, (CPU, CPU), Mailbox((CPU, CPU), timeout=1.0),
+        code.fn({0: Broken(("x",))}, (CPU, CPU), Mailbox((CPU, CPU), timeout=1.0), None,
                 [{"x": 1}], [None], {}, [])
     assert failed_action(code, info.value.__traceback__) == row[0]
 
