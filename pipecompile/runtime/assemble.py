@@ -414,10 +414,17 @@ def _workers(program: StagedProgram, schedule: Schedule, spec: RuntimeSpec,
 
 def _optimizers(program: StagedProgram, optimizer: Callable | None,
                 own_stages: Sequence[int]) -> dict[int, torch.optim.Optimizer]:
-    """One optimizer per stage over the parameters it owns (a shared object: its first stage)."""
+    """One optimizer per stage over the parameters it owns: a shared object by its first
+    stage; a tied weight's copy on another device not at all, where this process holds the
+    tie's first copy (the copies follow it: `TiedCopies`), so no copy steps before its
+    gradient is summed (`stage_steps.py`)."""
     if optimizer is None:
         return {}
     owned: set[int] = set()
+    for tie in program.ties:
+        held = sorted((s, id(t)) for s, t in program.tensors[tie.names[0]] if s >= 0)
+        if held and held[0][0] in own_stages:
+            owned.update(i for _, i in held if i != held[0][1])
     result = {}
     for stage in program.stages:
         if stage.index not in own_stages:

@@ -125,7 +125,7 @@ class Executor:
             self._interleave(program, args, transport, errors, entered)
         elif len(program.rows) > 1:
             pool = [threading.Thread(target=self._row, args=(code, program.devices[r], args[r],
-                                                             transport, errors, entered),
+                                                             transport, finish, errors, entered),
                                      daemon=True, name=f"pipecompile-device{code.device}")
                     for r, code in enumerate(program.rows)]
             for t in pool:
@@ -133,7 +133,8 @@ class Executor:
             for t in pool:
                 t.join()
         else:
-            self._row(program.rows[0], program.devices[0], args[0], transport, errors, entered)
+            self._row(program.rows[0], program.devices[0], args[0], transport, finish, errors,
+                      entered)
         if not errors:
             try:
                 transport.finish()
@@ -170,9 +171,10 @@ class Executor:
         return program
 
     def _row(self, code: DeviceCode, device: torch.device, args: tuple, transport: Transport,
-             errors: list[BaseException], entered: Callable[[], Any]) -> None:
-        """Run one row's generated function in this thread; a failure aborts the others."""
-        finish = args[3]
+             finish: StepRound | None, errors: list[BaseException],
+             entered: Callable[[], Any]) -> None:
+        """Run one row's generated function in this thread; a failure aborts the others (their
+        receives, and a STEP waiting for this row's stages)."""
         try:
             with _device_stream(device), entered():
                 code.fn(*args)

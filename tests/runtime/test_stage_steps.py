@@ -16,6 +16,7 @@ import torch.nn as nn
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.errors import StageExecutionError
+from pipecompile.runtime.assemble import _optimizers
 from pipecompile.runtime.mailbox import Aborted
 from pipecompile.schedule.actions import Action, Kind, Schedule
 from pipecompile.runtime.stage_steps import StageSteps, _closing_steps, sharing_stages
@@ -168,3 +169,18 @@ def test_a_row_holding_two_stages_updates_both_at_its_last_step() -> None:
     text = ("name: mine\nnum_stages: 2\nnum_microbatches: 1\nstage_to_device: 0 1\n"
             "0: 0F0 0B0 0STEP\n1: 1F0 1B0\n")
     assert _closing_steps(Schedule.from_text(text)) is None  # stage 1 has no STEP
+
+
+def test_a_tied_copy_follows_its_owner_instead_of_stepping() -> None:
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    program = SimpleNamespace(
+        stages=[SimpleNamespace(index=0, module=first), SimpleNamespace(index=1, module=second)],
+        ties=[SimpleNamespace(names=("a.weight", "b.weight"))],
+        tensors={"a.weight": [(0, first.weight), (1, second.weight)]})
+    optimizers = _optimizers(program, _sgd, [0, 1])
+    stepped = {s: {id(p) for g in o.param_groups for p in g["params"]}
+               for s, o in optimizers.items()}
+    assert stepped == {0: {id(first.weight), id(first.bias)}, 1: {id(second.bias)}}
+    # a rank holding only the second copy steps it (its gradient is reduced across ranks)
+    assert id(second.weight) in {id(p) for g in _optimizers(program, _sgd, [1])[1].param_groups
+                                 for p in g["params"]}
