@@ -5,8 +5,8 @@ torch.fx's forward of a captured graph reads every parameter through a chain of
 `Module.__getattr__` calls (`getattr(self.layers, "0").ln1.weight`: about 1 us each) and calls
 every op through its `OpOverload` (a Python frame, then a schema-generic argument parser: 0.3 to
 1.2 us more than torch's generated binding of the same op). On small stages that is most of the
-forward: a 4-layer d=16 GPT stage (94 ops, 52 parameters) ran its no-grad forward in 613 us as
-a GraphModule, 460 us as the eager model and 349 us with direct calls (one process, one thread).
+forward: a 4-layer d=16 GPT stage (94 ops, 52 parameters) ran its no-grad forward in 613-647 us
+as a GraphModule, 460-475 us as the eager model and 291-327 us with direct calls (one thread).
 
 `direct_forward(graph_module)` emits the graph again (torch.fx's own code generator, on a copy)
 with two changes:

@@ -125,7 +125,6 @@ class StepRound:
     def __init__(self, steps: StageSteps, closes: dict[int, tuple[int, ...]] | None, *,
                  summed: bool):
         self.steps, self.closes, self.summed = steps, closes, summed
-        self.in_rows = closes is not None
         self.arrived: set[int] = set()
         self.failed: BaseException | None = None
         self._cond = threading.Condition()
@@ -186,8 +185,8 @@ class StepRound:
     def complete(self) -> None:
         """After the rows: in the caller's order (some stage has no STEP, or a row does not
         end with one), complete every gradient and, if any STEP ran, step every optimizer."""
-        if self.in_rows:
-            return
+        if self.closes is not None:
+            return  # the rows' last STEPs did it
         steps = self.steps
         if steps.reduce is not None:
             steps.reduce(self.summed)

@@ -82,13 +82,19 @@ def test_who_waits_for_whom() -> None:
     assert waits == {0: frozenset({1}), 1: frozenset()} and sums == {0: [], 1: []}
 
 
-def test_tied_copies_on_two_devices_are_summed_by_their_first_stage() -> None:
-    """As on two GPUs, where each device holds its own copy of a tied weight."""
+def _tied_pair() -> tuple[nn.Linear, nn.Linear, SimpleNamespace]:
+    """Two stages whose weights are one tie held as two copies, as on two GPUs."""
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)
     program = SimpleNamespace(
         stages=[SimpleNamespace(index=0, module=first), SimpleNamespace(index=1, module=second)],
         ties=[SimpleNamespace(names=("a.weight", "b.weight"))],
         tensors={"a.weight": [(0, first.weight), (1, second.weight)]})
+    return first, second, program
+
+
+def test_tied_copies_on_two_devices_are_summed_by_their_first_stage() -> None:
+    """As on two GPUs, where each device holds its own copy of a tied weight."""
+    first, second, program = _tied_pair()
     steps = StageSteps(program, [0, 1], {0: _sgd(first.parameters())}, timeout=1.0)
     assert steps.waits == {0: frozenset({1}), 1: frozenset()}
     first.weight.grad, second.weight.grad = torch.ones(2, 2), torch.full((2, 2), 2.0)
@@ -172,11 +178,7 @@ def test_a_row_holding_two_stages_updates_both_at_its_last_step() -> None:
 
 
 def test_a_tied_copy_follows_its_owner_instead_of_stepping() -> None:
-    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
-    program = SimpleNamespace(
-        stages=[SimpleNamespace(index=0, module=first), SimpleNamespace(index=1, module=second)],
-        ties=[SimpleNamespace(names=("a.weight", "b.weight"))],
-        tensors={"a.weight": [(0, first.weight), (1, second.weight)]})
+    first, second, program = _tied_pair()
     optimizers = _optimizers(program, _sgd, [0, 1])
     stepped = {s: {id(p) for g in o.param_groups for p in g["params"]}
                for s, o in optimizers.items()}
