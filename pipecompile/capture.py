@@ -39,7 +39,7 @@ from .rng import seed_random_ops
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
-__all__ = ["capture", "batch_size_of", "seed_captured"]
+__all__ = ["capture", "batch_size_of", "require_module", "seed_captured"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,22 @@ def batch_size_of(args: tuple, kwargs: Mapping[str, Any]) -> int:
     )
 
 
+def require_module(model: Any) -> None:
+    """Refuse anything but an `nn.Module` before any pass reads its parameters."""
+    if isinstance(model, torch.nn.Module):
+        return
+    kind = type(model).__name__
+    if callable(model):
+        name = getattr(model, "__qualname__", kind)
+        raise ConfigError(
+            f"pipecompile compiles a torch.nn.Module, got the {kind} {name!r}; wrap it in a "
+            f"module whose forward calls it (class Wrapped(torch.nn.Module): def forward(self, "
+            f"*args): return fn(*args)), with the tensors it trains registered on that module "
+            f"as nn.Parameters")
+    raise ConfigError(f"pipecompile compiles a torch.nn.Module, got {kind} {model!r:.60}; pass "
+                      f"the model (an nn.Module) as compile's first argument")
+
+
 def capture(
     model: torch.nn.Module,
     args: tuple,
@@ -65,6 +81,7 @@ def capture(
     opaque: bool = True,
     verbose: bool = False,
     batch_only: bool = False,
+    budget: float = 120.0,
 ) -> CapturedModel:
     """Capture `model(*args, **kwargs)` as a flat graph.
 
@@ -75,8 +92,7 @@ def capture(
     `batch_only` keeps every size but the batch fixed (torch.export traces faster).
     """
     kwargs = dict(kwargs or {})
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    require_module(model)
     batch = batch_size_of(args, kwargs)
     if method == "export":
         captured = _capture_export(model, tuple(args), kwargs, batch, static_batch_size,

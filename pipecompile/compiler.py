@@ -32,12 +32,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .capture import capture as capture_model, seed_captured
+from .capture import capture as capture_model, require_module, seed_captured
 from .choose import (coarsest, cost_model, enough_blocks, probe_pass, schedule_pass, search_pass,
                      target)
 from .compile_cache import CompileCache, default_cache
 from .deferred import Planner
-from .errors import ConfigError
 from .materialize import is_meta_model, on_meta
 from .options import (Example, check_async_ties, device_present, example_microbatch_size,
                       resolve_options)
@@ -76,6 +75,7 @@ def compile(  # noqa: A001 - the public name of the design
     split_points: Sequence[str] | None = None,
     capture: str = "export",
     symbolic_sizes: str = "all",
+    capture_budget: float = 120.0,
     granularity: str | None = None,
     virtual_stages: int | str | None = "auto",
     profile: bool = False,
@@ -107,7 +107,9 @@ def compile(  # noqa: A001 - the public name of the design
     micro-batch, op); `verbose=True` shows torch's output while capturing; `compile_stages`
     runs each stage graph through `torch.compile`. `symbolic_sizes="all"` captures every size
     of a batched input symbolic where the model allows; `"batch"` the batch alone (faster
-    torch.export on deep models, fixed-length training).
+    torch.export on deep models, fixed-length training). `capture_budget` is the seconds one
+    torch.export attempt may take: past it capture tries fewer symbolic sizes (batch only,
+    then static), noted in `explain()`; a static attempt past it is a `CaptureError`.
 
     `schedule`, `microbatches`, `virtual_stages` and `checkpoint` default to "auto": the search
     pass costs every combination (synchronous schedules, micro-batch counts dividing the batch,
@@ -131,15 +133,14 @@ def compile(  # noqa: A001 - the public name of the design
             virtual_stages=virtual_stages, memory_limit=memory_limit, bandwidth=bandwidth,
             data_parallel=data_parallel, timeout=timeout, split_points=split_points,
             loss_fn=loss_fn, optimizer=optimizer, capture=capture,
-            symbolic_sizes=symbolic_sizes, granularity=granularity,
+            symbolic_sizes=symbolic_sizes, capture_budget=capture_budget, granularity=granularity,
             profile=profile, checkpoint=checkpoint, vertical_sync=vertical_sync,
             verbose=verbose, rng=rng, rng_seed=rng_seed, compile_stages=compile_stages,
             fsdp=fsdp, mesh=mesh, cache=cache)
         return run_passes(Plan(options), PASSES, example) if example is not None else Plan(options)
 
+    require_module(model)
     if not example_inputs and not example_kwargs:  # lazy: plans on the first call
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         plan_for(None)  # check the options now, not at the first step
         return Pipeline(planner=Planner(model, plan_for))
     return Pipeline(plan_for(Example(model, tuple(example_inputs), dict(example_kwargs or {}),
@@ -156,7 +157,8 @@ def _capture(plan: Plan, example: Example) -> tuple[Plan, str]:
                     else (example.args, dict(example.kwargs)))
     captured = capture_model(example.model, args, kwargs, method=o.capture,
                              static_batch_size=example_microbatch_size(example, o),
-                             verbose=o.verbose, batch_only=o.symbolic_sizes == "batch")
+                             verbose=o.verbose, batch_only=o.symbolic_sizes == "batch",
+                             budget=o.capture_budget)
     if o.rng == "per-microbatch":
         captured = seed_captured(captured, o.rng_seed)
     if meta:  # traced on meta inputs too (no op mixes devices); nothing can be timed

@@ -91,6 +91,9 @@ class CompileOptions:
     # "all": every size of a batched input symbolic where the model allows (sequence lengths
     # too); "batch": the batch alone (faster torch.export; other sizes fixed at the example's)
     symbolic_sizes: str = "all"
+    # seconds one torch.export attempt may run before capture gives up on it and tries fewer
+    # symbolic sizes (batch only, then static); a static attempt past it is a CaptureError
+    capture_budget: float = 120.0
     granularity: str | None = None
     virtual_stages: int = 1  # resolved: 2 for interleaved-1f1b, zb-v, interleaved-zb unless given
     profile: bool = False
@@ -180,6 +183,10 @@ def resolve_options(
     if rest.get("symbolic_sizes", "all") not in SYMBOLIC_SIZES:
         raise ConfigError(f"symbolic_sizes={rest['symbolic_sizes']!r} is not supported; use "
                           f"'all' (every size of a batched input) or 'batch' (the batch alone)")
+    budget = rest.get("capture_budget", 120.0)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ConfigError(f"capture_budget must be a positive number of seconds (each "
+                          f"torch.export attempt gives up after it), got {budget!r}")
     if rest.get("rng", "global") not in RNG_MODES:
         raise ConfigError(f"rng={rest['rng']!r} is not a random-stream mode; use one of "
                           f"{', '.join(RNG_MODES)}")

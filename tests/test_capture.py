@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import sympy
 import torch
 import torch.nn as nn
@@ -83,3 +84,18 @@ def test_transformers_models_capture_with_dynamic_batch():
         captured = capture(case.model, case.args, case.kwargs)
         assert captured.dynamic_batch, name
         assert captured.output_names, name
+
+
+def test_a_function_is_refused_with_what_was_passed_and_how_to_wrap_it():
+    def double(x):
+        return x * 2
+
+    x = torch.randn(4, 3)
+    for example in ((x,), ()):  # planned now, and lazily at the first step
+        with pytest.raises(pc.ConfigError, match=r"got the function '.*double'; wrap it in a "
+                                                 r"module whose forward calls it"):
+            pc.compile(double, example, devices=2)
+    with pytest.raises(pc.ConfigError, match=r"got int 3; pass the model \(an nn.Module\)"):
+        pc.compile(3, (x,), devices=2)
+    with pytest.raises(pc.ConfigError, match="capture_budget must be a positive number"):
+        pc.compile(nn.Linear(3, 3), (x,), devices=2, capture_budget=0)
