@@ -26,8 +26,9 @@ from .materialize import check_materialised
 from .memory_report import DeviceMemory, device_memory
 from . import module_state
 from .module_state import own_state
-from .passes.split import StagedProgram
+from .passes.split import Stage, StagedProgram
 from .persist import load_plan, save_plan
+from .pipeline_compat import DeprecatedNames
 from .plan import PassRecord, Plan
 from . import presentation
 from .runtime.assemble import Runtime
@@ -42,7 +43,7 @@ from .stage_costs import predict
 __all__ = ["Pipeline", "PassRecord", "load"]
 
 
-class Pipeline(torch.nn.Module):
+class Pipeline(DeprecatedNames, torch.nn.Module):
     """A model split into pipeline stages, trained by running the schedule's generated code."""
 
     def __init__(self, plan: Plan | None = None, *, planner: Planner | None = None,
@@ -106,6 +107,13 @@ class Pipeline(torch.nn.Module):
     def program(self) -> StagedProgram:
         """The stages: one GraphModule each, with its inputs, outputs and device."""
         return self.plan.ready.program
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """Every stage of the program (those of other ranks too): `.module` (its
+        `fx.GraphModule`, the graph training runs), `.blocks`, `.parameter_names` (original
+        names), `.device`, `.inputs`, `.outputs` and `.cost` (FLOPs, memory, times)."""
+        return self.program.stages
 
     @property
     def schedule(self) -> Schedule:
