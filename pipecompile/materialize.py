@@ -4,19 +4,22 @@ A model built under `torch.device("meta")` is captured, costed, partitioned and 
 byte of weights (fake tensors carry the shapes). Its stages then hold meta tensors. A process
 gives real memory to the tensors of *its* stages and nothing else:
 
-    to_empty(program, own)   each meta tensor of an own stage gets uninitialised memory on its
-                             stage's device, in place (`torch.utils.swap_tensors`): the object
-                             stays the same, so ties, the Pipeline's names and optimizers built
-                             over pipe.parameters() keep pointing at it. Tensors that are already
-                             real (a RoPE table built eagerly) keep their values, unlike
-                             `nn.Module.to_empty`, which re-allocates every tensor.
+    to_empty(program, own)   each meta tensor of an own stage gets memory on its stage's
+                             device, in place (`torch.utils.swap_tensors`): the object stays the
+                             same, so ties, the Pipeline's names and optimizers built over
+                             pipe.parameters() keep pointing at it. The memory is poisoned
+                             (unwritten.py), so what nothing writes later is found. Tensors
+                             already real (a RoPE table built eagerly) keep their values,
+                             unlike `nn.Module.to_empty`, which re-allocates every tensor.
+    recompute_buffers(...)   non-persistent buffers (in no checkpoint) recomputed the way their
+                             library does it after a meta build: transformers' `_init_weights`
     init_weights(...)        fn(module) for every original submodule holding an own tensor,
                              under a generator seeded by (torch's seed, the module's qualified
                              name): the same weights on 1, 2 or 4 stages, with any schedule.
 
 Megatron and torchtitan seed initialisation per pipeline rank, so their weights change with the
 layout; DeepSpeed seeds per layer index. Seeding by name is what makes a meta model's weights a
-function of the model alone.
+function of the model alone. Loading a checkpoint is checkpoint_load.py.
 """
 
 from __future__ import annotations
@@ -24,23 +27,22 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-import math
-import os
+import sys
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, TypeVar
 
 import torch
-from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .errors import CheckpointError, ConfigError
-from .weights import checkpoint_keys, read_tensors
+from .errors import ConfigError
+from .unwritten import is_poisoned, poison
 
 T = TypeVar("T")
 
-__all__ = ["check_materialised", "copy_to_ties", "first_meta", "init_weights", "is_meta_model",
-           "load_weights", "meta_parameters", "name_seed", "on_meta", "to_empty"]
+__all__ = ["check_materialised", "copy_into", "copy_to_ties", "first_meta", "init_weights",
+           "is_meta_model", "meta_parameters", "name_seed", "on_meta", "recompute_buffers",
+           "to_empty"]
 
 
 def is_meta_model(model: torch.nn.Module) -> bool:
@@ -60,11 +62,12 @@ def first_meta(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
 
 
 def to_empty(tensors: Mapping[str, tuple[tuple[int, torch.Tensor], ...]],
-             devices: Mapping[int, torch.device]) -> int:
+             devices: Mapping[int, torch.device]) -> list[torch.Tensor]:
     """Give every meta tensor of a stage in `devices` (stage -> its device) memory there,
-    in place; returns the bytes allocated. `tensors` is the program's name -> (stage, tensor)
-    table; a tensor no stage reads (stage -1) goes with stage 0, as the runtime keeps it."""
-    allocated = 0
+    in place, filled with poison (unwritten.py: what nothing writes, so a tensor left unwritten
+    is found); returns the tensors allocated. `tensors` is the program's name -> (stage,
+    tensor) table; a tensor no stage reads (stage -1) goes with stage 0, as the runtime keeps
+    it."""
     todo: dict[int, tuple[torch.Tensor, torch.device]] = {}
     for copies in tensors.values():
         for stage, tensor in copies:
@@ -79,8 +82,8 @@ def to_empty(tensors: Mapping[str, tuple[tuple[int, torch.Tensor], ...]],
         # `.data =` cannot turn a meta tensor into a real one; swapping the two objects'
         # contents keeps the Python object (as torch's swap-on-conversion mode does)
         torch.utils.swap_tensors(tensor, real)
-        allocated += tensor.numel() * tensor.element_size()
-    return allocated
+        poison(tensor)
+    return [t for t, _ in todo.values()]
 
 
 def _forget_fakes(tensors: list[torch.Tensor]) -> None:
@@ -105,32 +108,44 @@ def name_seed(seed: int, name: str) -> int:
 
 
 def init_weights(model: torch.nn.Module, own: Mapping[str, torch.Tensor],
-                 fn: Callable[[torch.nn.Module], None] | None = None) -> list[str]:
+                 fn: Callable[[torch.nn.Module], None] | None = None, *,
+                 buffers: Collection[str] = ()) -> list[str]:
     """Run `fn(module)` (default: the module's own `reset_parameters()`) for every submodule of
     `model` with a parameter of its own (not its children's) among `own` (this process's
-    tensors by name), each under a generator seeded by `name_seed(torch.initial_seed(), name)`,
-    on every device type. Returns the qualified names of the modules initialised.
+    tensors by name), and for every one holding a buffer named in `buffers` (this process's
+    buffers still unwritten) that `fn` can initialise: any with `fn` given, else one with a
+    `reset_parameters()` (BatchNorm's resets its running statistics). Each runs under a
+    generator seeded by `name_seed(torch.initial_seed(), name)`, on every device type. Returns
+    the qualified names of the modules initialised.
 
     For the call, the module holds this process's tensors under its attribute names; a sharded
     one (a DTensor, fsdp=True) is initialised whole, one module at a time, and each rank keeps
     its shard: the weights do not depend on the sharding either."""
     seed = torch.initial_seed()
-    todo = [(name, module) for name, module in model.named_modules()
-            if any(_join(name, n) in own for n, p in module._parameters.items() if p is not None)]
-    if fn is None:
-        bare = [name or type(module).__name__ for name, module in todo
-                if _reset(module) is None]
-        if bare:
-            raise ConfigError(
-                f"init_weights: {bare[0]!r}{f' and {len(bare) - 1} more' if len(bare) > 1 else ''}"
-                f" hold parameters but have no reset_parameters(); pass fn=, a function that "
-                f"initialises one module (a transformers model's own: fn=model._init_weights)")
+    todo, bare = [], []
+    for name, module in model.named_modules():
+        params = any(_join(name, n) in own for n, p in module._parameters.items()
+                     if p is not None)
+        held = any(_join(name, n) in buffers for n, b in module._buffers.items() if b is not None)
+        if not (params or held):
+            continue
+        if fn is None and _reset(module) is None:
+            if params:
+                bare.append(name or type(module).__name__)
+            continue  # a buffer no reset_parameters() covers stays unwritten: the step names it
+        todo.append((name, module))
+    if bare:
+        raise ConfigError(
+            f"init_weights: {bare[0]!r}{f' and {len(bare) - 1} more' if len(bare) > 1 else ''}"
+            f" hold parameters but have no reset_parameters(); pass fn=, a function that "
+            f"initialises one module (a transformers model's own: fn=model._init_weights)")
     done = []
     for name, module in todo:
         run = fn if fn is not None else _reset(module)
         assert run is not None
-        with _holding(module, name, own) as held:
-            devices = sorted({t.device for t in held if t.device.type == "cuda"}, key=str)
+        with _holding(module, name, own) as held_now:
+            devices = sorted({t.device for t in held_now.values() if t.device.type == "cuda"},
+                             key=str)
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(name_seed(seed, name))
                 with torch.no_grad():
@@ -139,16 +154,68 @@ def init_weights(model: torch.nn.Module, own: Mapping[str, torch.Tensor],
     return done
 
 
+def recompute_buffers(model: torch.nn.Module, own: Mapping[str, torch.Tensor],
+                      names: Collection[str]) -> list[str]:
+    """Recompute the buffers `names` (non-persistent: in no checkpoint; just allocated, so
+    poisoned) as transformers' `from_pretrained` does after building on meta: the nearest
+    enclosing `PreTrainedModel`'s `_init_weights(module)` for each module holding one (a
+    rotary embedding's `inv_freq` from its `rope_init_fn`, BERT's `position_ids`), with every
+    other tensor of the module flagged as initialised so that transformers' guarded init
+    functions leave it alone. Returns the names now written; the others (a module the library
+    does not recompute, or no transformers model) are left for the step to refuse."""
+    if "transformers" not in sys.modules or not names:
+        return []
+    from transformers import PreTrainedModel
+    from transformers.initialization import guard_torch_init_functions
+
+    by_module: dict[str, list[str]] = {}
+    for name in names:
+        prefix, _, attr = name.rpartition(".")
+        by_module.setdefault(prefix, []).append(attr)
+    done = []
+    for prefix, attrs in by_module.items():
+        parts = prefix.split(".") if prefix else []
+        owner = next((m for m in (model.get_submodule(".".join(parts[:i]))
+                                  for i in range(len(parts), -1, -1))
+                      if isinstance(m, PreTrainedModel)), None)
+        if owner is None:
+            continue
+        module = model.get_submodule(prefix)
+        with _holding(module, prefix, own) as held:
+            others = [t for a, t in held.items() if a not in attrs]
+            empty = [t for t in others if is_poisoned(t)]
+            flags = [(t, t.__dict__.get("_is_hf_initialized", _ABSENT)) for t in others]
+            for t in others:
+                setattr(t, "_is_hf_initialized", True)
+            try:
+                with torch.random.fork_rng(devices=[]), guard_torch_init_functions():
+                    with torch.no_grad():
+                        owner._init_weights(module)
+            finally:
+                for t, flag in flags:
+                    if flag is _ABSENT:
+                        delattr(t, "_is_hf_initialized")
+                    else:
+                        setattr(t, "_is_hf_initialized", flag)
+            for t in empty:  # what the call wrote besides its buffers is still to be filled
+                poison(t)
+            done += [_join(prefix, a) for a in attrs if a in held and not is_poisoned(held[a])]
+    return done
+
+
+_ABSENT = object()
+
+
 @contextlib.contextmanager
 def _holding(module: torch.nn.Module, prefix: str,
-             own: Mapping[str, torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+             own: Mapping[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
     """`module` with this process's tensors in place of its own (a DTensor's as a whole
-    tensor, copied into its shard afterwards); its own tensors put back after."""
+    tensor, poisoned, then copied into its shard), by attribute name; its own put back after."""
     from torch.distributed.tensor import DTensor
 
     tables: list[dict[str, Any]] = [module._parameters, module._buffers]
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    held: list[torch.Tensor] = []
+    held: dict[str, torch.Tensor] = {}
     whole: list[tuple[torch.Tensor, torch.Tensor]] = []
     for table in tables:
         for attr, tensor in list(table.items()):
@@ -158,17 +225,18 @@ def _holding(module: torch.nn.Module, prefix: str,
             swapped.append((table, attr, tensor))
             if isinstance(target, DTensor):
                 full = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+                poison(full)  # what the call leaves unwritten stays findable in the shard
                 if isinstance(tensor, torch.nn.Parameter):
                     full = torch.nn.Parameter(full, requires_grad=tensor.requires_grad)
                 whole.append((full, target))
                 target = full
             table[attr] = target
-            held.append(target)
+            held[attr] = target
     try:
         yield held
         with torch.no_grad():
             for full, target in whole:
-                _copy_into(target, full)
+                copy_into(target, full)
     finally:
         for table, attr, tensor in swapped:
             table[attr] = tensor
@@ -190,67 +258,6 @@ def copy_to_ties(tensors: Mapping[str, tuple[tuple[int, torch.Tensor], ...]],
             for _, tensor in copies:
                 if tensor is not source and not tensor.is_meta:
                     tensor.copy_(source)
-
-
-def load_weights(module: torch.nn.Module, path: str | os.PathLike, model_keys: Sequence[str],
-                 ties: Iterable[Sequence[str]]) -> _IncompatibleKeys:
-    """Load `module`'s tensors (a Pipeline: this process's, under the model's state_dict keys)
-    from the checkpoint at `path` (see weights.py), reading only the tensors it holds.
-
-    A tied weight stored once (transformers keeps `embed_tokens.weight`, not `lm_head.weight`)
-    loads into every name of its group; dtypes convert to the tensor's; a shape that differs
-    raises `CheckpointError`. Without state-dict hooks each tensor is copied in place as it is
-    read, at most `_CHUNK_BYTES` read ahead; a model whose hooks rename keys is loaded through
-    its own `load_state_dict` hooks."""
-    wanted = module.state_dict(keep_vars=True)  # through the model's hooks: its own keys
-    stored = checkpoint_keys(path)
-    source = {k: k for k in wanted if k in stored}
-    for names in ties:
-        found = next((n for n in names if n in stored), None)
-        for name in names:
-            if found is not None and name in wanted:
-                source.setdefault(name, found)
-    for key, src in source.items():
-        have, want = tuple(stored[src][0]), tuple(wanted[key].shape)
-        if have != want:
-            raise CheckpointError(
-                f"{os.fspath(path)}: {src!r} has shape {list(have)} in the checkpoint but the "
-                f"model's {key!r} has shape {list(want)}; is this the checkpoint of this model "
-                f"(and its configuration)?")
-    missing = sorted(set(wanted) - set(source))
-    unexpected = sorted(set(stored) - set(model_keys))
-    own = dict(_named_state(module))
-    if all(own.get(k) is t for k, t in wanted.items()):
-        _copy_in_chunks(path, source, own, {k: stored[k] for k in set(source.values())})
-    else:  # keys renamed by the model's hooks: its load_state_dict hooks put them back
-        read = read_tensors(path, set(source.values()))
-        module.load_state_dict({k: read[s] for k, s in source.items()}, strict=False)
-    return _IncompatibleKeys(missing, unexpected)
-
-
-_CHUNK_BYTES = 64 << 20  # checkpoint bytes read before they are copied in and freed
-
-
-def _copy_in_chunks(path: str | os.PathLike, source: Mapping[str, str],
-                    own: Mapping[str, torch.Tensor],
-                    stored: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-    """Read the checkpoint's tensors a few at a time and copy each into every name it feeds."""
-    targets: dict[str, list[str]] = {}
-    for key, src in source.items():
-        targets.setdefault(src, []).append(key)
-    batch: list[str] = []
-    size = 0
-    for i, src in enumerate(targets):
-        shape, dtype = stored[src]
-        batch.append(src)
-        size += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if size >= _CHUNK_BYTES or i == len(targets) - 1:
-            read = read_tensors(path, batch)
-            with torch.no_grad():
-                for name in batch:
-                    for key in targets[name]:
-                        _copy_into(own[key], read[name])
-            batch, size = [], 0
 
 
 @contextlib.contextmanager
@@ -278,7 +285,7 @@ def meta_parameters() -> Iterator[None]:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _copy_into(target: torch.Tensor, whole: torch.Tensor) -> None:
+def copy_into(target: torch.Tensor, whole: torch.Tensor) -> None:
     """Copy a checkpoint's whole tensor into `target`: a sharded parameter (a DTensor, under
     fsdp=True) takes its own shard, cut locally without communication."""
     from torch.distributed.tensor import DTensor, distribute_tensor

@@ -8,7 +8,9 @@
     load_state(pipe, program, ...)      `load_state_dict` into every copy of every tensor
     to_empty / init_weights / load_weights
                                         a meta model's tensors given memory, then values
-                                        (materialize.py), this process's only
+                                        (materialize.py, checkpoint_load.py), this
+                                        process's only; what to_empty allocated is tracked
+                                        (unwritten.py) until check_runnable finds it written
 
 A lazily compiled pipeline adopts each plan it switches to; every plan places the model's
 tensors through one shared table, so the names keep pointing at the same objects.
@@ -22,6 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
+from .checkpoint_load import load_weights as load_checkpoint
 from .deferred import check_same_tensors
 from .errors import ConfigError
 from . import materialize
@@ -31,6 +34,7 @@ from .options import require_present
 from .passes.split import StagedProgram
 from .plan import Plan
 from .runtime.assemble import Runtime
+from .unwritten import Unwritten, refuse
 
 __all__ = ["mirror_model", "adopt", "own_state", "check_runnable", "load_state", "to_empty",
            "init_weights", "load_weights"]
@@ -73,10 +77,22 @@ def own_state(pipe: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def check_runnable(pipe: torch.nn.Module, plan: Plan, where: str) -> None:
-    """Raise a `ConfigError` naming the call `where` unless `plan`'s devices are present and
-    none of `pipe`'s tensors is on meta (given no memory yet)."""
+    """Raise a `ConfigError` naming the call `where` unless `plan`'s devices are present, none
+    of `pipe`'s tensors is on meta (given no memory yet) and every tensor `to_empty` gave
+    memory has been written since (loaded, initialised or recomputed)."""
     require_present(plan.options.devices, where=where)
     check_materialised(own_state(pipe), where)
+    left = _unwritten(pipe).left()
+    if left:
+        raise refuse(left, set(plan.ready.program.captured.state_keys), where)
+
+
+def _unwritten(pipe: torch.nn.Module) -> Unwritten:
+    """What `to_empty` allocated on `pipe` and no check has found written yet."""
+    found = pipe.__dict__.get("_unwritten")
+    if found is None:
+        found = pipe.__dict__["_unwritten"] = Unwritten()
+    return found
 
 
 def load_state(pipe: torch.nn.Module, program: StagedProgram, state_dict: Mapping[str, Any],
@@ -102,28 +118,44 @@ def load_state(pipe: torch.nn.Module, program: StagedProgram, state_dict: Mappin
 
 
 def to_empty(pipe: torch.nn.Module, program: StagedProgram, own_stages: Sequence[int], *,
-             device: Any = None) -> None:
-    """Give `pipe`'s meta tensors memory on their stages' devices (uninitialised)."""
+             device: Any = None, model: torch.nn.Module | None = None) -> None:
+    """Give `pipe`'s meta tensors memory on their stages' devices (poisoned: unwritten), then
+    recompute the non-persistent buffers among them where `model`'s library gives a way
+    (transformers); everything else waits for `load_weights`, `init_weights` or
+    `load_state_dict`, and a step refuses to run before."""
     if device is not None:
         raise ConfigError("pipe.to_empty() allocates each stage's tensors on the device "
                           "compile placed it on; call it without device=")
-    materialize.to_empty(program.tensors, {s: program.stages[s].device for s in own_stages})
+    allocated = {id(t) for t in materialize.to_empty(
+        program.tensors, {s: program.stages[s].device for s in own_stages})}
+    own = dict(own_state(pipe))
+    fresh = [(n, t) for n, t in own.items() if id(t) in allocated]
+    _unwritten(pipe).add(fresh)
+    persistent = set(program.captured.state_keys)
+    buffers = [n for n, _ in fresh if n not in persistent]
+    if model is not None and buffers:
+        materialize.recompute_buffers(model, own, buffers)
 
 
 def init_weights(pipe: torch.nn.Module, model: torch.nn.Module | None,
                  fn: Callable[[torch.nn.Module], None] | None) -> list[str]:
     """`fn(module)` (default: its `reset_parameters()`) for every module of `model` holding
-    one of `pipe`'s tensors, seeded by (torch's seed, the module's name)."""
+    one of `pipe`'s parameters or one of its buffers still unwritten, seeded by (torch's seed,
+    the module's name)."""
     if model is None:
         raise ConfigError("init_weights needs the model's modules; a pipeline rebuilt by "
                           "pipecompile.load has only its graphs: use load_weights(path)")
     check_materialised(own_state(pipe), "pipe.init_weights()")
-    return materialize.init_weights(model, dict(own_state(pipe)), fn)
+    own = dict(own_state(pipe))
+    params = {n for n, _ in torch.nn.Module.named_parameters(pipe, remove_duplicate=False)}
+    buffers = set(_unwritten(pipe).left()) - params
+    return materialize.init_weights(model, own, fn, buffers=buffers)
 
 
-def load_weights(pipe: torch.nn.Module, program: StagedProgram,
-                 path: str | os.PathLike) -> _IncompatibleKeys:
-    """`pipe`'s tensors read from `path` (only the files and tensors it holds)."""
+def load_weights(pipe: torch.nn.Module, program: StagedProgram, path: str | os.PathLike, *,
+                 strict: bool = True, model: torch.nn.Module | None = None) -> _IncompatibleKeys:
+    """`pipe`'s tensors read from `path` (only the files and tensors it holds), converted as
+    `model`'s library loads them (transformers); strict: every key it holds must be there."""
     check_materialised(own_state(pipe), "pipe.load_weights()")
-    return materialize.load_weights(pipe, path, program.captured.checkpoint_keys,
-                                    [t.names for t in program.ties])
+    return load_checkpoint(pipe, dict(own_state(pipe)), path, program.captured.checkpoint_keys,
+                           [t.names for t in program.ties], strict=strict, model=model)

@@ -30,6 +30,7 @@ from .passes.split import Stage, StagedProgram
 from .persist import load_plan, save_plan
 from .pipeline_compat import DeprecatedNames
 from .plan import PassRecord, Plan
+from .planner.layout import Layout
 from . import presentation
 from .runtime.assemble import Runtime
 from .runtime.distributed import Topology
@@ -211,9 +212,12 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
     # -- models bigger than one process (materialize.py) ---------------------------------
 
     def to_empty(self, *, device: Any = None, recurse: bool = True) -> "Pipeline":
-        """Give this process's meta tensors memory on their stages' devices (uninitialised);
-        tensors already real keep their values. Then `load_weights` or `init_weights`."""
-        module_state.to_empty(self, self.program, self.runtime.own_stages, device=device)
+        """Give this process's meta tensors memory on their stages' devices; tensors already
+        real keep their values, non-persistent buffers are recomputed where the model's
+        library gives a way (transformers). Then `load_weights` or `init_weights`: a step
+        refuses to run on a tensor nothing has written."""
+        module_state.to_empty(self, self.program, self.runtime.own_stages, device=device,
+                              model=self._source[0])
         self._materialised = False
         return self
 
@@ -223,10 +227,13 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         any stage count gives the same weights. Returns the names of the modules initialised."""
         return module_state.init_weights(self, self._source[0], fn)
 
-    def load_weights(self, path: str | os.PathLike) -> _IncompatibleKeys:
+    def load_weights(self, path: str | os.PathLike, *, strict: bool = True) -> _IncompatibleKeys:
         """Load this process's tensors (only) from a .safetensors file, transformers shards or a
-        torch.distributed.checkpoint directory; returns the missing and unexpected keys."""
-        return module_state.load_weights(self, self.program, path)
+        torch.distributed.checkpoint directory, a transformers model's keys converted as
+        `from_pretrained` converts them; returns the missing and unexpected keys. `strict`: a
+        key this process holds that the checkpoint lacks is a `CheckpointError`."""
+        return module_state.load_weights(self, self.program, path, strict=strict,
+                                         model=self._source[0])
 
     # -- the last step ---------------------------------------------------------------------
 
@@ -273,6 +280,12 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         if self._plan is None:
             return f"Pipeline({type(self._source[0]).__name__}: {NOT_PLANNED})"
         return presentation.describe(self._plan)
+
+    @property
+    def layout(self) -> "Layout":
+        """P pipeline positions x D replicas, FSDP or replicated, which dimension a node
+        holds, and this process's position and replica (chosen with data_parallel="auto")."""
+        return presentation.layout(self.plan)
 
     def explain(self) -> str:
         """The compiler's passes (time, result) and the search's best candidates."""

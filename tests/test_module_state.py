@@ -74,4 +74,45 @@ def test_a_meta_tensor_left_is_named_before_anything_runs():
     with pytest.raises(pc.ConfigError, match="meta"):
         module_state.check_runnable(pipe, pipe.plan, "pipe.step()")
     pipe.to_empty()
-    module_state.check_runnable(pipe, pipe.plan, "pipe.step()")  # allocated: nothing raised
+    # allocated but written by nothing: uninitialised memory is refused, each tensor named
+    with pytest.raises(pc.ConfigError, match=r"pipe.step\(\): 7 tensor.*'first.bias'.*"
+                                             r"neither loaded nor initialised"):
+        module_state.check_runnable(pipe, pipe.plan, "pipe.step()")
+    state = Tied().double().state_dict()
+    pipe.load_state_dict({k: v for k, v in state.items() if k != "offset"}, strict=False)
+    with pytest.raises(pc.ConfigError, match=r"1 tensor.*\['offset'\]"):
+        module_state.check_runnable(pipe, pipe.plan, "pipe.step()")
+    pipe.load_state_dict(state)
+    module_state.check_runnable(pipe, pipe.plan, "pipe.step()")  # written: nothing raised
+
+
+class Scratch(nn.Module):
+    """A non-persistent buffer (in no checkpoint) that no library recomputes; moved to the
+    input's device as transformers' rotary embeddings do (a meta_parameters() model is
+    captured on meta inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))) * self.scale.to(x.device)
+
+
+def test_a_non_persistent_buffer_built_on_meta_is_refused_with_the_fix():
+    with torch.device("meta"):
+        model = Scratch().double()
+    pipe = _pipe(model)
+    pipe.to_empty()
+    pipe.load_state_dict(Scratch().double().state_dict())  # every persistent key
+    with pytest.raises(pc.ConfigError, match=r"non-persistent buffer\(s\) \['scale'\].*"
+                                             r"meta_parameters\(\)"):
+        module_state.check_runnable(pipe, pipe.plan, "pipe.step()")
+    with pc.meta_parameters():  # the fix: parameters on meta, buffers real
+        model = Scratch().double()
+    pipe = _pipe(model)
+    pipe.to_empty()
+    pipe.load_state_dict(Scratch().double().state_dict())
+    module_state.check_runnable(pipe, pipe.plan, "pipe.step()")
+    assert torch.equal(pipe.scale, torch.full((4,), 2.0, dtype=torch.float64))
