@@ -108,8 +108,13 @@ def _made(path: str | os.PathLike, feeds: Mapping[str, tuple[Recipe, str]],
                 tensors = {done.sources[0]: read[done.sources[0]]}
             out = convert(done, tensors, model)
             for key, made in keys:
-                if done.converter is not None:
-                    _check_shape(path, made, tuple(out[made].shape), key, wanted[key])
+                if done.converter is not None and out[made].shape != wanted[key].shape:
+                    raise CheckpointError(
+                        f"{os.fspath(path)}: transformers' conversion ({done!r}) made "
+                        f"{made!r} of shape {list(out[made].shape)} from "
+                        f"{len(done.sources)} checkpoint tensors, but the model's {key!r} "
+                        f"has shape {list(wanted[key].shape)}: a source is missing from the "
+                        f"checkpoint, or it is of another configuration")
                 yield key, out[made]
         batch, size = [], 0
 

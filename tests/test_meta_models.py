@@ -129,6 +129,88 @@ def test_load_weights_errors(tmp_path):
         pipe.to_empty(device="cpu")
 
 
+def test_load_weights_is_strict_and_a_step_refuses_what_nothing_wrote(tmp_path):
+    real = zoo.GPT(**SIZES).double()
+    state = {k: v for k, v in real.state_dict().items() if k != "lm_head.weight"}  # tie once
+    lost = "layers.2.mlp.fc.bias"
+    save_file({k: v for k, v in state.items() if k != lost}, str(tmp_path / "part.safetensors"))
+    pipe = _compile(_meta_gpt())
+    pipe.to_empty()
+    with pytest.raises(pc.CheckpointError, match=r"lacks 1 key.*\['layers.2.mlp.fc.bias'\].*"
+                                                 r"strict=False"):
+        pipe.load_weights(tmp_path / "part.safetensors")
+    result = pipe.load_weights(tmp_path / "part.safetensors", strict=False)
+    assert result.missing_keys == [lost] and result.unexpected_keys == []
+    x = _ids()
+    with pytest.raises(pc.ConfigError, match=r"pipe.step\(\): 1 tensor.*to_empty.*"
+                                             r"\['layers.2.mlp.fc.bias'\].*neither loaded"):
+        pipe.step(x, target=x)
+    pipe.load_state_dict({lost: state[lost]}, strict=False)  # written now: the step runs
+    ref_loss, ref_grads = reference_step(real, (x,), {}, x, zoo.lm_loss, 4)
+    assert abs(pipe.step(x, target=x).item() - ref_loss.item()) < 1e-12
+    assert_grads_equal(pipe, ref_grads)
+
+
+class _Buffered(torch.nn.Module):
+    """Linear layers, a BatchNorm without parameters (buffers its reset_parameters resets), a
+    persistent buffer and a non-persistent one that no reset_parameters() writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4, affine=False)
+        self.register_buffer("shift", torch.full((4,), 0.5))
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.norm(self.a(x)))) * self.scale + self.shift
+
+
+def test_init_weights_leaves_nothing_uninitialised():
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+
+    def fresh():
+        with torch.device("meta"):
+            model = _Buffered().double()
+        pipe = pc.compile(model, example_inputs=(x,), devices=2, loss_fn=_mse,
+                          schedule="gpipe", microbatches=2)
+        pipe.to_empty()
+        return pipe
+
+    pipe = fresh()
+    assert pipe.init_weights() == ["a", "b", "norm"]  # BatchNorm: its running statistics
+    assert torch.equal(pipe.norm.running_var, torch.ones(4, dtype=torch.float64))
+    with pytest.raises(pc.ConfigError, match=r"2 tensor.*non-persistent buffer\(s\) "
+                                             r"\['scale'\].*meta_parameters.*\['shift'\] "
+                                             r"were neither loaded nor initialised"):
+        pipe.step(x, target=y)
+
+    def linears_only(module):  # writes parameters, not buffers
+        for p in module.parameters(recurse=False):
+            torch.nn.init.normal_(p)
+
+    pipe = fresh()
+    pipe.init_weights(fn=linears_only)
+    with pytest.raises(pc.ConfigError, match=r"\['norm.num_batches_tracked', "
+                                             r"'norm.running_mean', 'norm.running_var'"):
+        pipe.step(x, target=y)
+
+    def everything(module):  # what a model's own init function does: its buffers too
+        for p in module.parameters(recurse=False):
+            torch.nn.init.normal_(p)
+        for name, b in module.named_buffers(recurse=False):
+            b.data.copy_(_Buffered().double().get_buffer(name) if name in ("scale", "shift")
+                         else torch.nn.BatchNorm1d(4).double().get_buffer(name))
+
+    pipe = fresh()
+    assert pipe.init_weights(fn=everything) == ["", "a", "b", "norm"]
+    real = _Buffered().double()
+    real.load_state_dict(pipe.state_dict())
+    ref_loss, ref_grads = reference_step(real, (x,), {}, y, _mse, 2)
+    assert abs(pipe.step(x, target=y).item() - ref_loss.item()) < 1e-12
+    assert_grads_equal(pipe, ref_grads)
+
+
 def _small_llama(**kw):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -139,38 +221,115 @@ def _small_llama(**kw):
     return LlamaForCausalLM, cfg
 
 
-def test_llama_from_meta_and_shards_equals_from_pretrained(tmp_path):
+def _build(cls, cfg, build):
+    """`cls(cfg)` in float64 (as from_pretrained(dtype=float64) builds it) the README's two
+    ways: `torch.device("meta")` (buffers on meta too) or `meta_parameters()` (buffers real)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with meta_parameters() if build == "meta_parameters" else torch.device("meta"):
+            return cls(cfg)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _logits_loss(out, y):
+    return torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]),
+                                             y.reshape(-1))
+
+
+def _every_tensor(module):
+    """Every parameter and buffer by name, non-persistent buffers (in no checkpoint) too."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def _loads_as_from_pretrained(model, ref, path, *, on_empty=None):
+    """Compile `model` (built on meta) at 2 stages, to_empty, load_weights(path): every
+    tensor equals `ref`'s (from_pretrained(path)), and a step its loss and gradients."""
+    x = _ids()
+    pipe = pc.compile(model, example_inputs=(x,), devices=2, loss_fn=_logits_loss,
+                      schedule="1f1b", microbatches=2)
+    pipe.to_empty()
+    if on_empty is not None:
+        on_empty(pipe)
+    result = pipe.load_weights(path)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    mine, theirs = _every_tensor(pipe), _every_tensor(ref)
+    assert mine.keys() == theirs.keys()
+    for key, value in theirs.items():  # a recomputed buffer may be kept in float64
+        assert torch.equal(mine[key].detach().to(value.dtype), value.detach()), key
+    loss = pipe.step(x, target=x)
+    ref_loss, ref_grads = reference_step(ref, (x,), {}, x, _logits_loss, 2)
+    assert abs(loss.item() - ref_loss.item()) < 1e-12
+    assert len(assert_grads_equal(pipe, ref_grads)) == len(list(ref.parameters()))
+    return pipe
+
+
+@pytest.mark.parametrize("build", ["meta_parameters", "device"])
+def test_llama_from_meta_and_shards_equals_from_pretrained(tmp_path, build):
     cls, cfg = _small_llama()
     torch.manual_seed(0)
     cls(cfg).double().save_pretrained(tmp_path, max_shard_size="10KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     ref = cls.from_pretrained(tmp_path, dtype=torch.float64)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # as from_pretrained(dtype=float64) builds it
-    try:
-        with meta_parameters():
-            model = cls(cfg)
-    finally:
-        torch.set_default_dtype(default)
+    model = _build(cls, cfg, build)
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.is_meta
-    assert not model.model.rotary_emb.inv_freq.is_meta  # buffers real
-    ce = torch.nn.functional.cross_entropy
+    # torch.device("meta") puts the rotary inv_freq (non-persistent: in no checkpoint) on meta
+    assert model.model.rotary_emb.inv_freq.is_meta == (build == "device")
 
-    def loss_fn(out, y):
-        return ce(out.logits.reshape(-1, 64), y.reshape(-1))
+    def recomputed(pipe):  # by transformers' own _init_weights, before anything is loaded
+        assert torch.equal(pipe.model.rotary_emb.inv_freq.float(),
+                           ref.model.rotary_emb.inv_freq)
 
-    x = _ids()
-    pipe = pc.compile(model, example_inputs=(x,), devices=2, loss_fn=loss_fn,
-                      schedule="1f1b", microbatches=2)
-    pipe.to_empty()
-    result = pipe.load_weights(tmp_path)
-    assert result.missing_keys == [] and result.unexpected_keys == []
-    torch.testing.assert_close(pipe.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq,
-                               rtol=0, atol=0)
-    loss = pipe.step(x, target=x)
-    ref_loss, ref_grads = reference_step(ref, (x,), {}, x, loss_fn, 2)
-    assert abs(loss.item() - ref_loss.item()) < 1e-12
-    assert len(assert_grads_equal(pipe, ref_grads)) == len(list(ref.parameters()))
+    _loads_as_from_pretrained(model, ref, tmp_path, on_empty=recomputed)
+
+
+def test_mixtral_experts_saved_one_by_one_load_fused_as_from_pretrained(tmp_path):
+    """transformers 5 saves a Mixtral's experts one by one (`block_sparse_moe.experts.N.w1`)
+    and holds them fused (`mlp.experts.gate_up_proj`): its conversion mapping applies.
+
+    batched_mm experts: the default grouped_mm picks its histc input dtype by device type, and
+    traced on meta it takes the non-CPU branch (an int histc, which CPU lacks)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, intermediate_size=32, vocab_size=64,
+                        max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
+                        use_cache=False, tie_word_embeddings=False,
+                        experts_implementation="batched_mm")
+    torch.manual_seed(0)
+    MixtralForCausalLM(cfg).double().save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    ref = MixtralForCausalLM.from_pretrained(tmp_path, dtype=torch.float64,
+                                             experts_implementation="batched_mm")
+    _loads_as_from_pretrained(_build(MixtralForCausalLM, cfg, "device"), ref, tmp_path)
+
+
+def test_bert_on_meta_recomputes_its_int_buffers_and_loads_legacy_names(tmp_path):
+    """BERT's `position_ids` and `token_type_ids` are non-persistent int buffers (garbage
+    indices after torch.device("meta") and to_empty); its checkpoint here has the legacy
+    `LayerNorm.gamma`/`beta` names transformers still renames on load."""
+    from safetensors.torch import load_file
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, vocab_size=64, max_position_embeddings=16,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    BertForMaskedLM(cfg).double().save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    save_file({k.replace("LayerNorm.weight", "LayerNorm.gamma")
+               .replace("LayerNorm.bias", "LayerNorm.beta"): v for k, v in saved.items()},
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ref = BertForMaskedLM.from_pretrained(tmp_path, dtype=torch.float64)
+    model = _build(BertForMaskedLM, cfg, "device")
+    assert model.bert.embeddings.position_ids.is_meta
+
+    def recomputed(pipe):
+        assert torch.equal(pipe.bert.embeddings.position_ids, torch.arange(16)[None])
+        assert torch.equal(pipe.bert.embeddings.token_type_ids, torch.zeros(1, 16).long())
+
+    _loads_as_from_pretrained(model, ref, tmp_path, on_empty=recomputed)
 
 
 class FusedQKV(torch.nn.Module):
