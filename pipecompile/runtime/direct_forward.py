@@ -13,9 +13,10 @@ with two changes:
 
 - a parameter or buffer is read from its owning module's `_parameters` / `_buffers` dict,
   bound once (the live dict: `load_state_dict`, `to_empty` and FSDP replace entries in it);
-- an `OpOverload` is called through torch's Python binding of the same ATen function when
-  that binding can only resolve to this overload (`_binding`), else through the overload's
-  own C++ entry point (what `OpOverload.__call__` calls).
+- an `OpOverload` is called through torch's Python binding of the same ATen function, with
+  every schema argument explicit, where that binding can only resolve to this overload
+  (runtime/op_binding.py: a binding's own defaults are not always the schema's), else through
+  the overload's own C++ entry point (what `OpOverload.__call__` calls).
 
 The result is only valid while the graph's code and the modules that own its tensors are the
 ones it was emitted from: `DirectForward.valid()` checks that (the stage worker asks once per
@@ -35,24 +36,11 @@ import torch
 import torch.fx
 from torch.nn.modules import module as nn_module
 
+from .op_binding import direct_call
+
 __all__ = ["DirectCalls", "DirectForward", "direct_forward", "plain_call"]
 
 _COUNT = itertools.count()
-
-# Ops with several non-out overloads whose Python binding picks the given overload for the
-# arguments an exported graph passes (tensors where the schema has Tensor, lists where it has
-# int[]): checked op by op in tests/runtime/test_direct_forward.py.
-_RESOLVED = frozenset({
-    "aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor", "aten::div.Tensor",
-    "aten::transpose.int", "aten::split.Tensor", "aten::view", "aten::select.int",
-    "aten::softmax.int", "aten::log_softmax.int", "aten::mean.dim", "aten::sum.dim_IntList",
-    "aten::pow.Tensor_Scalar", "aten::where.self", "aten::masked_fill.Scalar",
-    "aten::squeeze.dim", "aten::flatten.using_ints", "aten::arange", "aten::arange.start",
-    "aten::arange.start_step", "aten::full", "aten::zeros", "aten::ones", "aten::max.dim",
-    "aten::chunk", "aten::unbind.int", "aten::cat", "aten::stack", "aten::eq.Tensor",
-    "aten::clamp", "aten::sym_size.int",
-})
-
 
 class _Call(functools.partial):
     """A named callable fx can emit as a global (`aten_index_Tensor(x, [i])`, `read_w()`)."""
@@ -65,40 +53,14 @@ def _named(fn: Callable, *args: Any, module: str, name: str) -> _Call:
     return call
 
 
-def _binding(op: torch._ops.OpOverload) -> Callable | None:
-    """torch's generated Python binding of `op`'s ATen function, where calling it with the
-    graph's arguments can only run `op` (its other overloads are `out=` variants, or `op` is
-    one of `_RESOLVED`); None where there is none."""
-    schema = op._schema
-    full = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
-    if full == "aten::sym_size.int":
-        return torch._C.TensorBase.size  # a real tensor's size(dim): an int
-    if not schema.name.startswith("aten::") or schema.is_mutable:
-        return None
-    packet = op._overloadpacket
-    others = [getattr(packet, o)._schema for o in packet.overloads()
-              if getattr(packet, o) is not op]
-    if full not in _RESOLVED and any(not s.is_mutable for s in others):
-        return None  # another functional overload: the binding might pick it
-    name = schema.name.split("::", 1)[1]
-    for namespace in (torch._C._VariableFunctions, torch._C._nn):
-        found = getattr(namespace, name, None)
-        if found is not None:
-            return found
-    first = schema.arguments[0] if schema.arguments else None
-    if first is not None and first.name == "self" and hasattr(torch._C.TensorBase, name):
-        return getattr(torch._C.TensorBase, name)
-    return None
-
-
 @functools.lru_cache(maxsize=None)
-def _direct_op(op: torch._ops.OpOverload) -> _Call:
-    """What the emitted code calls for `op`, named after it (`aten_linear_default`): held by
-    object, since fx would emit a torch binding by its public name, which for some ops is a
-    Python wrapper with other arguments (`torch.split`, `torch.norm`)."""
+def _named_call(fn: Callable, op: torch._ops.OpOverload) -> _Call:
+    """`fn` (`op`'s binding or entry point) as the emitted code calls it, named after `op`
+    (`aten_linear_default`): held by object, since fx would emit a torch binding by its public
+    name, which for some ops is a Python wrapper with other arguments (`torch.split`)."""
     ns, name = op._schema.name.split("::", 1)
     overload = op._schema.overload_name or "default"
-    return _named(_binding(op) or op._op, module=ns, name=f"{name}_{overload}")
+    return _named(fn, module=ns, name=f"{name}_{overload}")
 
 
 @dataclass(frozen=True)
@@ -193,7 +155,8 @@ def direct_forward(module: torch.nn.Module, label: str) -> DirectForward | None:
                 node.target = _named(dict.__getitem__, read.table, read.name, module="read",
                                      name=node.target.replace(".", "_"))
         elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            node.target = _direct_op(node.target)
+            fn, node.args, node.kwargs = direct_call(node.target, node.args, node.kwargs)
+            node.target = _named_call(fn, node.target)
     code = graph.python_code(root_module="self")
     filename = f"<pipecompile-{next(_COUNT)}: {label}, direct forward>"
     namespace = dict(code.globals)

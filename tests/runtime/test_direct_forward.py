@@ -18,9 +18,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pipecompile as pc
 from pipecompile.capture import capture
-from pipecompile.runtime.direct_forward import _RESOLVED, DirectCalls, _binding, direct_forward
+from pipecompile.runtime.direct_forward import DirectCalls, direct_forward
+from pipecompile.runtime.op_binding import _RESOLVED, binding, direct_call, schema_arguments
 
 from tests.models import bert, gpt, gpt2, llama, residual_cnn, t5, unet, vit
+from tests.reference import assert_grads_equal, reference_step
 
 
 class _Ops(TorchDispatchMode):
@@ -169,10 +171,34 @@ def test_every_op_chosen_by_name_has_a_binding() -> None:
     for full in _RESOLVED:
         name, _, overload = full.split("::", 1)[1].partition(".")
         op = getattr(getattr(torch.ops.aten, name), overload or "default")
-        assert _binding(op) is not None, full
+        assert binding(op) is not None, full
     # an op with another functional overload, not listed: its OpOverload's own entry point
-    assert _binding(torch.ops.aten.add.Scalar) is None
-    assert _binding(torch.ops.aten.linear.default) is torch._C._nn.linear
+    assert binding(torch.ops.aten.add.Scalar) is None
+    assert binding(torch.ops.aten.linear.default) is torch._C._nn.linear
+
+
+def test_a_binding_gets_every_argument_in_the_schemas_order() -> None:
+    x, t = torch.randn(2, 3), torch.randn(2, 3)
+    # omitted: the schema's default (Mean = 1), not the binding's own (0, per element)
+    fn, args, kwargs = direct_call(torch.ops.aten.mse_loss.default, (x, t), {})
+    assert fn is torch._C._nn.mse_loss and args == (x, t, 1) and kwargs == {}
+    assert fn(*args, **kwargs).shape == () and torch._C._nn.mse_loss(x, t).shape == (2, 3)
+    # positional ones given by name go by position, keyword-only ones by name
+    schema = torch.ops.aten.add.Tensor._schema
+    assert schema_arguments(schema, (), {"self": x, "other": t}) == ((x, t), {"alpha": 1})
+    assert schema_arguments(schema, (x, t), {"alpha": 2}) == ((x, t), {"alpha": 2})
+    # a name the schema lacks, or one given twice: left to the overload, which says so
+    assert schema_arguments(schema, (x, t), {"beta": 2}) is None
+    assert schema_arguments(schema, (x, t), {"other": t}) is None
+    fn, args, kwargs = direct_call(torch.ops.aten.add.Tensor, (x, t), {"other": t})
+    assert fn is torch.ops.aten.add.Tensor._op and args == (x, t)
+    with pytest.raises(RuntimeError, match="both as positional and keyword"):
+        fn(*args, **kwargs)
+    # an enum default stored as an int (`ScalarType dtype=long`): no binding takes it
+    assert schema_arguments(torch.ops.aten.tril_indices.default._schema, (3, 3), {}) is None
+    fn, args, _ = direct_call(torch.ops.aten.tril_indices.default, (3, 3), {})
+    assert fn is torch.ops.aten.tril_indices.default._op and args == (3, 3)
+    assert fn(*args).dtype == torch.long
 
 
 def test_a_copied_stage_emits_its_own_forward() -> None:
@@ -187,3 +213,53 @@ def test_a_copied_stage_emits_its_own_forward() -> None:
     assert torch.equal(copied_calls(copied_graph, [x], step=1)[0], copied_graph(x)[0])
     assert not torch.equal(copied_graph(x)[0], graph(x)[0])
     assert pickle.loads(pickle.dumps(calls))._known == {}
+
+
+class _AuxLoss(nn.Module):
+    """Three Linear layers, each adding an auxiliary loss of its output (default reduction:
+    the mean) to the hidden state, as commitment or balancing losses do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+            h = h + F.mse_loss(h, torch.zeros_like(h))
+        return h
+
+
+def test_a_loss_op_inside_the_model_keeps_its_reduction() -> None:
+    torch.manual_seed(0)
+    model = _AuxLoss().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = pc.compile(model, (x,), devices=2, microbatches=4, loss_fn=F.mse_loss)
+    loss = pipe.step(x, target=y)
+    ref_loss, ref_grads = reference_step(reference, (x,), {}, y, F.mse_loss, 4)
+    assert torch.allclose(loss, ref_loss, rtol=1e-12, atol=0), (loss, ref_loss)
+    assert len(assert_grads_equal(pipe, ref_grads)) == 6
+
+
+def test_a_causal_lm_trains_on_its_own_loss_from_labels() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=32, vocab_size=64,
+                      max_position_embeddings=16, use_cache=False)
+    model = LlamaForCausalLM(cfg).double()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 8))
+
+    def own_loss(out, _target):
+        return out.loss
+
+    pipe = pc.compile(model, (ids,), {"labels": ids}, devices=2, microbatches=2,
+                      loss_fn=own_loss)
+    loss = pipe.step(ids, labels=ids)  # the (32,)-shaped per-token loss before the fix
+    ref_loss, ref_grads = reference_step(reference, (ids,), {"labels": ids}, None, own_loss, 2)
+    assert loss.shape == () and torch.allclose(loss, ref_loss, rtol=1e-12, atol=0)
+    assert len(assert_grads_equal(pipe, ref_grads)) == len(ref_grads)
