@@ -38,10 +38,10 @@ from .ir import microbatch_size
 from .passes.partition import DeviceSpec
 from .ranks import Ranks
 from .rng import RNG_MODES
-from .schedule.actions import Kind, Schedule
+from .schedule.actions import Schedule
 from .runtime.distributed import local_device, topology_from_environment
-from .schedule.schedules import (ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES,
-                                SPLIT_BACKWARD_SCHEDULES, TWO_STAGES_PER_DEVICE, make_schedule)
+from .schedule.schedules import (ASYNC_SCHEDULE_NAMES, SCHEDULE_NAMES, TWO_STAGES_PER_DEVICE,
+                                make_schedule, properties_of)
 
 if TYPE_CHECKING:
     from .passes.split import StagedProgram
@@ -126,14 +126,16 @@ class CompileOptions:
     @property
     def asynchronous(self) -> bool:
         """PipeDream and 2BW update the weights during a step."""
-        return self.given_schedule is None and self.schedule in ASYNC_SCHEDULE_NAMES
+        if self.given_schedule is not None:
+            return self.given_schedule.asynchronous
+        return self.schedule in SCHEDULE_NAMES and properties_of(self.schedule).asynchronous
 
     @property
     def split_backward(self) -> bool:
         """Whether the schedule splits backwards into input (I) and weight (W) gradients."""
-        if self.given_schedule is None:
-            return self.schedule in SPLIT_BACKWARD_SCHEDULES
-        return any(a.kind is Kind.I for row in self.given_schedule.actions for a in row)
+        if self.given_schedule is not None:
+            return self.given_schedule.splits_backward
+        return self.schedule in SCHEDULE_NAMES and properties_of(self.schedule).splits_backward
 
 
 def resolve_options(

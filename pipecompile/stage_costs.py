@@ -25,7 +25,7 @@ from .ir import CostTable, LinearGraph, StageCost, StageTimes
 from .passes.partition import DeviceSpec, Partition, PartitionProblem
 from .passes.split import BlockWiring, StagedProgram, block_wiring
 from .ranks import Ranks
-from .schedule.actions import Kind, Schedule
+from .schedule.actions import Schedule
 from .schedule.messages import Dataflow, MessageKey, gradient_values, link_bytes, transfer_seconds
 from .schedule.schedules import make_schedule
 from .schedule.simulate import StageCosts, Timeline, inflight, simulate
@@ -91,8 +91,7 @@ def backward_ratio(split_ratio: float | None) -> float:
 def placement_ratio(schedule: Schedule, split_ratio: float | None) -> float:
     """What a block's backward costs when placing it, relative to its fused backward:
     `backward_ratio(split_ratio)` where `schedule` splits backwards into I and W, else 1."""
-    split = any(a.kind is Kind.I for row in schedule.actions for a in row)
-    return backward_ratio(split_ratio) if split else 1.0
+    return backward_ratio(split_ratio) if schedule.splits_backward else 1.0
 
 
 def simulator_costs(table: BlockTable, bounds: Sequence[int], specs: Sequence[DeviceSpec], *,

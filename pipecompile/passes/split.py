@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -79,6 +79,27 @@ class StagedProgram:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    # Who owns a tensor held by several stages (a tied parameter, or one object read by two
+    # stages) is decided here only: the first stage holding it. Its copies on other devices
+    # follow it (their gradients summed into it, its value copied out after a step), its
+    # optimizer steps it, and the process holding it counts it in a global norm.
+
+    def owner_stage(self, name: str) -> int:
+        """The stage whose copy of parameter or buffer `name` owns it: the first stage that
+        holds it (0 for a tensor no stage reads: stage 0's process keeps it)."""
+        return max(0, self.tensors[name][0][0])
+
+    def held(self, name: str, own_stages: Collection[int]) -> list[tuple[int, torch.Tensor]]:
+        """(stage, tensor) for each of `own_stages` holding `name`, in stage order (a tensor no
+        stage reads is held by stage 0)."""
+        return [(max(0, s), t) for s, t in self.tensors[name] if max(0, s) in own_stages]
+
+    def held_copies(self, name: str, own_stages: Collection[int]) -> list[torch.Tensor]:
+        """The distinct tensor objects of `name` that `own_stages` hold, in stage order: the
+        first is the owner where `own_stages` hold the owner stage, else the copy every
+        other one of theirs follows."""
+        return list({id(t): t for _, t in self.held(name, own_stages)}.values())
 
 
 def split(

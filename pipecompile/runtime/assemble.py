@@ -36,7 +36,7 @@ from ..passes.eval_mode import eval_graph
 from ..passes.split import StagedProgram
 from ..rng import seed_random_ops
 from ..tensors import to_device
-from ..schedule.actions import Kind, Schedule
+from ..schedule.actions import Schedule
 from .compiled import compile_stage
 from .distributed import (GradientSync, _default_store, broadcast_outputs,
                           forward_only, reduce_mean_loss, value_specs)
@@ -45,7 +45,7 @@ from ..schedule.messages import Dataflow, gradient_values
 from .mailbox import Mailbox
 from .microbatch import MicroBatch, forward_in_chunks, split_microbatches
 from .p2p import P2PTransport, Waiter
-from ..schedule.schedules import ASYNC_SCHEDULE_NAMES, make_schedule
+from ..schedule.schedules import make_schedule
 from .data_parallel import MicrobatchSync, ReplicaSync, reduces_in_backward
 from .spec import RuntimeSpec, StepResult
 from .stage_steps import StageSteps
@@ -72,7 +72,7 @@ class Runtime:
         self.program = program
         self.schedule = schedule
         self.spec = spec
-        self.asynchronous = schedule.name in ASYNC_SCHEDULE_NAMES
+        self.asynchronous = schedule.asynchronous
         self.own_stages = tuple(own_stages)
         self.grad_values = gradient_values(program)
         self.workers = _workers(program, schedule, spec, self.own_stages, self.grad_values)
@@ -99,10 +99,8 @@ class Runtime:
     def own_copy(self, name: str) -> torch.Tensor | None:
         """This process's copy of a parameter or buffer (under torch.distributed: only those
         of this rank's stages; a tensor no stage reads stays with the first position)."""
-        for stage, tensor in self.program.tensors[name]:
-            if stage in self.own_stages or (stage == -1 and 0 in self.own_stages):
-                return tensor
-        return None
+        copies = self.program.held_copies(name, self.own_stages)
+        return copies[0] if copies else None
 
     def run(self, schedule: Schedule, mbs: Sequence[MicroBatch], *, batches: int,
             loss_scale: float | None = None, num_items: Any = None) -> StepResult:
@@ -375,7 +373,7 @@ def _workers(program: StagedProgram, schedule: Schedule, spec: RuntimeSpec,
     """One worker per stage in `own`; the last computes the loss. Asynchronous schedules give
     each worker its weight versions and their optimizer."""
     m, last = spec.microbatches, program.num_stages - 1
-    asynchronous = schedule.name in ASYNC_SCHEDULE_NAMES
+    asynchronous = schedule.asynchronous
     scale = (VersionRule(schedule.name, program.num_stages, 0, m).loss_scale
              if asynchronous else 1.0 / m)
     loss = LossSpec(program.captured.unflatten_outputs, spec.loss_fn, scale)
@@ -384,7 +382,7 @@ def _workers(program: StagedProgram, schedule: Schedule, spec: RuntimeSpec,
             f"compile_stages=True with schedule={schedule.name!r} is not supported (its stashed "
             f"weight versions run the uncompiled graph); use a synchronous schedule or "
             f"compile_stages=False")
-    splits = any(a.kind is Kind.W for row in schedule.actions for a in row)
+    splits = schedule.splits_backward
     holders = Counter(id(p) for s in program.stages if s.index in own
                       for p in s.module.parameters())
     exclusive = frozenset(i for i, n in holders.items() if n == 1)
@@ -422,9 +420,8 @@ def _optimizers(program: StagedProgram, optimizer: Callable | None,
         return {}
     owned: set[int] = set()
     for tie in program.ties:
-        held = sorted((s, id(t)) for s, t in program.tensors[tie.names[0]] if s >= 0)
-        if held and held[0][0] in own_stages:
-            owned.update(i for _, i in held if i != held[0][1])
+        if program.owner_stage(tie.names[0]) in own_stages:
+            owned.update(id(t) for t in program.held_copies(tie.names[0], own_stages)[1:])
     result = {}
     for stage in program.stages:
         if stage.index not in own_stages:

@@ -135,10 +135,7 @@ class MicrobatchSync(_OncePerStep):
 def reduces_in_backward(schedule: "Schedule", checkpoint: bool, compiled: bool) -> bool:
     """Whether torch's hooks can reduce a replicated stage's gradients during its backward:
     one autograd backward (B) per micro-batch, through the captured graph."""
-    from ..schedule.actions import Kind
-
-    split = any(a.kind is Kind.W for row in schedule.actions for a in row)
-    return not split and not checkpoint and not compiled
+    return not schedule.splits_backward and not checkpoint and not compiled
 
 
 class ReplicaSync(_OncePerStep):

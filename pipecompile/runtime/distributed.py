@@ -164,7 +164,7 @@ class GradientSync:
             for d in range(D):
                 group = dist.new_group([topology.rank_of(p, d) for p in positions])
                 if d == topology.replica and topology.position in positions:
-                    copy = next(t for s, t in program.tensors[tie.names[0]] if s in own)
+                    copy = program.held_copies(tie.names[0], own)[0]
                     self.ties.append((group, copy))
 
     def reduce(self, params: Sequence[torch.Tensor], *, summed: bool = False) -> None:

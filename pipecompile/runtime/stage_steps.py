@@ -53,11 +53,11 @@ def sharing_stages(program: Any, own_stages: Sequence[int]
         waits[stages[0]].update(stages[1:])
     sums: dict[int, list[list[torch.Tensor]]] = {s: [] for s in own}
     for tie in program.ties:
-        held = [(s, t) for s, t in program.tensors[tie.names[0]] if s in own]
-        copies = list({id(t): t for _, t in held}.values())
+        held = program.held(tie.names[0], own)
+        copies = program.held_copies(tie.names[0], own)
         if len(copies) < 2:
             continue  # one object: autograd summed its gradient
-        first = min(s for s, _ in held)
+        first = held[0][0]  # the owner stage, or the copy this process's others follow
         waits[first].update(s for s, _ in held if s != first)
         sums[first].append(copies)
     return {s: frozenset(w) for s, w in waits.items()}, sums

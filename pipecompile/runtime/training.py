@@ -63,8 +63,7 @@ class TiedCopies:
     def __init__(self, program: Any, own_stages: Sequence[int]):
         self.groups: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         for tie in program.ties:
-            copies = list({id(t): t for s, t in program.tensors[tie.names[0]]
-                           if s in own_stages}.values())
+            copies = program.held_copies(tie.names[0], own_stages)
             if len(copies) > 1:
                 self.groups.append((copies[0], copies[1:]))
         self.seen = [owner._version for owner, _ in self.groups]
@@ -82,11 +81,10 @@ class TiedCopies:
 def counted_parameters(program: Any, own_stages: Sequence[int]) -> list[torch.Tensor]:
     """The parameters whose gradients this process counts in a global norm: each parameter
     once, by the process holding its first stage's copy (a tie's owner)."""
-    first_owner = 0 in own_stages
     counted: dict[int, torch.Tensor] = {}
     for name in program.captured.parameter_names:
-        stage, tensor = program.tensors[name][0]
-        if stage in own_stages or (stage == -1 and first_owner):
+        if program.owner_stage(name) in own_stages:
+            tensor = program.held_copies(name, own_stages)[0]
             counted[id(tensor)] = tensor
     return list(counted.values())
 

@@ -240,6 +240,22 @@ class Schedule:
     def has_communication(self) -> bool:
         return any(a.is_comm for row in self.actions for a in row)
 
+    # The schedule's properties are read from its actions, here only: the runtime, the
+    # pricing and the option checks all ask the schedule (`schedules.properties_of` for a
+    # built-in schedule known only by name).
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards are split into input (I) and weight (W) gradients (zero-bubble)."""
+        return any(a.kind in (Kind.I, Kind.W) for row in self.actions for a in row)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether weights are updated during the step (a STEP after a micro-batch: PipeDream,
+        2BW), so each stage keeps the weight versions its in-flight micro-batches saw."""
+        return any(a.kind is Kind.STEP and a.microbatch is not None
+                   for row in self.actions for a in row)
+
     def __str__(self) -> str:
         """An action grid: one row per device, one column per action slot."""
         cells = [[str(a) for a in row] for row in self.actions]

@@ -41,7 +41,8 @@ formulas.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pipecompile.errors import ScheduleError
@@ -61,7 +62,8 @@ __all__ = [
     "SCHEDULES",
     "ASYNC_SCHEDULE_NAMES",
     "SCHEDULE_NAMES",
-    "SPLIT_BACKWARD_SCHEDULES",
+    "ScheduleProperties",
+    "properties_of",
     "make_schedule",
     "user_schedule",
 ]
@@ -224,8 +226,22 @@ ASYNC_SCHEDULE_NAMES: tuple[str, ...] = ("pipedream", "2bw")
 SCHEDULE_NAMES: tuple[str, ...] = (*SCHEDULES, *ASYNC_SCHEDULE_NAMES)
 #: The schedules that place two stages on every device unless told otherwise.
 TWO_STAGES_PER_DEVICE: tuple[str, ...] = ("interleaved-1f1b", "zb-v", "interleaved-zb")
-#: The zero-bubble schedules: backward split into input (I) and weight (W) gradients.
-SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("zb-h1", "zb-v", "interleaved-zb")
+
+
+@dataclass(frozen=True)
+class ScheduleProperties:
+    """What a built-in schedule is, read from a small instance's actions (`Schedule`'s
+    properties), for code that knows only the name."""
+
+    splits_backward: bool
+    asynchronous: bool
+
+
+@functools.lru_cache(maxsize=None)
+def properties_of(name: str) -> ScheduleProperties:
+    """The properties of the built-in schedule `name` (2 devices, 4 micro-batches)."""
+    instance = make_schedule(name, 2, 4)
+    return ScheduleProperties(instance.splits_backward, instance.asynchronous)
 
 
 def make_schedule(

@@ -152,3 +152,24 @@ def test_split_leaves_its_input_unchanged():
     split(linear, (0, 2, 4), ["cpu", "cpu"])
     assert captured.module.code == code
     assert (linear.blocks, linear.boundaries) == (blocks, boundaries)
+
+
+def test_a_shared_tensor_is_owned_by_its_first_stage():
+    """One rule of ownership: the first stage holding a tensor owns it; a process's copies
+    are listed owner (or the copy its others follow) first."""
+    from pipecompile.passes.split import StagedProgram
+
+    a, b, c = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+
+    class Program:
+        tensors = {"w": ((1, a), (2, b), (3, b)), "unused": ((-1, c),)}
+        owner_stage = StagedProgram.owner_stage
+        held, held_copies = StagedProgram.held, StagedProgram.held_copies
+
+    program = Program()
+    assert program.owner_stage("w") == 1 and program.owner_stage("unused") == 0
+    assert program.held("w", {2, 3}) == [(2, b), (3, b)]
+    assert program.held_copies("w", {1, 2, 3}) == [a, b]
+    assert program.held_copies("w", {3}) == [b]
+    assert program.held_copies("unused", {0}) == [c]
+    assert program.held_copies("unused", {1}) == []

@@ -20,6 +20,7 @@ from pipecompile.runtime.assemble import _optimizers
 from pipecompile.runtime.mailbox import Aborted
 from pipecompile.schedule.actions import Action, Kind, Schedule
 from pipecompile.runtime.stage_steps import StageSteps, _closing_steps, sharing_stages
+from pipecompile.passes.split import StagedProgram
 
 
 def _sgd(params):
@@ -82,10 +83,18 @@ def test_who_waits_for_whom() -> None:
     assert waits == {0: frozenset({1}), 1: frozenset()} and sums == {0: [], 1: []}
 
 
+class _Program(SimpleNamespace):
+    """A two-stage program's tie, with the program's own rule of who owns it."""
+
+    owner_stage = StagedProgram.owner_stage
+    held = StagedProgram.held
+    held_copies = StagedProgram.held_copies
+
+
 def _tied_pair() -> tuple[nn.Linear, nn.Linear, SimpleNamespace]:
     """Two stages whose weights are one tie held as two copies, as on two GPUs."""
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)
-    program = SimpleNamespace(
+    program = _Program(
         stages=[SimpleNamespace(index=0, module=first), SimpleNamespace(index=1, module=second)],
         ties=[SimpleNamespace(names=("a.weight", "b.weight"))],
         tensors={"a.weight": [(0, first.weight), (1, second.weight)]})

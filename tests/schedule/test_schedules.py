@@ -235,3 +235,15 @@ def test_lowering_does_not_change_its_input() -> None:
     merge_iw(plain)
     split_backward(plain)
     assert plain.to_text() == text
+
+
+def test_a_schedules_properties_are_read_from_its_actions():
+    from pipecompile.schedule.schedules import SCHEDULE_NAMES, properties_of
+
+    split = {n for n in SCHEDULE_NAMES if properties_of(n).splits_backward}
+    asynchronous = {n for n in SCHEDULE_NAMES if properties_of(n).asynchronous}
+    assert split == {"zb-h1", "zb-v", "interleaved-zb"}
+    assert asynchronous == {"pipedream", "2bw"}
+    written = Schedule.from_text("0: 0F0 0I0 0W0\n")
+    assert written.splits_backward and not written.asynchronous
+    assert not make_schedule("1f1b", 2, 4).splits_backward
