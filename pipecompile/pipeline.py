@@ -28,7 +28,7 @@ from . import module_state
 from .module_state import own_state
 from .passes.split import Stage, StagedProgram
 from .persist import load_plan, save_plan
-from .pipeline_compat import DeprecatedNames
+from .pipeline_compat import DeprecatedNames, is_model_name, model_attribute
 from .plan import PassRecord, Plan
 from .planner.layout import Layout
 from . import presentation
@@ -113,8 +113,10 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
     def stages(self) -> tuple[Stage, ...]:
         """Every stage of the program (those of other ranks too): `.module` (its
         `fx.GraphModule`, the graph training runs), `.blocks`, `.parameter_names` (original
-        names), `.device`, `.inputs`, `.outputs` and `.cost` (FLOPs, memory, times)."""
-        return self.program.stages
+        names), `.device`, `.inputs`, `.outputs` and `.cost` (FLOPs, memory, times). A model
+        with its own `stages` attribute keeps it: then read `pipe.program.stages`."""
+        own = model_attribute(self, "stages")
+        return own if is_model_name(own) else self.program.stages
 
     @property
     def schedule(self) -> Schedule:

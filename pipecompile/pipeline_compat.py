@@ -12,7 +12,25 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-__all__ = ["DeprecatedNames", "MOVED"]
+__all__ = ["DeprecatedNames", "MOVED", "is_model_name", "model_attribute"]
+
+_NONE = object()
+
+
+def model_attribute(pipe: Any, name: str) -> Any:
+    """The model's own submodule, parameter or buffer called `name` as `pipe` mirrors it, or
+    a sentinel (`is_model_name`): a model's names win over the Pipeline's properties, as an
+    `nn.Module`'s registered names do."""
+    for table in ("_modules", "_parameters", "_buffers"):
+        found = pipe.__dict__.get(table, {}).get(name, _NONE)
+        if found is not _NONE:
+            return found
+    return _NONE
+
+
+def is_model_name(value: Any) -> bool:
+    """Whether `model_attribute` found the model's own name."""
+    return value is not _NONE
 
 # old name -> (where it lives now, as the warning says it, how to read it from a Pipeline)
 MOVED: dict[str, tuple[str, Callable[[Any], Any]]] = {
@@ -37,6 +55,9 @@ def _warn(name: str) -> None:
 def _moved(name: str) -> property:
     """A property that warns, then reads the value where it lives now."""
     def get(self: Any) -> Any:
+        own = model_attribute(self, name)
+        if is_model_name(own):
+            return own
         _warn(name)
         return MOVED[name][1](self)
 

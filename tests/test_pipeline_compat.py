@@ -51,3 +51,20 @@ def test_the_old_values(pipe):
         assert pipe.own_stages == (0, 1)
         assert pipe.last_schedule.name == pipe.last_step.schedule.name
         assert pipe.peak_inflight() == (2, 1)
+
+
+def test_a_models_own_name_wins_over_a_pipeline_property():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stages = torch.nn.Linear(4, 4)
+            self.microbatches = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.microbatches(self.stages(x))
+
+    pipe = pc.compile(Model(), example_inputs=(torch.randn(4, 4),), devices=2,
+                      loss_fn=lambda out, _: out.sum())
+    assert pipe.stages.weight is dict(pipe.named_parameters())["stages.weight"]
+    assert pipe.microbatches.weight is dict(pipe.named_parameters())["microbatches.weight"]
+    assert len(pipe.program.stages) == 2
