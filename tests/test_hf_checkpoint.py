@@ -81,6 +81,18 @@ def test_mixtral_experts_saved_one_by_one_load_fused_as_from_pretrained(mixtral)
                      list(model.state_dict()), [], model=None)
 
 
+def test_a_checkpoint_already_in_the_models_keys_loads_unconverted(mixtral, tmp_path):
+    """pipe.state_dict() saved (a DCP or safetensors checkpoint of the fused model): no
+    renaming of transformers' mapping applies to keys the model already has."""
+    cls, cfg, _, ref = mixtral
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()},
+              str(tmp_path / "fused.safetensors"))
+    model = _random_like(cls(cfg).double())
+    assert _load(model, tmp_path / "fused.safetensors").unexpected_keys == []
+    for key, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
 def test_a_process_reads_only_the_sources_of_its_own_tensors(mixtral, monkeypatch):
     cls, cfg, path, ref = mixtral
     model = cls(cfg).double()
