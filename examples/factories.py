@@ -24,11 +24,11 @@ def gpt2():
     return model, (torch.randint(0, VOCAB, (BATCH, SEQ)),)
 
 
-def gpt():
+def gpt(batch=BATCH):
     """pipecompile.zoo.GPT: a nanoGPT-style decoder with a tied embedding and LM head."""
     torch.manual_seed(0)
     model = zoo.GPT(vocab=VOCAB, dim=64, layers=4, heads=4, seq=SEQ)
-    return model, (torch.randint(0, VOCAB, (BATCH, SEQ)),)
+    return model, (torch.randint(0, VOCAB, (batch, SEQ)),)
 
 
 def keyword_tuple():
@@ -53,6 +53,26 @@ def llama3_70b(layers=80, batch=32, seq=4096):
     config = LlamaConfig(
         num_hidden_layers=layers, hidden_size=8192, intermediate_size=28672,
         num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, use_cache=False, torch_dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return model, (ids,), {"labels": ids}
+
+
+def llama3_8b(layers=32, batch=8, seq=8192):
+    """A Llama-3-8B-shaped transformers LlamaForCausalLM on the meta device: hidden 4096, MLP
+    14336, 32 heads with 8 KV heads, vocab 128256, bfloat16, untied embeddings; `layers` of
+    them (32 in Llama 3 8B). Token ids and labels of `batch` x `seq` on meta:
+
+        pipecompile plan examples/factories.py:llama3_8b --device h100 --nodes 1 --per-node 8
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=layers, hidden_size=4096, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=False, use_cache=False, torch_dtype=torch.bfloat16)
     with torch.device("meta"):

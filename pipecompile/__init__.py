@@ -22,6 +22,7 @@ from .errors import (
 from .hardware import preset
 from .materialize import meta_parameters
 from .passes.partition import DeviceSpec, PartitionMemoryError
+from .planner.cluster import Cluster, cluster
 from .pipeline import Pipeline, load
 from .memory_report import DeviceMemory, format_memory
 
@@ -32,6 +33,8 @@ __all__ = [
     "load",
     "meta_parameters",
     "preset",
+    "cluster",
+    "Cluster",
     "Pipeline",
     "DeviceMemory",
     "format_memory",

@@ -12,6 +12,11 @@ the runtime, persist and the reports read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .passes.partition import DeviceSpec
+    from .planner.layout import Layout
 
 __all__ = ["Choices"]
 
@@ -26,6 +31,10 @@ class Choices:
     virtual_stages: int
     checkpoint: tuple[bool, ...]  # per stage: recompute its forward in backward
     profile: bool = False  # profile=True, unless the model is on the meta device (nothing runs)
+    # the searched layout (data_parallel="auto" or a cluster) and its P pipeline devices,
+    # each sending over the link it uses; None: the layout asked
+    layout: "Layout | None" = None
+    devices: "tuple[DeviceSpec, ...] | None" = None
 
     @property
     def num_stages(self) -> int:
@@ -34,4 +43,5 @@ class Choices:
     def __str__(self) -> str:
         recomputed = [s for s, r in enumerate(self.checkpoint) if r]
         return (f"{self.schedule}, {self.microbatches} micro-batches, {self.virtual_stages} "
-                f"virtual stage(s), recompute stages {recomputed}")
+                f"virtual stage(s), recompute stages {recomputed}"
+                + (f", layout {self.layout}" if self.layout is not None else ""))

@@ -27,6 +27,7 @@ from .options import CompileOptions, Example, compute_dtype, example_microbatch_
 from .passes.annotate import optimizer_state_factor
 from .passes.linearize import GRANULARITIES, linearize
 from .plan import Plan
+from .planner.layout import Collectives
 from .planning import (CostModel, Target, action_cost, analytic as all_described, cost,
                        device_model, inflight, place)
 from .report import describe_devices, format_count, format_stages
@@ -39,7 +40,7 @@ from .search import search as search_plans
 from .stage_costs import placement_ratio, shared_cores
 
 __all__ = ["probe_pass", "search_pass", "schedule_pass", "cost_model", "target", "coarsest",
-           "enough_blocks"]
+           "enough_blocks", "collectives"]
 
 
 def probe_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
@@ -103,6 +104,10 @@ def search_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
                         (bool(o.checkpoint),) * o.num_stages, profile)
         return replace(plan, choices=given), (
             "nothing searched: schedule, micro-batches, virtual stages and checkpoint were given")
+    if "layout" in o.auto:  # P x D too (planner/layout_search.py)
+        from .planner.search_layouts import layout_search_pass
+
+        return layout_search_pass(plan, example, profile)
     if o.given_schedule is not None:  # it fixes all but recomputation
         return _recompute_for(plan, example, o.given_schedule, profile)
     fewest = len(o.devices) * (1 if "virtual_stages" in o.auto else o.virtual_stages)
@@ -171,7 +176,7 @@ def _recompute_for(plan: Plan, example: Example, given: Schedule, profile: bool
 def schedule_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
     """The action lists per device of the chosen schedule, and each stage's peak in-flight
     micro-batches."""
-    c, devices = plan.ready.choices, len(plan.asked.devices)
+    c, devices = plan.ready.choices, len(plan.options.devices)
     schedule = make_schedule(plan.asked.given_schedule or c.schedule, devices, c.microbatches,
                              virtual_stages=c.virtual_stages)
     peaks = inflight(schedule)
@@ -225,4 +230,13 @@ def target(plan: Plan) -> Target:
     return Target(stage_specs=plan.stage_specs, inflight=plan.inflight, schedule=o.schedule,
                   microbatches=o.microbatches, virtual_stages=o.virtual_stages,
                   split_points=o.split_points, recompute=recompute,
-                  backward_ratio=placement_ratio(plan.ready.schedule, plan.split_ratio))
+                  backward_ratio=placement_ratio(plan.ready.schedule, plan.split_ratio),
+                  layout=plan.ready.choices.layout)
+
+
+def collectives(plan: Plan) -> Collectives | None:
+    """The searched layout's collectives and optimizer step (None: no layout searched)."""
+    layout = plan.ready.choices.layout
+    if layout is None:
+        return None
+    return Collectives.of(layout, plan.asked.cluster, plan.options.devices[0])

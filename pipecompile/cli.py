@@ -4,6 +4,7 @@
                         [--code] [--runtime] [--draw partition.svg] [--json]
     pipecompile plan    FILE.py:FACTORY ... [--gantt timeline.png] [--json]
     pipecompile plan    FILE.py:FACTORY --devices 32 --device h100 [--arg layers=80]
+    pipecompile plan    FILE.py:FACTORY --device h100 --nodes 8 --per-node 8 --global-batch 128
     pipecompile export  FILE.py:FACTORY ... [--onnx DIR] [--save DIR] [--json]
 
 FACTORY is a function in FILE.py returning `(model, example_inputs)` or `(model,
@@ -25,7 +26,10 @@ a100; `--link nvlink` or `infiniband`) that need not be on this machine: nothing
 run, and `plan` prints the stage table (each stage's memory and the predicted step) and
 `pipe.explain()` instead of the action grid. `--arg KEY=VALUE` (repeatable) passes a keyword
 argument to FACTORY (a Python literal, else the string). `--optimizer adamw` counts that
-optimizer's state in each stage's memory (default: none).
+optimizer's state in each stage's memory (default: none). `--nodes N --per-node K` plan a
+cluster of N x K devices of `--device` (`pipecompile.cluster`): the layout, P pipeline stages
+x D replicas with FSDP or not, is searched for the global batch (`--global-batch B` passes
+batch=B to FACTORY), and `plan` prints the layouts compared.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .errors import PipecompileError
-from .report import explain_search, format_bytes, stage_table
+from .report import explain_search, format_bytes
 from .schedule.schedules import SCHEDULE_NAMES
 
 __all__ = ["main"]
@@ -130,9 +134,10 @@ def _plan(args: argparse.Namespace) -> tuple[dict, str]:
         result["devices"] = [dict(name=d.name, hardware=d.hardware, flops=d.flops,
                                   memory=d.memory, bandwidth=d.bandwidth, latency=d.latency)
                              for d in pipe.plan.options.devices]
-        table = stage_table(pipe.program, schedule, microbatches=pipe.plan.options.microbatches,
-                            predicted=pipe.predicted, specs=pipe.plan.stage_specs)
-        return result, "\n".join([table, "", pipe.explain()])
+        layout = pipe.layout
+        result["layout"] = {"pipeline": layout.pipeline, "data_parallel": layout.data_parallel,
+                            "fsdp": layout.fsdp, "inner": layout.inner}
+        return result, "\n".join([str(pipe), "", pipe.explain()])
     lines = [str(schedule), ""]
     if pipe.predicted is not None:
         lines += [f"predicted step time  {pipe.predicted.makespan * 1e3:.3f} ms",
@@ -171,18 +176,30 @@ def _export(args: argparse.Namespace) -> tuple[dict, str]:
 def _compile(args: argparse.Namespace):
     import pipecompile
 
-    model, inputs, kwargs = _call_factory(args.target, dict(args.arg))
+    arguments = dict(args.arg)
+    if args.global_batch is not None:
+        arguments["batch"] = args.global_batch
+    model, inputs, kwargs = _call_factory(args.target, arguments)
     devices: Any = args.devices
-    if args.device:
+    layout: dict[str, Any] = {}
+    if args.nodes is not None or args.per_node is not None:  # a cluster: the layout searched
+        if not args.device:
+            raise UsageError("--nodes/--per-node plan a cluster of a preset: give --device "
+                             "NAME too (h100, a100)")
+        devices = pipecompile.cluster(args.device, nodes=args.nodes or 1,
+                                      per_node=args.per_node or 8)
+        layout = dict(data_parallel="auto", fsdp="auto")
+    elif args.device:
         devices = [pipecompile.preset(args.device, link=args.link)] * args.devices
     log.info("compiling %s for %d %s (capture, cost, partition, split)", type(model).__name__,
-             args.devices, devices[0].hardware if args.device else "devices")
+             len(devices) if layout else args.devices,
+             devices[0].hardware if args.device else "devices")
     start = time.perf_counter()
     pipe = pipecompile.compile(model, inputs, kwargs, devices=devices,
                                microbatches=args.microbatches, schedule=args.schedule,
                                capture=args.capture,
                                optimizer=None if args.optimizer == "none"
-                               else functools.partial(_optimizer, args.optimizer))
+                               else functools.partial(_optimizer, args.optimizer), **layout)
     log.info("compiled in %.1f s", time.perf_counter() - start)
     return pipe
 
@@ -351,6 +368,13 @@ def _parser() -> argparse.ArgumentParser:
                              "(h100, a100); nothing is measured or run")
     common.add_argument("--link", default="nvlink", choices=("nvlink", "infiniband"),
                         help="the preset's link between pipeline devices (default nvlink)")
+    common.add_argument("--nodes", type=int, metavar="N",
+                        help="plan for a cluster of N nodes of --device (with --per-node): "
+                             "the layout (pipeline x data parallel) is searched")
+    common.add_argument("--per-node", type=int, metavar="K",
+                        help="devices per node of the cluster (default 8)")
+    common.add_argument("--global-batch", type=int, metavar="B",
+                        help="the global batch: passed to FACTORY as batch=B")
     common.add_argument("--arg", type=_argument, action="append", default=[],
                         metavar="KEY=VALUE", help="a keyword argument for FACTORY (repeatable)")
     common.add_argument("--optimizer", default="none", choices=("none", "sgd", "adam", "adamw"),

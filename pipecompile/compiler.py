@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .capture import capture as capture_model, require_module, seed_captured
-from .choose import (coarsest, cost_model, enough_blocks, probe_pass, schedule_pass, search_pass,
-                     target)
+from .choose import (coarsest, collectives, cost_model, enough_blocks, probe_pass, schedule_pass,
+                     search_pass, target)
 from .compile_cache import CompileCache, default_cache
 from .deferred import Planner
 from .materialize import is_meta_model, on_meta
@@ -56,7 +56,7 @@ from .tensors import local_tensor
 from .measure.probe import efficiency, measure
 from .measure.stages import loss_runs
 from .stage_costs import (BlockTable, message_costs, predict, shared_cores, simulator_costs,
-                          with_stage_costs)
+                          with_collectives, with_stage_costs)
 
 __all__ = ["compile", "PASSES"]
 
@@ -245,6 +245,9 @@ def _split(plan: Plan, example: Example) -> tuple[Plan, str]:
     stage_costs = simulator_costs(table, placement.bounds, specs,
                                   recompute=[o.stage_checkpoint(s) for s in range(len(specs))],
                                   split_ratio=plan.split_ratio, measured=measured)
+    stage_costs = with_collectives(  # the layout's collectives, as the search priced them
+        stage_costs, table, placement.bounds, collectives(plan),
+        recompute=[o.stage_checkpoint(s) for s in range(len(specs))], split=o.split_backward)
     program = with_stage_costs(program, costs, placement, plan.inflight, stage_costs)
     if o.asynchronous:
         check_async_ties(program, o.schedule)

@@ -16,12 +16,15 @@ table and the reasoning):
                 2.039 TB/s. NVLink per direction: H100 450 GB/s (900 both ways), A100 300 GB/s
                 (600). InfiniBand per GPU: H100 NDR 400 Gb/s = 50 GB/s (ConnectX-7), A100 HDR
                 200 Gb/s = 25 GB/s (ConnectX-6), as in DGX H100 / DGX A100.
-    sustained   COMPUTE_EFFICIENCY = 0.5 of peak FLOP/s: large BF16 GEMMs reach 0.6-0.75 of
-                peak, whole transformer layers less (attention, norms); Llama 3 405B trained at
-                38-43 % MFU on H100s end to end, which includes the pipeline bubble and
-                communication that the simulator adds here separately. MEMORY_EFFICIENCY = 0.8
-                of HBM bandwidth and LINK_EFFICIENCY = 0.8 of a link (STREAM and nccl-tests
-                reach 0.8-0.9).
+    sustained   per op, as the device runs it (planner/kernels.py): a matmul at the
+                accelerator's `matmul` fraction of peak (large BF16 GEMMs: 0.75 on the H100,
+                0.8 on the A100; an assumption from public cuBLAS measurements) or by its bytes,
+                whichever is slower (a roofline of its shape); attention as one fused kernel at
+                the `attention` fraction (FlashAttention-2, which torch's sdpa runs: 0.35 of the
+                H100's peak forward + backward at head dim 128, 0.6 of the A100's, from the
+                FlashAttention-2 and -3 papers); other ops by their bytes at MEMORY_EFFICIENCY
+                = 0.8 of HBM bandwidth; links at LINK_EFFICIENCY = 0.8 (STREAM and nccl-tests
+                reach 0.8-0.9). A spec's `flops` is the matmul rate.
     memory      the datasheet's 80 GB as 80e9 bytes: the devices report about 85.5e9 (81,559
                 MiB on an H100, 81,920 MiB on an A100); the difference is left for the CUDA
                 context, NCCL buffers and allocator fragmentation.
@@ -42,10 +45,9 @@ from dataclasses import dataclass
 from .errors import ConfigError
 from .passes.partition import DeviceSpec
 
-__all__ = ["Accelerator", "ACCELERATORS", "preset", "COMPUTE_EFFICIENCY", "MEMORY_EFFICIENCY",
+__all__ = ["Accelerator", "ACCELERATORS", "preset", "accelerator_of", "MEMORY_EFFICIENCY",
            "LINK_EFFICIENCY", "LATENCY", "OP_OVERHEAD", "ACTION_OVERHEAD"]
 
-COMPUTE_EFFICIENCY = 0.5  # sustained / peak FLOP/s of a transformer's kernels (see above)
 MEMORY_EFFICIENCY = 0.8  # sustained / peak HBM bandwidth
 LINK_EFFICIENCY = 0.8  # sustained / peak link bandwidth, per direction
 LATENCY = {"nvlink": 10e-6, "infiniband": 20e-6}  # seconds per message
@@ -65,11 +67,18 @@ class Accelerator:
     memory: float
     memory_bandwidth: float
     links: tuple[tuple[str, float], ...]  # bytes/s per direction, by link name
+    matmul: float = 0.75  # sustained / peak FLOP/s of a large GEMM (assumed, see above)
+    attention: float = 0.5  # sustained / peak FLOP/s of fused attention, forward + backward
 
-    def spec(self, *, efficiency: float = COMPUTE_EFFICIENCY, link: str = "nvlink",
+    def peak(self, dtype: str | None = None) -> float:
+        """Dense peak FLOP/s in `dtype` (the first listed, bfloat16, when not listed)."""
+        return dict(self.peak_flops).get(dtype or "", self.peak_flops[0][1])
+
+    def spec(self, *, efficiency: float | None = None, link: str = "nvlink",
              device: str = "cuda") -> DeviceSpec:
-        """The `DeviceSpec` this accelerator sustains at `efficiency` of its peak FLOP/s,
-        sending over `link`, as torch device `device`."""
+        """The `DeviceSpec` of this accelerator whose matmuls sustain `efficiency` of its peak
+        FLOP/s (None: its `matmul` fraction), sending over `link`, as torch device `device`."""
+        efficiency = self.matmul if efficiency is None else efficiency
         if not 0 < efficiency <= 1:
             raise ConfigError(f"efficiency must be in (0, 1] (sustained / peak FLOP/s), "
                               f"got {efficiency}")
@@ -85,6 +94,14 @@ class Accelerator:
             op_overhead=OP_OVERHEAD, action_overhead=ACTION_OVERHEAD,
             hardware=f"{self.title} ({efficiency:g} of peak, {link})", dtype_flops=rates)
 
+    def link(self, name: str) -> float:
+        """Sustained bytes/s per direction of link `name` ("nvlink", "infiniband")."""
+        links = dict(self.links)
+        if name not in links:
+            raise ConfigError(f"{self.title} has no link {name!r}; use one of "
+                              f"{', '.join(links)}")
+        return LINK_EFFICIENCY * links[name]
+
 
 ACCELERATORS: dict[str, Accelerator] = {
     # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense = half the sparse figure)
@@ -93,34 +110,40 @@ ACCELERATORS: dict[str, Accelerator] = {
         peak_flops=(("bfloat16", 989.4 * TERA), ("float16", 989.4 * TERA),
                     ("float32", 66.9 * TERA), ("float8_e4m3fn", 1978.9 * TERA)),
         memory=80 * GIGA, memory_bandwidth=3350 * GIGA,
-        links=(("nvlink", 450 * GIGA), ("infiniband", 50 * GIGA))),
+        links=(("nvlink", 450 * GIGA), ("infiniband", 50 * GIGA)), matmul=0.75, attention=0.35),
     # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column
     "a100": Accelerator(
         title="NVIDIA A100 80GB SXM",
         peak_flops=(("bfloat16", 312 * TERA), ("float16", 312 * TERA),
                     ("float32", 19.5 * TERA)),
         memory=80 * GIGA, memory_bandwidth=2039 * GIGA,
-        links=(("nvlink", 300 * GIGA), ("infiniband", 25 * GIGA))),
+        links=(("nvlink", 300 * GIGA), ("infiniband", 25 * GIGA)), matmul=0.8, attention=0.6),
 }
 
 _NOISE = ("nvidia", "sxm5", "sxm4", "sxm", "80gb", "tensorcore", "gpu")
 
 
-def preset(name: str, *, efficiency: float = COMPUTE_EFFICIENCY, link: str = "nvlink",
+def preset(name: str, *, efficiency: float | None = None, link: str = "nvlink",
            device: str = "cuda") -> DeviceSpec:
     """The `DeviceSpec` of a named accelerator: "h100" or "a100" (any case; "H100 80GB SXM",
     "a100-sxm4-80gb" too). `efficiency`: sustained / peak FLOP/s; `link`: "nvlink" (within a
     node) or "infiniband" (across nodes); `device`: the torch device its stages run on when
     this machine has it ("cuda" is numbered per pipeline device when enough GPUs are here).
+    `efficiency`: sustained / peak FLOP/s of large matmuls (None: the accelerator's own,
+    0.75 for the H100, 0.8 for the A100).
 
     Sources (dense peaks; the datasheets' tensor-core figures are "with sparsity", 2x dense):
     NVIDIA H100 datasheet, SXM5: BF16/FP16 989.4 TFLOP/s, FP32 66.9, 80 GB HBM3 at 3.35 TB/s,
     NVLink 900 GB/s (450 per direction); NVIDIA A100 datasheet, 80GB SXM: BF16/FP16 312,
     FP32 19.5, 80 GB HBM2e at 2.039 TB/s, NVLink 600 GB/s (300 per direction); DGX H100 / A100:
     one ConnectX-7 NDR 400 Gb/s (50 GB/s) / ConnectX-6 HDR 200 Gb/s (25 GB/s) per GPU.
-    Assumed: 0.5 of peak FLOP/s sustained (MFU-like; `efficiency`), 0.8 of memory and link
+    Assumed: matmuls at 0.75 (H100) / 0.8 (A100) of peak, 0.8 of memory and link
     bandwidth, 10/20 us per NVLink/InfiniBand message, 2 us per op, 50 us per pipeline action
     (the module docstring and docs/hardware.md give the reasons)."""
+    return _accelerator(name).spec(efficiency=efficiency, link=link, device=device)
+
+
+def _accelerator(name: str) -> Accelerator:
     key = "".join(ch for ch in name.lower() if ch.isalnum())
     for noise in _NOISE:
         key = key.replace(noise, "")
@@ -128,4 +151,13 @@ def preset(name: str, *, efficiency: float = COMPUTE_EFFICIENCY, link: str = "nv
         raise ConfigError(f"no device preset named {name!r}; presets: "
                           f"{', '.join(ACCELERATORS)} (or give DeviceSpec(flops=..., "
                           f"memory=..., bandwidth=..., latency=...) yourself)")
-    return ACCELERATORS[key].spec(efficiency=efficiency, link=link, device=device)
+    return ACCELERATORS[key]
+
+
+def accelerator_of(spec: DeviceSpec) -> Accelerator | None:
+    """The preset `spec` was made from (by its `hardware` title), None for another spec: its
+    dense peak is what MFU divides by, its attention fraction what fused attention runs at."""
+    for accelerator in ACCELERATORS.values():
+        if spec.hardware.startswith(accelerator.title + " ("):
+            return accelerator
+    return None

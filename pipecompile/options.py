@@ -36,6 +36,7 @@ from .compile_cache import CompileCache
 from .errors import ConfigError, ScheduleError
 from .ir import microbatch_size
 from .passes.partition import DeviceSpec
+from .planner.cluster import Cluster
 from .ranks import Ranks
 from .rng import RNG_MODES
 from .schedule.actions import Schedule
@@ -106,6 +107,12 @@ class CompileOptions:
     rng_seed: int = 0
     compile_stages: bool = False  # each stage graph through torch.compile (runtime/compiled.py)
     fsdp: bool = False  # each stage fully_shard-ed over the data-parallel ranks (FSDP2)
+    # absent devices with their topology (`pipecompile.cluster`): `devices` are all of them,
+    # the layout search chooses P x D (None: `devices` are the pipeline's)
+    cluster: Cluster | None = None
+    # the example is the global batch, each replica takes its slice (data_parallel="auto", or
+    # a cluster); False: the example is this replica's batch (data_parallel=D under torchrun)
+    global_batch: bool = False
     mesh: Any = None  # the user's DeviceMesh with "dp" and "pp" dimensions (None: built)
     ranks: Ranks = Ranks()
     auto: frozenset[str] = frozenset()  # options the search pass chooses (starting values here)
@@ -143,14 +150,25 @@ def resolve_options(
     microbatches: int | str, schedule: str | Schedule, virtual_stages: int | str | None,
     checkpoint: bool | str,
     memory_limit: float | Sequence[float] | None, bandwidth: float | None,
-    data_parallel: int, timeout: float, split_points: Sequence[str] | None, **rest: Any,
+    data_parallel: int | str, timeout: float, split_points: Sequence[str] | None, **rest: Any,
 ) -> CompileOptions:
     """Check compile's options against each other and the example batch (None: lazy compile,
     checked again at the first call); resolve devices and ranks. `rest` are the options taken
     as given (loss_fn, optimizer, capture, ...)."""
     count = devices if isinstance(devices, int) else len(devices)
+    from .planner.layout_options import layout_options, layout_resolved
+
+    layout_auto = layout_options(devices, data_parallel, rest.get("fsdp", False), example)
+    if layout_auto is not None:  # the layout search chooses P x D over all `devices`
+        return layout_resolved(example, devices, layout_auto, microbatches, schedule,
+                               virtual_stages, checkpoint, memory_limit, bandwidth, timeout,
+                               split_points, rest)
     if not isinstance(data_parallel, int) or data_parallel < 1:
-        raise ConfigError(f"data_parallel must be a positive int, got {data_parallel!r}")
+        raise ConfigError(f"data_parallel must be a positive int or 'auto', got "
+                          f"{data_parallel!r}")
+    if rest.get("fsdp", False) not in (True, False):
+        raise ConfigError(f"fsdp must be True, False or 'auto' (with data_parallel='auto' or a "
+                          f"cluster), got {rest['fsdp']!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ConfigError(f"timeout must be a positive number of seconds (every blocking wait "
                           f"gives up after it), got {timeout!r}")
@@ -288,8 +306,10 @@ def _auto(schedule: Any, microbatches: Any, virtual_stages: Any, checkpoint: Any
 
 
 def example_microbatch_size(example: Example, options: CompileOptions) -> int:
-    """Samples per micro-batch of the example batch (the size a static capture is made at)."""
-    return microbatch_size(example.batch, options.microbatches)
+    """Samples per micro-batch of the example batch (the size a static capture is made at):
+    of a replica's slice when the example is the global batch."""
+    replicas = options.data_parallel if options.global_batch else 1
+    return microbatch_size(example.batch, options.microbatches * replicas)
 
 
 def _check_async(options: CompileOptions) -> None:

@@ -103,9 +103,13 @@ class Plan:
         c = self.choices
         if c is None:
             return self.asked
-        return replace(self.asked, schedule=c.schedule, microbatches=c.microbatches,
-                       virtual_stages=c.virtual_stages, checkpoint=c.checkpoint,
-                       profile=c.profile)
+        options = replace(self.asked, schedule=c.schedule, microbatches=c.microbatches,
+                          virtual_stages=c.virtual_stages, checkpoint=c.checkpoint,
+                          profile=c.profile)
+        if c.layout is None or c.devices is None:
+            return options
+        return replace(options, devices=c.devices, data_parallel=c.layout.data_parallel,
+                       fsdp=c.layout.fsdp)
 
     @property
     def ready(self) -> "Ready":

@@ -26,6 +26,7 @@ from .errors import ConfigError
 from .ir import CapturedModel, CostTable, LinearGraph
 from .options import Example
 from .ir import evaluate as evaluate_expr
+from .hardware import accelerator_of
 from .passes.annotate import DeviceModel, annotate
 from .passes.annotate import _numeric as numeric_cost  # one block's costs at given sizes
 from .passes.calibrate import Calibration, calibrate_blocks
@@ -34,6 +35,7 @@ from .passes.partition import (DeviceSpec, Partition, PartitionMemoryError, Part
                                evaluate, lower_bound, partition)
 from .measure.profile import profile_blocks
 from .measure.rates import action_overhead, matmul_rate
+from .planner.layout import Layout
 from .ranks import Ranks
 from .schedule.simulate import inflight  # the passes' in-flight counts (one home: simulate)
 from .stage_costs import BlockTable, inflight_for, partition_problem
@@ -70,6 +72,7 @@ class Target:
     # a block's backward in the placement, relative to its cost: (I + W) / B where the schedule
     # splits it (`stage_costs.backward_ratio`), as the search placed it
     backward_ratio: float = 1.0
+    layout: Layout | None = None  # the searched layout: what a device holds (FSDP shards)
 
     @property
     def num_stages(self) -> int:
@@ -156,9 +159,13 @@ def device_model(spec: DeviceSpec, ranks: Ranks, dtype: str | None = None, *,
     that need not be here) gives its own figures, at its rate for the model's `dtype`; a figure
     it leaves out costs nothing. Otherwise the FLOP rate is measured on this machine (rank 0's
     under torch.distributed, so that every rank plans with the same numbers)."""
-    if spec.absolute:
-        return DeviceModel(flops=spec.rate(dtype), bandwidth=spec.memory_bandwidth or math.inf,
-                           op_overhead=spec.op_overhead or 0.0)
+    if spec.absolute:  # priced op by op as the device runs it (planner/kernels.py)
+        rate = spec.rate(dtype)
+        accelerator = accelerator_of(spec)
+        attention = (rate if accelerator is None  # a spec of one's own: at the matmul rate
+                     else accelerator.attention * accelerator.peak(dtype))
+        return DeviceModel(flops=rate, bandwidth=spec.memory_bandwidth or math.inf,
+                           op_overhead=spec.op_overhead or 0.0, attention=attention)
     return DeviceModel(flops=ranks.rate(matmul_rate(spec.name, cache=cache)))
 
 
@@ -198,5 +205,6 @@ def bounds_from_split_points(linear: LinearGraph, split_points: Sequence[str],
 
 
 def _problem(costs: CostTable, target: Target) -> PartitionProblem:
-    return partition_problem(BlockTable.of(costs), target.stage_specs, target.inflight,
+    return partition_problem(BlockTable.of(costs, layout=target.layout), target.stage_specs,
+                             target.inflight,
                              recompute=target.recompute, ratio=target.backward_ratio)

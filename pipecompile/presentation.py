@@ -15,23 +15,50 @@ import json
 
 from .draw import draw_partition
 from .plan import Plan
-from .report import explain_passes, explain_search, stage_table
+from .planner.layout import Layout, describe_placement
+from .planner.throughput import throughput
+from .report import explain_layouts, explain_passes, explain_search, stage_table
 from .schedule.simulate import Timeline
 
-__all__ = ["describe", "explain", "draw", "plot_timeline", "write_chrome_trace"]
+__all__ = ["describe", "explain", "draw", "plot_timeline", "write_chrome_trace", "layout"]
+
+
+def layout(plan: Plan) -> Layout:
+    """The plan's layout: P pipeline positions x D replicas, FSDP, and this process's place
+    (None for a plan of devices that are not here or one process)."""
+    o = plan.options
+    chosen = plan.choices.layout if plan.choices is not None else None
+    topology = o.ranks.topology
+    base = chosen or Layout(len(o.devices), o.data_parallel, o.fsdp)
+    if topology is None:
+        return base
+    return Layout(base.pipeline, base.data_parallel, base.fsdp, base.inner,
+                  topology.position, topology.replica)
 
 
 def describe(plan: Plan) -> str:
-    """The stage table: blocks, parameters, FLOPs, predicted time and memory per stage."""
+    """The stage table: blocks, parameters, FLOPs, predicted time and memory per stage; the
+    layout and the predicted throughput (tokens per second per device, MFU)."""
     ready = plan.ready
-    return stage_table(ready.program, ready.schedule, microbatches=plan.options.microbatches,
-                       predicted=plan.predicted, specs=plan.stage_specs)
+    table = stage_table(ready.program, ready.schedule, microbatches=plan.options.microbatches,
+                        predicted=plan.predicted, specs=plan.stage_specs)
+    lines = [table, f"layout {layout(plan)}"]
+    placement = describe_placement(layout(plan), plan.asked.cluster)
+    if placement:
+        lines[-1] += f": {placement}"
+    rate = throughput(plan)
+    if rate is not None:
+        lines.append(str(rate))
+    return "\n".join(lines)
 
 
 def explain(plan: Plan) -> str:
-    """The passes the compiler ran, how long each took and what it produced; the plan the
-    search chose and its best candidates."""
-    return explain_passes(plan.passes) + "\n\n" + explain_search(plan.search)
+    """The passes the compiler ran, how long each took and what it produced; the layouts
+    compared (when searched) and the plan the search chose with its best candidates."""
+    text = explain_passes(plan.passes)
+    if plan.search is not None and plan.search.layouts:
+        text += "\n\n" + explain_layouts(plan.search.layouts)
+    return text + "\n\n" + explain_search(plan.search)
 
 
 def draw(plan: Plan, path: str, *, backend: str = "auto") -> str:

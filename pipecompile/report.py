@@ -7,7 +7,7 @@ never a `Pipeline`, so a saved or loaded plan prints the same way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 # The one byte format (memory errors, tables, cut values): defined with the partitioner, which
 # may not import this module, and re-exported here for the reports.
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .schedule.simulate import Timeline
 
 __all__ = ["stage_table", "explain_passes", "explain_search", "describe_devices", "format_count",
-           "format_bytes", "format_stages"]
+           "format_bytes", "format_stages", "explain_layouts"]
 
 
 def format_count(x: float, unit: str = "") -> str:
@@ -155,4 +155,31 @@ def explain_search(search: "SearchResult | None", *, top: int = 8) -> str:
         cells = [f"{d}: {format_bytes(m)}" for d, m in enumerate(best.memory)]
         lines.append("chosen plan's peak memory per device:")
         lines += ["  " + ", ".join(cells[i:i + 8]) for i in range(0, len(cells), 8)]
+    return "\n".join(lines)
+
+
+def explain_layouts(layouts: Sequence[Any], *, top: int = 10) -> str:
+    """The layouts (P x D, FSDP, what stays inside a node) the search compared: each one's
+    best plan, predicted step and fullest device, and why it lost (`LayoutCandidate`s, the
+    winner first)."""
+    lines = [f"layouts compared: {len(layouts)}" + (f", the best {top}:" if len(layouts) > top
+                                                     else ":")]
+    rows = [("P x D", "sharding", "inside a node", "plan", "step ms", "max memory", "verdict")]
+    for c in layouts[:top]:
+        lay = c.layout
+        plan = (f"{c.schedule} m={c.microbatches} v={c.virtual_stages}"
+                + (f" recompute {c.recomputed}" if c.recomputed else "")) if c.fits else "-"
+        rows.append((f"{lay.pipeline} x {lay.data_parallel}",
+                     "FSDP" if lay.fsdp else "replicated" if lay.data_parallel > 1 else "-",
+                     lay.inner if lay.pipeline > 1 and lay.data_parallel > 1 else "-", plan,
+                     f"{c.step * 1e3:.1f}" if c.fits else "-",
+                     format_bytes(c.memory) if c.fits else "-", c.reason or "chosen"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for k, row in enumerate(rows):
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if k == 0:
+            lines.append("  " + "  ".join("-" * w for w in widths))
+    bound = [c for c in layouts if "tensor parallelism" in c.reason]
+    if bound:
+        lines.append(f"{len(bound)} layout(s) bound by tensor parallelism (not supported)")
     return "\n".join(lines)

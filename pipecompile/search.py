@@ -27,8 +27,11 @@ from .schedule.actions import Schedule
 from .schedule.schedules import TWO_STAGES_PER_DEVICE, make_schedule
 from .schedule.lowering import relower
 from .schedule.simulate import inflight, simulate
+from .planner.layout import Collectives
+from .schedule.actions import Kind
 from .stage_costs import (SPLIT_BACKWARD_RATIO, BlockTable, dataflow, inflight_for,
-                          message_costs, partition_problem, placement_ratio, simulator_costs)
+                          message_costs, partition_problem, placement_ratio, simulator_costs,
+                          with_collectives)
 
 # BlockTable and SPLIT_BACKWARD_RATIO live in stage_costs (the pricing); named here for callers
 __all__ = ["FSDP_SCHEDULES", "BlockTable", "Space", "Candidate", "SearchResult", "search",
@@ -88,6 +91,9 @@ class SearchResult:
     #                     devices, or the cores their threads share), no bubble or overhead
     searched: tuple[str, ...]  # the options that were "auto"
     bound_note: str = "compute / devices, no bubble, no overhead"  # what the bound assumes
+    # the layouts compared (data_parallel="auto" or a cluster; planner/layout_search.py),
+    # the winner first; this result's candidates are the winning layout's
+    layouts: tuple[Any, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Strict JSON (an infinite step or need as "inf"): what a saved plan and
@@ -101,7 +107,8 @@ class SearchResult:
                                 "memory": [plain(x) for x in c.memory], "reason": c.reason,
                                 "needed": plain(c.needed)} for c in self.candidates],
                 "lower_bound": self.lower_bound, "searched": list(self.searched),
-                "bound_note": self.bound_note}
+                "bound_note": self.bound_note,
+                "layouts": [c.to_dict() for c in self.layouts]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SearchResult":
@@ -111,8 +118,11 @@ class SearchResult:
                       tuple(c["recompute"]), tuple(c["bounds"]), float(c["step"]),
                       tuple(map(float, c["memory"])), c["reason"], float(c["needed"]))
             for c in data["candidates"])
+        from .planner.layout_search import LayoutCandidate
+
         return cls(candidates[0], candidates, data["lower_bound"], tuple(data["searched"]),
-                   data.get("bound_note", cls.bound_note))
+                   data.get("bound_note", cls.bound_note),
+                   tuple(LayoutCandidate.from_dict(c) for c in data.get("layouts", ())))
 
 
 def microbatch_choices(batch: int, cap: int = 32) -> tuple[int, ...]:
@@ -127,18 +137,23 @@ def microbatch_choices(batch: int, cap: int = 32) -> tuple[int, ...]:
 def search(space: Space, devices: Sequence[DeviceSpec],
            costs_for: Callable[[int, int], BlockTable | None], *, overhead: float = 0.0,
            split_ratio: float | None = None, cores: int | None = None,
-           efficiency: float = 1.0, searched: tuple[str, ...] = ()) -> SearchResult:
+           efficiency: float = 1.0, searched: tuple[str, ...] = (),
+           collectives: Collectives | None = None, memo: dict | None = None,
+           written: Schedule | None = None) -> SearchResult:
     """Cost every candidate of `space` on `devices` and pick the fastest that fits.
 
     `costs_for(m, num_stages)` is the block table at micro-batch size batch/m, linearized finely
     enough for `num_stages` stages (None: the model has too few blocks). `overhead` is the fixed
     seconds per action and message; `split_ratio` the measured (I + W) / B of split-backward
-    schedules (None: SPLIT_BACKWARD_RATIO; see `stage_costs.backward_ratio`).
+    schedules (None: SPLIT_BACKWARD_RATIO; see `stage_costs.backward_ratio`); `collectives`
+    the data-parallel layout's (`stage_costs.with_collectives`), None for one replica; `memo`
+    keeps the schedules built, for the searches of several layouts; `written`: the user's
+    schedule that `space.schedules` names.
     Raises `PartitionMemoryError` when no candidate fits in memory.
     """
     devices = tuple(devices)
     p = len(devices)
-    schedules = _Schedules()
+    schedules = _Schedules(memo, written)
     found: list[Candidate] = []
     for name in space.schedules:
         for m in space.microbatches:
@@ -148,7 +163,7 @@ def search(space: Space, devices: Sequence[DeviceSpec],
                     continue
                 found.append(_candidate(name, m, v, table, devices, space.checkpoint, schedules,
                                         overhead=overhead, split_ratio=split_ratio, cores=cores,
-                                        efficiency=efficiency))
+                                        efficiency=efficiency, collectives=collectives))
     if not found:
         raise PartitionError(
             f"no schedule of {list(space.schedules)} with micro-batches {list(space.microbatches)}"
@@ -187,13 +202,17 @@ class _Schedules:
     """The schedules one search builds (validated by make_schedule), each once, with their peak
     in-flight micro-batches per stage; kept for that search only."""
 
-    def __init__(self) -> None:
-        self._made: dict[tuple[str, int, int, int], tuple[Schedule, tuple[int, ...]]] = {}
+    def __init__(self, memo: dict | None = None, written: Schedule | None = None) -> None:
+        self._made: dict[tuple[str, int, int, int], tuple[Schedule, tuple[int, ...]]] = (
+            {} if memo is None else memo)
+        self._written = written
 
     def get(self, name: str, p: int, m: int, v: int) -> tuple[Schedule, tuple[int, ...]]:
         key = (name, p, m, v)
         if key not in self._made:
-            schedule = make_schedule(name, p, m, virtual_stages=v)
+            written = self._written
+            schedule = make_schedule(written if written is not None and name == written.name
+                                     else name, p, m, virtual_stages=v)
             self._made[key] = schedule, inflight(schedule)
         return self._made[key]
 
@@ -210,7 +229,8 @@ def _problem(schedule: Schedule, peaks: tuple[int, ...], table: BlockTable,
 
 def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[DeviceSpec, ...],
                checkpoint: bool | None, schedules: _Schedules, *, overhead: float,
-               split_ratio: float | None, cores: int | None, efficiency: float) -> Candidate:
+               split_ratio: float | None, cores: int | None, efficiency: float,
+               collectives: Collectives | None = None) -> Candidate:
     try:
         schedule, peaks = schedules.get(name, len(devices), m, v)
     except PipecompileError as error:  # e.g. interleaving needs m to be a multiple of p
@@ -241,6 +261,8 @@ def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[Devi
     # with the cut's real messages, each priced by its bytes
     costs = simulator_costs(table, placement.bounds, specs, recompute=recompute,
                             split_ratio=split_ratio)
+    costs = with_collectives(costs, table, placement.bounds, collectives, recompute=recompute,
+                             split=any(a.kind is Kind.W for row in schedule.actions for a in row))
     links = dataflow(table, placement.bounds)
     timeline = simulate(schedule if links is None else relower(schedule, links), costs,
                         cores=cores, efficiency=efficiency, overhead=overhead,

@@ -24,6 +24,7 @@ from .errors import PipecompileError
 from .ir import CostTable, LinearGraph, StageCost, StageTimes
 from .passes.partition import DeviceSpec, Partition, PartitionProblem
 from .passes.split import BlockWiring, StagedProgram, block_wiring
+from .planner.layout import Collectives, Layout, layout_static
 from .ranks import Ranks
 from .schedule.actions import Schedule
 from .schedule.messages import Dataflow, MessageKey, gradient_values, link_bytes, transfer_seconds
@@ -31,6 +32,7 @@ from .schedule.schedules import make_schedule
 from .schedule.simulate import StageCosts, Timeline, inflight, simulate
 
 __all__ = ["SPLIT_BACKWARD_RATIO", "BlockTable", "backward_ratio", "placement_ratio",
+           "with_collectives",
            "simulator_costs", "dataflow", "message_costs", "partition_problem", "inflight_for",
            "Priced", "predict", "with_stage_costs", "shared_cores"]
 
@@ -58,14 +60,25 @@ class BlockTable:
     wiring: BlockWiring | None = None
     value_bytes: Mapping[str, float] = field(default_factory=dict)
     grad_values: frozenset[str] = frozenset()
+    # per block: parameter, gradient and optimizer-state bytes (what the layout's collectives
+    # and optimizer step move); empty: not known (a loaded plan)
+    state_bytes: tuple[tuple[float, float, float], ...] = ()
 
     @classmethod
-    def of(cls, costs: CostTable, linear: LinearGraph | None = None) -> "BlockTable":
-        """The table of `costs`, with `linear`'s wiring when given."""
+    def of(cls, costs: CostTable, linear: LinearGraph | None = None,
+           layout: Layout | None = None) -> "BlockTable":
+        """The table of `costs`, with `linear`'s wiring when given; with `layout`, the bytes
+        a device holds per block under it (`planner.layout.layout_static`)."""
         b = costs.blocks
+        state = tuple((float(c.param_bytes), float(c.grad_bytes), float(c.optimizer_bytes))
+                      for c in costs.symbolic)
+        static = tuple(x.static_bytes for x in b)
+        if layout is not None and len(state) == len(b):
+            static = tuple(layout_static(*s, layout) for s in state)
         table = cls(tuple(x.forward_time for x in b), tuple(x.backward_input_time for x in b),
-                    tuple(x.backward_weight_time for x in b), tuple(x.static_bytes for x in b),
-                    tuple(x.activation_bytes for x in b), tuple(costs.cut_bytes))
+                    tuple(x.backward_weight_time for x in b), static,
+                    tuple(x.activation_bytes for x in b), tuple(costs.cut_bytes),
+                    state_bytes=state)
         if linear is None:
             return table
         wiring = block_wiring(linear)
@@ -126,6 +139,25 @@ def simulator_costs(table: BlockTable, bounds: Sequence[int], specs: Sequence[De
         out.append(StageCosts(forward=f, backward=whole + again, backward_input=i + again,
                               backward_weight=w, send_forward=spec.send_time(table.cut_bytes[b]),
                               send_backward=spec.send_time(table.cut_bytes[a])))
+    return tuple(out)
+
+
+def with_collectives(costs: Sequence[StageCosts], table: BlockTable, bounds: Sequence[int],
+                     collectives: Collectives | None, *, recompute: Sequence[bool],
+                     split: bool) -> tuple[StageCosts, ...]:
+    """`costs` with each stage's share of the layout's collectives and optimizer step as its
+    `setup` and `teardown` (`planner.layout.Collectives.extras`); unchanged without
+    `collectives` or per-block state bytes. The replicas' all-reduce overlaps the last
+    backward only where torch's hooks run in it (no `split` backward, no recomputation)."""
+    if collectives is None or not table.state_bytes:
+        return tuple(costs)
+    out = []
+    for s, c in enumerate(costs):
+        held = table.state_bytes[bounds[s]:bounds[s + 1]]
+        param, grad, optimizer = (sum(x[i] for x in held) for i in range(3))
+        setup, teardown = collectives.extras(param, grad, optimizer, c.backward,
+                                             overlap=not split and not recompute[s])
+        out.append(replace(c, setup=setup, teardown=teardown))
     return tuple(out)
 
 

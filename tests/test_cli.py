@@ -137,3 +137,15 @@ def test_bad_factories_are_one_line_errors(target, message, tmp_path, capsys, mo
 def test_export_needs_a_destination(capsys):
     assert main(["export", f"{FACTORIES}:gpt"]) == 2
     assert "export needs --onnx DIR and/or --save DIR" in capsys.readouterr().err
+
+
+def test_plan_a_cluster_searches_the_layout(capsys):
+    status = main(["plan", "examples/factories.py:gpt", "--device", "h100", "--nodes", "2",
+                   "--per-node", "2", "--global-batch", "8", "--json"])
+    assert status == 0
+    result = json.loads(capsys.readouterr().out)
+    layout = result["layout"]
+    assert layout["pipeline"] * layout["data_parallel"] == 4
+    assert result["search"]["layouts"][0]["pipeline"] == layout["pipeline"]
+    assert main(["plan", "examples/factories.py:gpt", "--nodes", "2"]) == 2
+    assert "give --device NAME too" in capsys.readouterr().err

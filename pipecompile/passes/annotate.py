@@ -39,20 +39,41 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..compile_cache import CompileCache, digest
 from ..ir import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
+from ..planner.kernels import (ATTENTION_OPS, HardwareRates, Kernels, Recorder, fused_attention,
+                               is_causal_mask)
 from .nodes import call_node, getattr_path as _getattr_path, node_target_str, preserve_buffers
 
-__all__ = ["annotate", "DeviceModel", "optimizer_state_factor", "symbolic_block_costs"]
+__all__ = ["annotate", "DeviceModel", "optimizer_state_factor", "symbolic_block_costs",
+           "PricedBlockCost"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class PricedBlockCost(BlockCost):
+    """A `BlockCost` with its ops as a GPU's kernels (`planner.kernels`): costed for hardware
+    described by its figures, where attention is fused."""
+
+    kernels: Kernels = Kernels()
+
+
+@dataclass(frozen=True)
 class DeviceModel:
-    """What the analytic cost model assumes about a device."""
+    """What the analytic cost model assumes about a device. With `attention` (FLOP/s of fused
+    attention) the device is priced op by op as a GPU runs it (`planner.kernels`): matmul
+    rooflines, fused attention, memory-bound ops by their bytes."""
 
     flops: float = 50e9  # sustained FLOP/s on matmuls
     bandwidth: float = 10e9  # bytes/s of memory traffic for elementwise ops
     op_overhead: float = 5e-6  # seconds of fixed cost per op (dispatch, kernel launch)
+    attention: float | None = None  # FLOP/s of fused attention: kernel pricing (None: off)
+
+    @property
+    def kernels(self) -> HardwareRates | None:
+        """The kernel model's rates, None for the FLOPs-and-bytes formula of `time`."""
+        if self.attention is None:
+            return None
+        return HardwareRates(self.flops, self.attention, self.bandwidth, self.op_overhead)
 
     def time(self, flops: float, io_bytes: float, num_ops: int) -> float:
         return flops / self.flops + io_bytes / self.bandwidth + num_ops * self.op_overhead
@@ -72,7 +93,8 @@ def annotate(
     `cache` keeps the symbolic costs (see `symbolic_block_costs`).
     """
     device = device or DeviceModel()
-    symbolic = symbolic_block_costs(linear, optimizer_factor=optimizer_factor, cache=cache)
+    symbolic = symbolic_block_costs(linear, optimizer_factor=optimizer_factor, cache=cache,
+                                    fused=device.kernels is not None)
     values = linear.captured.values
     cut_exprs = tuple(
         sympy.Add(*[values[v].nbytes for v in cut]) if cut else sympy.Integer(0)
@@ -97,10 +119,14 @@ def _numeric(cost: BlockCost, sizes, device: DeviceModel) -> NumericBlockCost:
     bwd_i = evaluate(cost.backward_input_flops, sizes)
     bwd_w = evaluate(cost.backward_weight_flops, sizes)
     io = evaluate(cost.io_bytes, sizes)
-    t_f = device.time(fwd, io, cost.num_ops)
-    # Backward reads the saved tensors and writes gradients: about twice forward's traffic,
-    # split between input and weight gradients in proportion to their FLOPs.
-    t_b = device.time(bwd_i + bwd_w, 2 * io, 2 * cost.num_ops)
+    rates = device.kernels
+    if rates is not None and isinstance(cost, PricedBlockCost):
+        t_f, t_b = cost.kernels.times(bwd_i + bwd_w, rates, lambda e: evaluate(e, sizes))
+    else:
+        t_f = device.time(fwd, io, cost.num_ops)
+        # Backward reads the saved tensors and writes gradients: about twice forward's
+        # traffic, split between input and weight gradients in proportion to their FLOPs.
+        t_b = device.time(bwd_i + bwd_w, 2 * io, 2 * cost.num_ops)
     share = bwd_w / (bwd_i + bwd_w) if bwd_i + bwd_w > 0 else 0.0
     t_i, t_w = t_b * (1 - share), t_b * share
     return NumericBlockCost(
@@ -140,15 +166,18 @@ def optimizer_state_factor(optimizer: Callable | None) -> float:
 
 
 def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0,
-                         cache: CompileCache | None = None) -> tuple[BlockCost, ...]:
+                         cache: CompileCache | None = None, fused: bool = False
+                         ) -> tuple[BlockCost, ...]:
     """Per-block symbolic costs; one fake forward and two fake backward passes per block.
+    `fused`: attention runs as a fused kernel and every op is recorded as a GPU kernel
+    (`PricedBlockCost`; for hardware described by its figures).
     Kept in `cache` (None: computed afresh) for a graph, its blocks and its tensors' shapes:
     compiling one model several ways (schedules, devices, a benchmark grid) reuses them, since
     the fake passes over symbolic shapes take seconds on a transformer."""
     if cache is None:
-        return _symbolic_block_costs(linear, optimizer_factor)
-    return cache.get(("symbolic costs", _cost_key(linear, optimizer_factor)),
-                     lambda: _symbolic_block_costs(linear, optimizer_factor))
+        return _symbolic_block_costs(linear, optimizer_factor, fused)
+    return cache.get(("symbolic costs", _cost_key(linear, optimizer_factor), fused),
+                     lambda: _symbolic_block_costs(linear, optimizer_factor, fused))
 
 
 def _cost_key(linear: LinearGraph, optimizer_factor: float) -> str:
@@ -164,7 +193,8 @@ def _cost_key(linear: LinearGraph, optimizer_factor: float) -> str:
                   tuple(sorted(linear.roles.items())), optimizer_factor)
 
 
-def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float) -> tuple[BlockCost, ...]:
+def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float,
+                          fused: bool = False) -> tuple[BlockCost, ...]:
     gm = linear.captured.module
     nodes = {n.name: n for n in gm.graph.nodes}
     fake_mode = _fake_mode(gm.graph)
@@ -179,13 +209,13 @@ def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float) -> tuple
         param_bytes = sum(t.numel() * t.element_size() for t in unique)
         signature = _signature(block.nodes, nodes, linear)
         if signature not in measured:
-            measured[signature] = _fake_costs(block, nodes, linear, gm, fake_mode)
-        flops, act, own_saved, inputs_saved = measured[signature]
+            measured[signature] = _fake_costs(block, nodes, linear, gm, fake_mode, fused)
+        flops, act, own_saved, inputs_saved, kernels = measured[signature]
         external = _external_inputs(block.nodes, nodes)
         saved_inputs.append(([block.nodes[i] for i in own_saved],
                              [external[i] for i in inputs_saved]))
         costs.append(
-            BlockCost(
+            (PricedBlockCost if fused else BlockCost)(
                 forward_flops=flops[0],
                 backward_input_flops=flops[1],
                 backward_weight_flops=flops[2],
@@ -197,6 +227,7 @@ def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float) -> tuple
                 optimizer_bytes=int(param_bytes * optimizer_factor),
                 activation_bytes=act,
                 parameters=tuple(trainable),
+                **({"kernels": kernels} if fused else {}),
             )
         )
     charged = _charge_inputs(linear, saved_inputs)
@@ -238,17 +269,19 @@ def _charge_inputs(linear: LinearGraph, saved: list[tuple[list[str], list[str]]]
     return extra
 
 
-def _fake_costs(block, nodes, linear: LinearGraph, gm, fake_mode
-                ) -> tuple[tuple, sympy.Expr, tuple[int, ...], tuple[int, ...]]:
-    """FLOPs, own saved bytes, and which values and inputs the block saves (see
+def _fake_costs(block, nodes, linear: LinearGraph, gm, fake_mode, fused: bool = False
+                ) -> tuple[tuple, sympy.Expr, tuple[int, ...], tuple[int, ...], Kernels]:
+    """FLOPs, own saved bytes, which values and inputs the block saves, and its kernels (see
     `_run_block_fake`); from output sizes where the block cannot run on fake tensors."""
     try:
         with preserve_buffers(gm):
-            return _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode)
+            return _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode, fused)
     except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: estimate instead
         log.info("pipecompile: block %s could not run on fake tensors (%s); "
                  "estimating its cost from output sizes", block.name, exc)
-        return (sympy.Integer(0),) * 3, _output_bytes(block.nodes, linear), (), ()
+        written = _output_bytes(block.nodes, linear)
+        return (sympy.Integer(0),) * 3, written, (), (), Kernels(memory=2 * written,
+                                                                  launches=len(block.nodes))
 
 
 def _signature(block_nodes, nodes, linear: LinearGraph) -> tuple:
@@ -313,10 +346,12 @@ def _output_bytes(block_nodes, linear: LinearGraph) -> sympy.Expr:
     return sympy.Add(*[values[n].nbytes for n in block_nodes if values[n].is_tensor])
 
 
-def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode):
+def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode, fused: bool = False):
     """(fwd, bwd-input, bwd-weight) FLOPs, the bytes of the block's own values autograd saves
-    for backward, and which of its values (positions in `block_nodes`) and of its external
-    inputs (positions in `_external_inputs`) were saved; storages are counted once."""
+    for backward, which of its values (positions in `block_nodes`) and of its external
+    inputs (positions in `_external_inputs`) were saved (storages counted once), and its ops
+    as kernels. `fused`: attention runs as FlashAttention (`planner.kernels`)."""
+    recorder = Recorder(_sym)
     block = set(block_nodes)
     env: dict[str, Any] = {}
     inputs: list[torch.Tensor] = []
@@ -348,10 +383,18 @@ def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode):
                 for arg in node.all_input_nodes:
                     if arg.name not in env:
                         env[arg.name] = _external(arg, roles, gm, fake_mode, inputs, params)
+                before = counter.get_total_flops()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     args = fx.node.map_arg(node.args, lambda n: env[n.name])
                     kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n.name])
-                    env[name] = call_node(gm, node, args, kwargs)
+                    causal = fused and node.target in ATTENTION_OPS and is_causal_mask(node)
+                    if fused and node.target in ATTENTION_OPS:
+                        env[name] = fused_attention(args, kwargs, causal)
+                    else:
+                        env[name] = call_node(gm, node, args, kwargs)
+                if fused:
+                    recorder.record(node, args, kwargs, env[name],
+                                    counter.get_total_flops() - before, causal)
             forward = counter.get_total_flops()
             outputs = [
                 env[n] for n in block_nodes
@@ -377,7 +420,7 @@ def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode):
     own_saved = tuple(i for i, n in enumerate(block_nodes) if storage[n] in saved)
     own = {storage[n] for n in external} - {None}
     own_bytes = sympy.Add(*[_sym(b) for k, b in saved.items() if k not in own])
-    return flops, own_bytes, own_saved, inputs_saved
+    return flops, own_bytes, own_saved, inputs_saved, recorder.kernels()
 
 
 def _storage_of(value: Any) -> Any:

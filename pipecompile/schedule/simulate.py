@@ -20,7 +20,11 @@ the sending stage finished what it sends (direction ``"F"``: activations, produc
 from a program). Without ``transfers``, a message costs its sender's ``StageCosts.send_forward``
 or ``send_backward``. A transfer is pure latency on a link: it uses no device time, links never
 contend, and the timeline records each one (`Timeline.transfers`).
-A ``SEND`` takes no time; a ``RECV`` lasts from when its device reaches it until the value
+A stage's ``setup`` is added to its first forward of the step and its ``teardown`` to its STEP
+(else to its last backward, B or W), so that it delays its device but not the gradients its
+last backward sends: the layout's collectives that the step waits for (an
+FSDP all-gather before the first forward, a gradient reduction and optimizer step after the
+last backward). A ``SEND`` takes no time; a ``RECV`` lasts from when its device reaches it until the value
 arrives (waiting, not counted as compute). Schedules with or without explicit communication give
 the same times.
 
@@ -74,9 +78,15 @@ class StageCosts:
     backward_weight: float | None = None
     send_forward: float = 0.0
     send_backward: float = 0.0
+    # the layout's collectives on the critical path (data parallelism): seconds added to the
+    # stage's first forward of the step (FSDP's all-gather) and to its last backward (the
+    # replicas' gradient reduction and the optimizer step, where not hidden behind backward)
+    setup: float = 0.0
+    teardown: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "send_forward", "send_backward"):
+        for name in ("forward", "backward", "send_forward", "send_backward", "setup",
+                     "teardown"):
             if getattr(self, name) < 0:
                 raise ScheduleError(f"StageCosts.{name} must be >= 0, got {getattr(self, name)}")
         if self.input_time < 0 or self.weight_time < 0:
@@ -235,7 +245,32 @@ class Timeline:
             ) from None
 
 
-def _duration(action: Action, cost: StageCosts, step_time: float, overhead: float = 0.0) -> float:
+def _ends(schedule: Schedule) -> tuple[set[Action], set[Action]]:
+    """Each stage's first forward, and its STEP (else its last backward, B or W) in its
+    device's row: where `StageCosts.setup` and `teardown` are charged."""
+    first: dict[int, Action] = {}
+    last: dict[int, Action] = {}
+    for row in schedule.actions:
+        for a in row:
+            if a.kind is Kind.F and a.stage not in first:
+                first[a.stage] = a
+            if a.kind is Kind.STEP or (a.kind in (Kind.B, Kind.W)
+                                       and getattr(last.get(a.stage), "kind", None)
+                                       is not Kind.STEP):
+                last[a.stage] = a
+    return set(first.values()), set(last.values())
+
+
+def _duration(action: Action, cost: StageCosts, step_time: float, overhead: float = 0.0,
+              ends: tuple[set[Action], set[Action]] | None = None) -> float:
+    extra = 0.0
+    if ends is not None and (cost.setup or cost.teardown):
+        extra = (cost.setup if action in ends[0] else 0.0) + (
+            cost.teardown if action in ends[1] else 0.0)
+    return extra + _work(action, cost, step_time, overhead)
+
+
+def _work(action: Action, cost: StageCosts, step_time: float, overhead: float) -> float:
     if action.kind is Kind.STEP:
         return step_time
     work = {
@@ -332,6 +367,7 @@ def _simulate_free(schedule, costs, deps, latency, step_time: float,
                    overhead: float) -> Timeline:
     """`simulate` when every device has its own hardware."""
     end: dict[Action, float] = {}
+    ends = _ends(schedule)
     free = [0.0] * schedule.num_devices
     pcs = [0] * schedule.num_devices
     events: list[list[Event]] = [[] for _ in range(schedule.num_devices)]
@@ -346,7 +382,8 @@ def _simulate_free(schedule, costs, deps, latency, step_time: float,
                     start, finish = free[device], max(free[device], ready)
                 else:
                     start = max(free[device], ready)
-                    finish = start + _duration(action, costs[action.stage], step_time, overhead)
+                    finish = start + _duration(action, costs[action.stage], step_time,
+                                               overhead, ends)
                 events[device].append(Event(device, action, start, finish))
                 end[action] = free[device] = finish
                 pcs[device] += 1
@@ -364,6 +401,7 @@ def _simulate_shared(schedule, costs, deps, latency, step_time: float, cores: in
     """
     n = schedule.num_devices
     end: dict[Action, float] = {}
+    ends = _ends(schedule)
     pcs = [0] * n
     free = [0.0] * n  # when each device finished its previous action
     running: dict[int, list] = {}  # device -> [action, start, remaining seconds of work]
@@ -396,7 +434,7 @@ def _simulate_shared(schedule, costs, deps, latency, step_time: float, cores: in
                     finish(device, action, free[device], max(free[device], ready))
                     progress = True
                     continue
-                work = _duration(action, costs[action.stage], step_time, overhead)
+                work = _duration(action, costs[action.stage], step_time, overhead, ends)
                 if work <= 0:
                     finish(device, action, now, now)
                     progress = True

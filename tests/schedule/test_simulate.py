@@ -269,3 +269,24 @@ def test_a_long_skip_message_is_charged_on_its_own_link() -> None:
     assert spans(flat)["3F0"] == (6, 7)
     again = Timeline.from_dict(timeline.to_dict())
     assert again == timeline
+
+
+# -- the layout's collectives: setup on a stage's first forward, teardown at its STEP ---------
+
+
+def test_setup_delays_the_first_forward_and_teardown_ends_the_stages_step() -> None:
+    schedule = make_schedule("1f1b", 2, 2)
+    plain = simulate(schedule, [StageCosts(1.0, 2.0)] * 2)
+    timed = simulate(schedule, [StageCosts(1.0, 2.0, setup=0.5, teardown=1.0)] * 2)
+    # 9 = 3 (m + p - 1); the two setups lie on the warm-up chain (0F0 -> 1F0); stage 1's
+    # teardown follows its STEP and overlaps stage 0's last backward; stage 0's ends the step
+    assert plain.makespan == pytest.approx(9.0)
+    assert timed.makespan == pytest.approx(9.0 + 0.5 + 0.5 + 1.0)
+    first = {e.action: e for e in timed.events}
+    assert first[Action.parse("0F0")].duration == pytest.approx(1.5)
+    assert first[Action.parse("0F1")].duration == pytest.approx(1.0)
+
+
+def test_costs_refuse_negative_collectives() -> None:
+    with pytest.raises(ScheduleError, match="teardown must be >= 0"):
+        StageCosts(1.0, 2.0, teardown=-1.0)

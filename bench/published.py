@@ -1,0 +1,97 @@
+"""Predicted against published: torchtitan's FSDP2 Llama 3 runs on 64 A100 80GB, planned here.
+
+Published (pytorch/torchtitan docs/performance.md, "Llama 3 performance numbers", FSDP2 only,
+64 A100 80GB, local batch 1, sequence 8192, so a global batch of 64 sequences):
+
+    8B,  selective layer activation checkpointing   2,904 tokens/s/GPU   56.8 % MFU
+    70B, full activation checkpointing                331 tokens/s/GPU   51.7 % MFU
+
+The prediction uses the planner's own pieces, nothing fitted to these numbers:
+- per-block costs on `cluster("a100", nodes=8, per_node=8)` (planner/kernels.py: matmul
+  rooflines at 0.8 of the A100's peak, FlashAttention-2 at 0.6, other ops by their bytes at
+  0.8 of HBM bandwidth), taken from a compile of the model with `data_parallel=64,
+  fsdp=True` (one replica per GPU, no pipeline). The model is captured with 2 layers: every
+  layer costs the same, so a layer's cost times the layer count is the model's;
+- the collectives by the same alpha-beta model (planner/collectives.py) over the 8 x 8 group;
+- torchtitan's runtime as it runs: FSDP2 per transformer block, `reshard_after_forward=True`
+  (the forward's all-gather is repeated in backward), all-gathers in bf16 and reduce-scatters
+  in fp32 (its MixedPrecisionPolicy), prefetched on a separate stream so that communication
+  hides behind compute except the first block's gather and the last block's reduce; full AC
+  runs every layer's forward again in backward, selective layer AC every second layer's;
+  AdamW over fp32 shards at HBM bandwidth;
+- MFU with torchtitan's and the issue's FLOP count: (6 N + 12 L h s) per token, A100 BF16
+  dense peak 312 TFLOP/s.
+
+    python bench/published.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import _common as C
+
+import torch
+
+sys.path.insert(0, os.path.join(C.ROOT, "examples"))
+
+import factories  # noqa: E402
+
+import pipecompile as pc  # noqa: E402
+from pipecompile.planner.collectives import Group, all_gather, reduce_scatter  # noqa: E402
+
+SEQ, GPUS, PEAK = 8192, 64, 312e12
+RUNS = [  # name, factory, layers, hidden, recomputed share of layers, published tok/s, MFU
+    ("Llama 3 8B, selective layer AC", factories.llama3_8b, 32, 4096, 0.5, 2904, 0.568),
+    ("Llama 3 70B, full AC", factories.llama3_70b, 80, 8192, 1.0, 331, 0.517),
+]
+
+
+def predict(factory, layers: int, hidden: int, recomputed: float) -> dict:
+    """torchtitan's step on 64 A100s, from a 2-layer capture scaled to `layers`."""
+    cluster = pc.cluster("a100", nodes=8, per_node=8)
+    model, args, kwargs = factory(layers=2, batch=GPUS, seq=SEQ)
+    full, _, _ = factory(layers=layers, batch=1, seq=16)
+    n = sum(p.numel() for p in full.parameters())
+    pipe = pc.compile(model, args, kwargs, devices=cluster, data_parallel=GPUS, fsdp=True,
+                      schedule="gpipe", microbatches=1, checkpoint=False, memory_limit=1e15,
+                      optimizer=lambda p: torch.optim.AdamW(p))
+    blocks, names = pipe.plan.costs.blocks, [b.name for b in pipe.plan.linear.blocks]
+    layer = [c for c, name in zip(blocks, names) if name.startswith("model.layers.")]
+    other = [c for c, name in zip(blocks, names) if not name.startswith("model.layers.")]
+    per_layer_f = sum(c.forward_time for c in layer) / 2
+    per_layer = sum(c.forward_time + c.backward_time for c in layer) / 2
+    compute = (layers * per_layer + sum(c.forward_time + c.backward_time for c in other)
+               + recomputed * layers * per_layer_f)
+    group, intra, inter = Group(8, 8), cluster.intra, cluster.inter
+    gather = all_gather(2 * n, group, intra, inter)  # bf16, once in forward, again in backward
+    reduce = reduce_scatter(4 * n, group, intra, inter)  # fp32 gradients
+    comm = 2 * gather + reduce
+    exposed = max(0.0, comm - compute) + (2 * gather + reduce) / layers
+    optimizer = (4 * 2 + 4 + 8 * 2) * n / GPUS / cluster.device.memory_bandwidth
+    step = compute + exposed + optimizer
+    flops = (6 * n + 12 * layers * hidden * SEQ) * SEQ  # per GPU per step
+    return dict(n=n, step=step, compute=compute, comm=comm, exposed=exposed,
+                tokens=SEQ / step, mfu=flops / step / PEAK)
+
+
+def main() -> None:
+    print(f"# predicted vs published: torchtitan FSDP2 on 64 A100 80GB; {C.machine()}, "
+          f"load {C.loadavg()}")
+    rows = []
+    for name, factory, layers, hidden, recomputed, tokens, mfu in RUNS:
+        start = time.perf_counter()
+        p = predict(factory, layers, hidden, recomputed)
+        rows.append((name, f"{p['n'] / 1e9:.2f}B", f"{p['compute']:.2f}", f"{p['comm']:.2f}",
+                     f"{p['exposed']:.3f}", f"{p['step']:.2f}", f"{p['tokens']:,.0f}",
+                     f"{tokens:,}", f"{p['tokens'] / tokens - 1:+.1%}", f"{p['mfu']:.1%}",
+                     f"{mfu:.1%}", f"{time.perf_counter() - start:.0f}"))
+    print(C.table(rows, ("run", "params", "compute s", "FSDP comm s", "exposed s",
+                         "step s", "tok/s/GPU pred.", "published", "error", "MFU pred.",
+                         "published", "plan s")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""A layout of the job: P pipeline positions x D data-parallel replicas, and what it costs
+beyond the pipeline's own compute.
+
+    Layout(pipeline=8, data_parallel=8, fsdp=True, inner="data")
+
+`inner` is the dimension whose neighbours are adjacent devices, so it stays inside a node:
+"pipeline" puts rank = replica * P + position (pipecompile's torch.distributed grid, pipeline
+neighbours on one node), "data" puts rank = position * D + replica (a data-parallel group on
+one node). Megatron-LM's rule is to keep the highest-volume traffic inside a node; the search
+prices both and keeps the faster.
+
+    layouts(world, ...)                  every (P, D, fsdp, inner) to search
+    pipeline_specs(layout, cluster)      each position's spec, sending over the link it uses
+    data_group(layout, cluster)          the shape (per node x nodes) of a replica group
+    Collectives(...).extras(...)         per stage: the step's collectives and optimizer step
+                                         (simulate's `setup` and `teardown`)
+    layout_table(table, layout)          per-block bytes a device holds under the layout
+
+What pipecompile's runtime does, and so what is priced (runtime/data_parallel.py): FSDP2
+shards each stage as one unit with `reshard_after_forward=False`, so the stage's parameters are
+all-gathered at its first forward (on the critical path), held gathered, gradients accumulate
+unsharded, and one reduce-scatter follows its last backward; the sharded optimizer steps
+1/D of the state. Replicated stages use torch's DDP reducer, armed for the last backward of
+the step, whose all-reduce overlaps that backward (not under recomputation or a split
+backward: then it runs after the step). The optimizer step is priced by its bytes (AdamW
+reads parameter, gradient and two moments and writes three) at memory bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from ..errors import ConfigError
+from ..passes.partition import DeviceSpec
+from .cluster import Cluster, Link
+from .collectives import Group, all_gather, all_reduce, reduce_scatter
+
+__all__ = ["Layout", "layouts", "pipeline_specs", "data_group", "Collectives", "layout_static",
+           "describe_placement"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """P x D devices, whether replicas shard their stages, which dimension is inside a node,
+    and this process's place (None: planned for devices that are not here)."""
+
+    pipeline: int
+    data_parallel: int
+    fsdp: bool = False
+    inner: str = "pipeline"  # "pipeline" | "data": the dimension kept inside a node
+    pipeline_rank: int | None = None
+    data_rank: int | None = None
+
+    @property
+    def devices(self) -> int:
+        return self.pipeline * self.data_parallel
+
+    def __str__(self) -> str:
+        mode = "FSDP" if self.fsdp else "replicated" if self.data_parallel > 1 else "no DP"
+        text = f"{self.pipeline} x {self.data_parallel} ({mode}, {self.inner} inside a node)"
+        if self.pipeline_rank is not None:
+            text += f"; this process: position {self.pipeline_rank}, replica {self.data_rank}"
+        return text
+
+
+def layouts(world: int, *, batch: int, max_pipeline: int, fsdp: bool | None,
+            nodes: int = 1, pipeline: int | None = None) -> tuple[Layout, ...]:
+    """Every layout of `world` devices: P dividing it (at most `max_pipeline`, the blocks; or
+    exactly `pipeline` when a written schedule fixes it), D = world / P dividing the global
+    `batch`; FSDP and replicated when `fsdp` is None (FSDP only with D >= 2); both placements
+    when the devices span several `nodes`. Raises `ConfigError` when none exists."""
+    found = []
+    for p in range(1, world + 1):
+        if world % p or p > max_pipeline or (pipeline is not None and p != pipeline):
+            continue
+        d = world // p
+        if batch % d:
+            continue
+        for shard in ((False, True) if fsdp is None else (fsdp,)):
+            if shard and d < 2:
+                continue
+            for inner in (("pipeline", "data") if nodes > 1 and p > 1 and d > 1
+                          else ("pipeline",)):
+                found.append(Layout(p, d, shard, inner))
+    if not found:
+        raise ConfigError(
+            f"no layout of {world} devices fits: the pipeline degree P must divide {world} "
+            f"and be at most {max_pipeline} (the model's blocks)"
+            + (f" and equal the written schedule's {pipeline} devices" if pipeline else "")
+            + f", and D = {world} / P must divide the global batch of {batch}; use a batch "
+            f"that a data-parallel degree divides, or another device count")
+    return tuple(found)
+
+
+def _position_device(layout: Layout, position: int, replica: int = 0) -> int:
+    """The device index (node by node) of `position` in `replica`."""
+    if layout.inner == "pipeline":
+        return replica * layout.pipeline + position
+    return position * layout.data_parallel + replica
+
+
+def pipeline_specs(layout: Layout, cluster: Cluster | None,
+                   devices: Sequence[DeviceSpec]) -> tuple[DeviceSpec, ...]:
+    """The P pipeline devices of replica 0 (`devices[0]` as resolved, else the cluster's),
+    each sending over the link to its next position (the last over its previous one's);
+    without a cluster, the first P of `devices`."""
+    if cluster is None:
+        return tuple(devices[:layout.pipeline])
+    base = devices[0] if devices else cluster.device  # as resolved (a memory_limit applied)
+    specs = []
+    for p in range(layout.pipeline):
+        q = p + 1 if p + 1 < layout.pipeline else max(0, p - 1)
+        link = cluster.link(_position_device(layout, p), _position_device(layout, q))
+        specs.append(replace(base, bandwidth=link.bandwidth, latency=link.latency))
+    return tuple(specs)
+
+
+def data_group(layout: Layout, cluster: Cluster | None) -> Group:
+    """A replica group's shape: how many of its D devices share a node, on how many nodes."""
+    d = layout.data_parallel
+    if cluster is None:
+        return Group(d, 1)
+    members = [_position_device(layout, 0, r) for r in range(d)]
+    nodes = len({cluster.node_of(m) for m in members})
+    return Group(d // nodes, nodes)
+
+
+def layout_static(param: float, grad: float, optimizer: float, layout: Layout) -> float:
+    """Bytes a device holds for a block's parameters, gradients and optimizer state: all of
+    them replicated; under FSDP the gathered parameters and unsharded gradients of the step
+    plus 1/D of the parameters and optimizer state (the shards)."""
+    if not layout.fsdp:
+        return param + grad + optimizer
+    return param + grad + (param + optimizer) / layout.data_parallel
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """The step's collectives and optimizer step of one layout on its links."""
+
+    layout: Layout
+    group: Group
+    intra: Link
+    inter: Link
+    memory_bandwidth: float  # bytes/s of device memory: what the optimizer step moves at
+
+    @classmethod
+    def of(cls, layout: Layout, cluster: Cluster | None, device: DeviceSpec
+           ) -> "Collectives | None":
+        """The pricing of `layout` (None where there is nothing to price: devices measured
+        on this machine, whose collectives and optimizer are not modelled)."""
+        if not device.absolute or device.memory_bandwidth is None:
+            return None
+        if cluster is not None:
+            intra, inter = cluster.intra, cluster.inter
+        else:
+            intra = inter = Link("link", device.bandwidth, device.latency)
+        return cls(layout, data_group(layout, cluster), intra, inter, device.memory_bandwidth)
+
+    def extras(self, param: float, grad: float, optimizer: float, last_backward: float, *,
+               overlap: bool) -> tuple[float, float]:
+        """(setup, teardown) seconds of one stage holding `param`, `grad` and `optimizer`
+        bytes whose last backward takes `last_backward` s; `overlap`: the reducer may run
+        during that backward (one autograd backward per micro-batch, no recomputation)."""
+        d = self.layout.data_parallel
+        shard = d if self.layout.fsdp else 1
+        step = (2 * param + grad + 2 * optimizer) / shard / self.memory_bandwidth
+        if d < 2:
+            return 0.0, step
+        if self.layout.fsdp:
+            return (all_gather(param, self.group, self.intra, self.inter),
+                    reduce_scatter(grad, self.group, self.intra, self.inter) + step)
+        reduce = all_reduce(grad, self.group, self.intra, self.inter)
+        hidden = last_backward if overlap else 0.0
+        return 0.0, max(0.0, reduce - hidden) + step
+
+
+def describe_placement(layout: Layout, cluster: Cluster | None) -> str:
+    """Where the layout's traffic goes: "pipeline sends over nvlink, replica groups 8 per node
+    on 1 node(s)"."""
+    if cluster is None:
+        return ""
+    group = data_group(layout, cluster)
+    links = {cluster.link(_position_device(layout, p), _position_device(layout, p + 1)).name
+             for p in range(layout.pipeline - 1)}
+    sends = "none" if not links else "/".join(sorted(links))
+    return (f"pipeline sends over {sends}, replica groups {group.per_node} per node on "
+            f"{group.nodes} node(s)")
+

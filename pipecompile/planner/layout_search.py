@@ -1,0 +1,123 @@
+"""The layout search: every (P, D, FSDP, placement) searched with the schedule search, the
+fastest predicted step kept.
+
+    search_layouts(layouts, run) -> (the winner's SearchResult, every LayoutCandidate)
+
+`run(layout)` is the schedule search (search.py) of one layout: its P pipeline devices, the
+replica's slice of the global batch, the bytes a device holds under it and its collectives
+(layout.py). A layout where nothing fits records why; ties (within `search.TIE`) go to the
+earlier layout in `layouts.layouts`' order (fewer pipeline stages first). When no layout fits,
+the error says so, and that tensor parallelism (not supported) would be needed where even the
+most stages with recomputation leave a stage too big.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ..errors import PartitionError
+from ..passes.partition import PartitionMemoryError, format_bytes
+from .layout import Layout
+
+__all__ = ["LayoutCandidate", "search_layouts", "TENSOR_PARALLEL_NOTE"]
+
+TENSOR_PARALLEL_NOTE = ("bound by tensor parallelism: a stage does not fit even with the most "
+                        "pipeline stages and recomputation (tensor parallelism is not supported)")
+
+
+@dataclass(frozen=True)
+class LayoutCandidate:
+    """One layout the search costed: its best plan's step and memory, or why none fits."""
+
+    layout: Layout
+    step: float = math.inf
+    schedule: str = ""
+    microbatches: int = 0
+    virtual_stages: int = 0
+    recomputed: int = 0  # stages that recompute
+    memory: float = 0.0  # the fullest device's predicted peak bytes
+    reason: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return math.isfinite(self.step)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Strict JSON (an infinite step as "inf")."""
+        lay = self.layout
+        return {"pipeline": lay.pipeline, "data_parallel": lay.data_parallel, "fsdp": lay.fsdp,
+                "inner": lay.inner, "step": self.step if self.fits else "inf",
+                "schedule": self.schedule, "microbatches": self.microbatches,
+                "virtual_stages": self.virtual_stages, "recomputed": self.recomputed,
+                "memory": self.memory, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LayoutCandidate":
+        layout = Layout(data["pipeline"], data["data_parallel"], data["fsdp"], data["inner"])
+        return cls(layout, float(data["step"]), data["schedule"], data["microbatches"],
+                   data["virtual_stages"], data["recomputed"], data["memory"], data["reason"])
+
+
+def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
+                   tie: float = 1e-3, bound: Callable[[Layout], float] | None = None
+                   ) -> tuple[Any, tuple[LayoutCandidate, ...]]:
+    """The fastest layout's search result and every layout's candidate (winner first, then by
+    step; those that fit nothing last, saying why). `bound(layout)`: a lower bound of its
+    step (its compute spread over its pipeline, no bubble); a layout whose bound is above the
+    best step found so far is not searched (its reason says so)."""
+    results: dict[int, Any] = {}
+    found: list[LayoutCandidate] = []
+    errors: list[tuple[float, str]] = []
+    for k, layout in enumerate(layouts):
+        best = min((c.step for c in found if c.fits), default=math.inf)
+        floor = bound(layout) if bound is not None and math.isfinite(best) else 0.0
+        if floor > best * (1 + tie):
+            found.append(LayoutCandidate(layout, reason=(
+                f"not searched: its compute alone takes {floor * 1e3:.1f} ms "
+                f"(+{(floor / best - 1) * 100:.1f}% over the best)")))
+            continue
+        try:
+            result = run(layout)
+        except PartitionMemoryError as error:
+            need = error.memory_needed or math.inf
+            errors.append((need, str(error)))
+            found.append(LayoutCandidate(layout, reason=f"does not fit: needs "
+                                         f"{format_bytes(need)} on a device" + (
+                                             f"; {TENSOR_PARALLEL_NOTE}"
+                                             if layout.data_parallel == 1 else "")))
+            continue
+        except PartitionError as error:
+            found.append(LayoutCandidate(layout, reason=f"not valid: {str(error)[:80]}"))
+            continue
+        best = result.best
+        results[k] = result
+        found.append(LayoutCandidate(layout, best.step, best.schedule, best.microbatches,
+                                     best.virtual_stages, len(best.recomputed),
+                                     max(best.memory, default=0.0)))
+    order = {id(c): k for k, c in enumerate(found)}
+    fitting = [c for c in found if c.fits]
+    if not fitting and not results:
+        deepest = max(layouts, key=lambda lay: lay.pipeline)
+        detail = min(errors)[1] if errors else "no layout is valid"
+        raise PartitionMemoryError(
+            f"no layout of {deepest.devices} devices fits in memory (tried "
+            f"{len(layouts)}, up to {deepest.pipeline} pipeline stages); "
+            f"{TENSOR_PARALLEL_NOTE}. The closest: {detail}",
+            memory_needed=min(errors)[0] if errors else 0.0, devices_needed=None)
+    fastest = min(c.step for c in fitting)
+    winner = min((c for c in fitting if c.step <= fastest * (1 + tie)), key=lambda c: order[id(c)])
+    ranked = [winner] + sorted((c for c in found if c is not winner),
+                               key=lambda c: (not c.fits, c.step, "not searched" in c.reason,
+                                              order[id(c)]))
+    labelled = [c if c is winner or not c.fits else _lost(c, winner) for c in ranked]
+    return results[order[id(winner)]], tuple(labelled)
+
+
+def _lost(c: LayoutCandidate, winner: LayoutCandidate) -> LayoutCandidate:
+    from dataclasses import replace
+
+    if c.step > winner.step * 1.001:
+        return replace(c, reason=f"slower (+{(c.step / winner.step - 1) * 100:.1f}%)")
+    return replace(c, reason="tie (later in order)")

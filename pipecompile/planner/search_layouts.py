@@ -1,0 +1,118 @@
+"""The search pass when the layout is searched (data_parallel="auto", or a cluster): every
+layout of the devices (planner/layout.py) is searched with the schedule search over the
+replica's slice of the global batch, its devices' links, the bytes its devices hold and its
+collectives, and the fastest is kept (planner/layout_search.py).
+
+    layout_search_pass(plan, example, profile) -> plan with choices (layout, P devices) and
+                                                  search (the winner's candidates + layouts)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..choices import Choices
+from ..choose import coarsest, cost_model, enough_blocks
+from ..ir import CostTable, LinearGraph
+from ..options import Example
+from ..passes.linearize import GRANULARITIES, linearize
+from ..plan import Plan
+from ..planning import cost
+from ..report import format_stages
+from ..search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
+from ..search import search as search_plans
+from .layout import Collectives, Layout, layouts, pipeline_specs
+from .layout_search import search_layouts
+
+__all__ = ["layout_search_pass"]
+
+
+def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Plan, str]:
+    """Choose P x D, FSDP, placement and, per layout, the "auto" options (search.py)."""
+    o = plan.asked
+    captured = plan.ready.captured
+    world = len(o.devices)
+    finest = linearize(captured, granularity=o.granularity or GRANULARITIES[-1])
+    given_p = o.given_schedule.num_devices if o.given_schedule is not None else None
+    fixed_d = None if "data_parallel" in o.auto else o.data_parallel
+    candidates = [lay for lay in layouts(
+        world, batch=example.batch, max_pipeline=finest.num_blocks,
+        fsdp=None if "fsdp" in o.auto else o.fsdp,
+        nodes=o.cluster.nodes if o.cluster is not None else 1, pipeline=given_p)
+        if fixed_d is None or lay.data_parallel == fixed_d]
+    if not candidates:
+        enough_blocks(finest, world // (fixed_d or 1), o.granularity)
+    linears: dict[int, LinearGraph | None] = {}
+    tables: dict[tuple[str, int], CostTable] = {}
+    priced: dict[tuple[str, int], BlockTable] = {}
+
+    def costs_for(layout: Layout, m: int, stages: int) -> BlockTable | None:
+        if stages not in linears:
+            found = coarsest(captured, o.granularity, stages)
+            linears[stages] = found if found.num_blocks >= stages else None
+        linear = linears[stages]
+        if linear is None:
+            return None
+        size = captured.microbatch_size(m * layout.data_parallel)
+        key = (linear.granularity, size)
+        if key not in tables:
+            model = replace(cost_model(plan, example), microbatch_size=size, microbatches=m,
+                            profile=False, calibration=None)
+            like = next((t for (g, _), t in tables.items() if g == linear.granularity), None)
+            tables[key] = cost(linear, model, example, o.ranks, like)
+            priced[key] = BlockTable.of(tables[key], linear)
+        table = priced[key]
+        if not layout.fsdp:
+            return table
+        fsdp = BlockTable.of(tables[key], None, layout)
+        return replace(table, static_bytes=fsdp.static_bytes)
+
+    def run(layout: Layout):
+        local = example.batch // layout.data_parallel
+        specs = pipeline_specs(layout, o.cluster, o.devices)
+        space = Space(
+            schedules=(FSDP_SCHEDULES if layout.fsdp else SYNC_SCHEDULES)
+            if "schedule" in o.auto else (o.schedule,),
+            microbatches=(_enough(microbatch_choices(local), layout.pipeline)
+                          if "microbatches" in o.auto and captured.dynamic_batch
+                          else (o.microbatches,)),
+            virtual_stages=None if "virtual_stages" in o.auto else (o.virtual_stages,),
+            checkpoint=None if "checkpoint" in o.auto and not layout.fsdp
+            else bool(o.checkpoint) and not layout.fsdp)
+        return search_plans(space, specs, lambda m, s: costs_for(layout, m, s),
+                            overhead=plan.overhead, split_ratio=plan.split_ratio,
+                            efficiency=plan.efficiency, searched=tuple(sorted(o.auto)),
+                            collectives=Collectives.of(layout, o.cluster, o.devices[0]),
+                            memo=memo, written=o.given_schedule)
+
+    memo: dict = {}  # the schedules built, shared by every layout's search
+
+    def floor(layout: Layout) -> float:  # a replica's compute over its P devices, no bubble
+        table = costs_for(layout, 1, layout.pipeline)
+        if table is None:
+            return 0.0
+        work = sum(table.forward) + sum(table.backward_input) + sum(table.backward_weight)
+        return work / layout.pipeline / max(d.speed for d in o.devices)
+
+    found, tried = search_layouts(candidates, run, bound=floor)
+    chosen = tried[0].layout
+    best = found.best
+    stages = chosen.pipeline * best.virtual_stages
+    recompute = (tuple(best.recompute) if "checkpoint" in o.auto
+                 else (bool(o.checkpoint) and not chosen.fsdp,) * stages)
+    choices = Choices(best.schedule, best.microbatches, best.virtual_stages, recompute, profile,
+                      layout=chosen, devices=pipeline_specs(chosen, o.cluster, o.devices))
+    fits = sum(c.fits for c in tried)
+    return replace(plan, choices=choices, search=replace(found, layouts=tried)), (
+        f"layout {chosen}: {best.schedule}, {best.microbatches} micro-batches of "
+        f"{example.batch // chosen.data_parallel // best.microbatches} per replica, "
+        f"{best.virtual_stages} virtual stage(s), recompute stages "
+        f"{format_stages(best.recomputed)}: predicted step {best.step * 1e3:.3f} ms "
+        f"({len(tried)} layouts, {fits} fit)")
+
+
+def _enough(choices: tuple[int, ...], stages: int) -> tuple[int, ...]:
+    """The micro-batch counts worth searching for `stages` pipeline stages: those >= the stage
+    count (fewer leave the bubble larger, (p-1)/(m+p-1), and hold at least as much memory: the
+    same in-flight count of larger micro-batches), else the largest."""
+    return tuple(m for m in choices if m >= stages) or choices[-1:]
