@@ -11,18 +11,22 @@ torch's generated Python binding of an ATen function (`torch._C._nn.mse_loss`) p
 
 So a binding stands for an overload only with every argument of the schema passed explicitly
 (`schema_arguments`: positional ones by position in the schema's order, keyword-only ones by
-name, an omitted one as the schema's own default value), and only where its parse can reach no
-other overload (`binding`). Everything else calls the overload's own C++ entry point (what
-`OpOverload.__call__` calls), with the graph's arguments as recorded.
+name, an omitted one as the schema's own default value), and only where its parse reaches this
+overload first (`binding`: the function's other overloads are `out=` forms, or the overload is
+one of `_RESOLVED`). Everything else calls the overload's own C++ entry point (what
+`OpOverload.__call__` calls) with the graph's arguments as recorded. tests/runtime/
+test_op_binding.py checks every such pair against the signatures torch generated the binding
+from; test_direct_forward_opdb.py runs torch's op database through both, bit for bit.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["binding", "direct_call", "schema_arguments"]
+__all__ = ["binding", "direct_call", "full_name", "schema_arguments"]
 
 # Ops with several non-out overloads whose Python binding picks the given overload for the
 # arguments a captured graph passes (tensors where the schema has Tensor, lists where it has
@@ -43,8 +47,12 @@ _RESOLVED = frozenset({
 _NAMESPACES = ("_VariableFunctions", "_nn", "_linalg", "_fft", "_special")
 
 # Enum arguments whose schema default is stored as an int (`ScalarType dtype=long`,
-# `MemoryFormat memory_format=contiguous_format`): no binding takes that int for them.
+# `MemoryFormat memory_format=contiguous_format`), which no binding takes for them: a memory
+# format by c10::MemoryFormat's order (its ints in TorchScript files), a dtype as the overloads
+# read it (`_dtype`), a layout not at all (no schema has such a default today).
 _ENUMS = frozenset({"ScalarType", "MemoryFormat", "Layout"})
+_MEMORY_FORMATS = (torch.contiguous_format, torch.preserve_format, torch.channels_last,
+                   torch.channels_last_3d)
 
 
 def full_name(op: torch._ops.OpOverload) -> str:
@@ -83,8 +91,8 @@ def schema_arguments(schema: torch._C.FunctionSchema, args: Sequence[Any],
                      kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
     """`args`/`kwargs` of a call to `schema` with every argument explicit: positional ones in
     the schema's order, keyword-only ones by name, omitted ones as the schema's defaults; None
-    where the call names an argument the schema lacks, misses one without a default, or
-    omits an enum whose default has no Python value (those are left to the overload)."""
+    where the call names an argument the schema lacks, gives one twice or misses one without
+    a default (left to the overload, which says so)."""
     positional: list[Any] = []
     keywords: dict[str, Any] = {}
     used, named = 0, 0
@@ -96,9 +104,8 @@ def schema_arguments(schema: torch._C.FunctionSchema, args: Sequence[Any],
             value = kwargs[arg.name]
             named += 1
         elif arg.has_default_value():
-            value = arg.default_value
-            kind = str(getattr(arg, "real_type", arg.type)).removeprefix("Optional[").rstrip("]")
-            if value is not None and kind in _ENUMS:
+            value = _default(arg)
+            if value is _NONE:
                 return None
         else:
             return None
@@ -109,6 +116,28 @@ def schema_arguments(schema: torch._C.FunctionSchema, args: Sequence[Any],
     if used != len(args) or named != len(kwargs):
         return None  # an argument the schema lacks, or one given twice: the overload says so
     return tuple(positional), keywords
+
+
+_NONE = object()  # a default with no Python value a binding takes
+
+
+def _default(arg: torch._C.Argument) -> Any:
+    """The schema's default of `arg` as a binding takes it (an enum as its torch object)."""
+    value = arg.default_value
+    kind = str(getattr(arg, "real_type", arg.type)).removeprefix("Optional[").rstrip("]")
+    if value is None or kind not in _ENUMS:
+        return value
+    if kind == "MemoryFormat" and value in range(len(_MEMORY_FORMATS)):
+        return _MEMORY_FORMATS[value]
+    if kind == "ScalarType" and isinstance(value, int):
+        return _dtype(value)
+    return _NONE
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype(number: int) -> torch.dtype:
+    """The dtype an overload reads for ScalarType `number` (TorchScript's int for it)."""
+    return torch.ops.aten.empty.memory_format([0], dtype=number, device="meta").dtype
 
 
 def direct_call(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any],
