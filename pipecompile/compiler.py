@@ -107,9 +107,9 @@ def compile(  # noqa: A001 - the public name of the design
     micro-batch, op); `verbose=True` shows torch's output while capturing; `compile_stages`
     runs each stage graph through `torch.compile`. `symbolic_sizes="all"` captures every size
     of a batched input symbolic where the model allows; `"batch"` the batch alone (faster
-    torch.export on deep models, fixed-length training). `capture_budget` is the seconds one
-    torch.export attempt may take: past it capture tries fewer symbolic sizes (batch only,
-    then static), noted in `explain()`; a static attempt past it is a `CaptureError`.
+    torch.export on deep models, fixed-length training). `capture_budget` is the seconds a
+    torch.export attempt with symbolic sizes may take: past it capture tries fewer (batch only,
+    then static), noted in `explain()`; a static attempt past ten budgets is a `CaptureError`.
 
     `schedule`, `microbatches`, `virtual_stages` and `checkpoint` default to "auto": the search
     pass costs every combination (synchronous schedules, micro-batch counts dividing the batch,

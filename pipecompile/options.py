@@ -92,8 +92,8 @@ class CompileOptions:
     # "all": every size of a batched input symbolic where the model allows (sequence lengths
     # too); "batch": the batch alone (faster torch.export; other sizes fixed at the example's)
     symbolic_sizes: str = "all"
-    # seconds one torch.export attempt may run before capture gives up on it and tries fewer
-    # symbolic sizes (batch only, then static); a static attempt past it is a CaptureError
+    # seconds a torch.export attempt with symbolic sizes may run before capture gives up on it
+    # and tries fewer (batch only, then static); the static attempt gets ten times that
     capture_budget: float = 120.0
     granularity: str | None = None
     virtual_stages: int = 1  # resolved: 2 for interleaved-1f1b, zb-v, interleaved-zb unless given
