@@ -38,15 +38,19 @@ def layout(plan: Plan) -> Layout:
 
 def describe(plan: Plan) -> str:
     """The stage table: blocks, parameters, FLOPs, predicted time and memory per stage; the
-    layout and the predicted throughput (tokens per second per device, MFU)."""
+    layout (searched, or data-parallel) and, for hardware described by its figures, the
+    predicted throughput (tokens per second per device, MFU)."""
     ready = plan.ready
     table = stage_table(ready.program, ready.schedule, microbatches=plan.options.microbatches,
                         predicted=plan.predicted, specs=plan.stage_specs)
-    lines = [table, f"layout {layout(plan)}"]
-    placement = describe_placement(layout(plan), plan.asked.cluster)
-    if placement:
-        lines[-1] += f": {placement}"
-    rate = throughput(plan)
+    lines = [table]
+    o = plan.options
+    if (plan.choices is not None and plan.choices.layout is not None) or o.data_parallel > 1:
+        lines.append(f"layout {layout(plan)}")
+        placement = describe_placement(layout(plan), plan.asked.cluster)
+        if placement:
+            lines[-1] += f": {placement}"
+    rate = throughput(plan) if o.devices[0].absolute else None  # planned hardware
     if rate is not None:
         lines.append(str(rate))
     return "\n".join(lines)
