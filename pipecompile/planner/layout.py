@@ -184,7 +184,6 @@ def describe_placement(layout: Layout, cluster: Cluster | None) -> str:
     group = data_group(layout, cluster)
     links = {cluster.link(_position_device(layout, p), _position_device(layout, p + 1)).name
              for p in range(layout.pipeline - 1)}
-    sends = "none" if not links else "/".join(sorted(links))
-    return (f"pipeline sends over {sends}, replica groups {group.per_node} per node on "
-            f"{group.nodes} node(s)")
+    sends = "no pipeline sends" if not links else f"pipeline sends over {'/'.join(sorted(links))}"
+    return f"{sends}, replica groups {group.per_node} per node on {group.nodes} node(s)"
 
