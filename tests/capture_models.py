@@ -3,6 +3,8 @@ views of received values, eager mixture-of-experts routing, dropout and stochast
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -209,3 +211,184 @@ class NoisyMLP(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+# -- MaxViT's block and grid attention (torchvision's partition reshapes), small ---------------
+
+
+class _MBConv(nn.Module):
+    """Inverted bottleneck with a strided depthwise conv: halves the image."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.norm = nn.BatchNorm2d(cin)
+        self.expand = nn.Conv2d(cin, 2 * cout, 1)
+        self.depthwise = nn.Conv2d(2 * cout, 2 * cout, 3, stride=2, padding=1, groups=2 * cout)
+        self.project = nn.Conv2d(2 * cout, cout, 1)
+        self.skip = nn.Sequential(nn.AvgPool2d(3, 2, 1), nn.Conv2d(cin, cout, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.skip(x) + self.project(F.gelu(self.depthwise(self.expand(self.norm(x)))))
+
+
+def _partition(x: torch.Tensor, p: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/p * W/p windows, p * p, C), torchvision's WindowPartition."""
+    b, c, h, w = x.shape
+    x = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
+    return x.reshape(b, (h // p) * (w // p), p * p, c)
+
+
+def _departition(x: torch.Tensor, p: int, hp: int, wp: int) -> torch.Tensor:
+    """The inverse of `_partition` (torchvision's WindowDepartition)."""
+    b, _, _, c = x.shape
+    x = x.reshape(b, hp, wp, p, p, c).permute(0, 5, 1, 3, 2, 4)
+    return x.reshape(b, c, hp * p, wp * p)
+
+
+class _PartitionAttention(nn.Module):
+    """Attention within p x p windows (block) or across a p x p grid of windows (grid: the
+    partition's two middle dims swapped), then an MLP, as MaxViT's PartitionAttentionLayer."""
+
+    def __init__(self, dim: int, p: int, grid: bool):
+        super().__init__()
+        self.p, self.grid = p, grid
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(),
+                                 nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, c, h, w = x.shape
+        p = h // self.p if self.grid else self.p
+        x = _partition(x, p)
+        if self.grid:
+            x = x.transpose(-2, -3)
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        x = x + self.out(torch.softmax(q @ k.transpose(-1, -2) / c ** 0.5, dim=-1) @ v)
+        x = x + self.mlp(x)
+        if self.grid:
+            x = x.transpose(-2, -3)
+        return _departition(x, p, h // p, w // p)
+
+
+class TinyMaxVit(nn.Module):
+    """Stem, then per stage an MBConv, block attention and grid attention (MaxViT's layout).
+    With every input size symbolic, torch.export spends minutes in sympy on the partition
+    reshapes of even one stage; with the batch alone symbolic, seconds."""
+
+    def __init__(self, dims: tuple[int, ...] = (8, 8), p: int = 2, classes: int = 5):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, dims[0], 3, 2, 1), nn.GELU())
+        self.stages = nn.ModuleList([
+            nn.Sequential(_MBConv(a, b), _PartitionAttention(b, p, grid=False),
+                          _PartitionAttention(b, p, grid=True))
+            for a, b in zip(dims[:-1], dims[1:])])
+        self.head = nn.Linear(dims[-1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return self.head(x.mean((2, 3)))
+
+
+# -- a custom autograd.Function: reversible residual layers -------------------------------------
+
+
+class Reversible(torch.autograd.Function):
+    """y1 = x1 + f(x2), y2 = x2 + g(y1) (RevNet, Reformer): the forward keeps no activations
+    (it runs under no_grad), the backward recomputes the inputs from the outputs."""
+
+    @staticmethod
+    def forward(ctx, x, f, g, *params):  # type: ignore[override]
+        x1, x2 = x.chunk(2, dim=-1)
+        with torch.no_grad():
+            y1 = x1 + f(x2)
+            y = torch.cat([y1, x2 + g(y1)], dim=-1)
+        ctx.f, ctx.g = f, g
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        (y,) = ctx.saved_tensors
+        f, g = ctx.f, ctx.g
+        y1, y2 = y.chunk(2, dim=-1)
+        dy1, dy2 = dy.chunk(2, dim=-1)
+        with torch.enable_grad():
+            y1 = y1.detach().requires_grad_()
+            gy1 = g(y1)
+            dg = torch.autograd.grad(gy1, [y1, *g.parameters()], dy2)
+        dy1 = dy1 + dg[0]
+        with torch.enable_grad():
+            x2 = (y2 - gy1).detach().requires_grad_()
+            fx2 = f(x2)
+            df = torch.autograd.grad(fx2, [x2, *f.parameters()], dy1)
+        return (torch.cat([dy1, dy2 + df[0]], dim=-1), None, None, *df[1:], *dg[1:])
+
+
+class RevBlock(nn.Module):
+    def __init__(self, half: int):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(half, half), nn.Tanh())
+        self.g = nn.Sequential(nn.Linear(half, half), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Reversible.apply(x, self.f, self.g, *self.f.parameters(), *self.g.parameters())
+
+
+class RevNet(nn.Module):
+    """A projection, reversible blocks, a head. `in_root` applies one more Reversible in the
+    root's own forward (nothing there can be kept opaque)."""
+
+    def __init__(self, half: int = 4, layers: int = 4, in_root: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(3, 2 * half)
+        self.blocks = nn.ModuleList([RevBlock(half) for _ in range(layers)])
+        self.out = nn.Linear(2 * half, 2)
+        self.extra = RevBlock(half) if in_root else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        if self.extra is not None:
+            f, g = self.extra.f, self.extra.g
+            x = Reversible.apply(x, f, g, *f.parameters(), *g.parameters())
+        return self.out(x)
+
+
+# -- an in-place write to a parameter through .data ---------------------------------------------
+
+
+class _ClampedLinear(nn.Linear):
+    """Keeps its weight in [-0.3, 0.3] by clamping `.data` in place in train mode (torch.export
+    refuses the write, and names no frame of the model)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.weight.data.clamp_(-0.3, 0.3)
+        return super().forward(x)
+
+
+class ClampedNet(nn.Module):
+    def __init__(self, dim: int = 4):
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = _ClampedLinear(dim, dim)
+        self.c = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def returns_tuple(forward):
+    """A decorator shared by many modules' forwards, living in another file than the model (as
+    transformers' `can_return_tuple`): every decorated forward runs through this one line."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapper

@@ -12,6 +12,7 @@ import torch.nn as nn
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.capture import capture
+from pipecompile.capture_graph import flat_graph, output_names
 from tests.models import CASES
 from tests.reference import assert_grads_equal, reference_step
 
@@ -99,3 +100,15 @@ def test_a_function_is_refused_with_what_was_passed_and_how_to_wrap_it():
         pc.compile(3, (x,), devices=2)
     with pytest.raises(pc.ConfigError, match="capture_budget must be a positive number"):
         pc.compile(nn.Linear(3, 3), (x,), devices=2, capture_budget=0)
+
+
+def test_flat_graph_returns_the_outputs_as_one_flat_tuple_in_order():
+    class Nested(nn.Module):
+        def forward(self, x):
+            return {"a": x + 1, "b": (x * 2, x - 1)}
+
+    traced = torch.fx.symbolic_trace(Nested())
+    graph = flat_graph(traced.graph, drop_guards=True)
+    out = torch.fx.GraphModule(traced, graph)(torch.ones(2))
+    assert isinstance(out, tuple) and [t.tolist() for t in out] == [[2, 2], [2, 2], [0, 0]]
+    assert output_names(graph) == ("add", "mul", "sub")

@@ -14,6 +14,7 @@ from pipecompile.capture_errors import (
     opaque_reason,
 )
 from pipecompile.errors import CaptureError
+from tests.capture_models import returns_tuple
 
 
 class _Picky(torch.nn.Module):
@@ -78,8 +79,86 @@ def test_capture_error_without_a_site_suggests_the_alternative_and_the_cache_hin
         class config:  # a transformers-style config
             use_cache = True
 
+        def forward(self, x):
+            return x
+
     error = capture_error(WithCache(), "torch.fx", TypeError("unsupported call"), "method='export'")
-    assert str(error) == ("torch.fx could not capture WithCache: unsupported call. try "
-                          "method='export'; build the model with use_cache=False (a KV cache "
-                          "cannot be captured).")
+    line = inspect.getsourcelines(WithCache.forward)[1]
+    assert str(error) == (
+        f"torch.fx could not capture WithCache (no frame of the model's code on torch's stack; "
+        f"WithCache.forward is at {__file__}:{line}): unsupported call. try method='export'; "
+        f"build the model with use_cache=False (a KV cache cannot be captured).")
     assert error.details == ""
+
+
+# -- blame by frame: decorated forwards, one class for encoder and decoder ---------------------
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, check: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.check = check
+
+    @returns_tuple
+    def forward(self, x):
+        x = self.lin(x)
+        if self.check and x.sum() > -1e9:
+            raise RuntimeError("Could not guard on data-dependent expression u0 > 0")
+        return x
+
+
+class _Stack(torch.nn.Module):
+    """One class for the encoder and the decoder (as T5Stack); only the encoder checks."""
+
+    def __init__(self, check: bool):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(False), _Layer(check)])
+
+    @returns_tuple
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _EncoderDecoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = _Stack(check=True)
+        self.decoder = _Stack(check=False)
+
+    @returns_tuple
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+
+_CHECK = inspect.getsourcelines(_Layer.forward)[1] + 4  # the raise (decorator line first)
+
+
+def test_a_check_in_a_decorated_encoder_layer_is_blamed_on_that_layer():
+    model = _EncoderDecoder()
+    exc = _failure(model, torch.ones(2, 3))
+    assert failing_submodule(model, exc) == "encoder.layers.1"
+    assert opaque_reason(model, exc).endswith(f" at {__file__}:{_CHECK}")
+    assert f"in module 'encoder.layers.1' (_Layer) at {__file__}:{_CHECK}:" in str(
+        capture_error(model, "torch.export", exc, ""))
+
+
+def test_a_check_in_a_decorated_root_forward_names_the_root_file_and_line():
+    class Root(_EncoderDecoder):
+        @returns_tuple
+        def forward(self, x):
+            y = self.decoder(x)
+            if y.sum() > -1e9:
+                raise RuntimeError("Could not guard on data-dependent expression u1 > 0")
+            return y
+
+    model = Root()
+    model.decoder.layers[1].check = False
+    exc = _failure(model, torch.ones(2, 3))
+    line = inspect.getsourcelines(Root.forward)[1] + 4
+    assert failing_submodule(model, exc) is None  # the root cannot be kept opaque
+    text = str(capture_error(model, "torch.export", exc, "capture='fx'"))
+    assert f"in module '<root>' (Root) at {__file__}:{line}: Could not guard" in text
+    assert "move that code into a submodule" in text and "capture='fx'" not in text

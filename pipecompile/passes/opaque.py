@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import OpaqueModuleError
 from .nodes import preserve_buffers
+from .opaque_causes import data_kept
 
 __all__ = ["OpaqueModule", "record", "exporting", "restore", "flat_outputs"]
 
@@ -80,7 +81,8 @@ def record(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any],
         handles.append(sub.register_forward_pre_hook(pre(path), with_kwargs=True))
         handles.append(sub.register_forward_hook(post(path), with_kwargs=True))
     try:
-        with preserve_buffers(model), torch.random.fork_rng(devices=[]), torch.no_grad(), counter:
+        with preserve_buffers(model), torch.random.fork_rng(devices=[]), torch.no_grad(), \
+                data_kept(model), counter:
             model(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001
         raise OpaqueModuleError(
@@ -137,6 +139,7 @@ def _batch_dim(leaves: list[torch.Tensor], batch: int) -> tuple[int, int] | None
 # the custom op seen by torch.export
 
 _ACTIVE: dict[str, OpaqueModule] = {}  # path -> spec, only while `exporting` runs
+_TENSOR = object()  # where an opaque call's input leaves hold a tensor (None is an input too)
 
 
 @torch.library.custom_op("pipecompile::opaque", mutates_args=())
@@ -162,7 +165,8 @@ def fake_outputs(spec: OpaqueModule, inputs: Sequence[torch.Tensor]) -> list[tor
 def exporting(model: torch.nn.Module, specs: Mapping[str, OpaqueModule]) -> Iterator[dict]:
     """While active, each module at a path in `specs` calls `pipecompile::opaque` instead.
 
-    Yields {path: (input spec, input leaves with None where a tensor goes)} for `restore`."""
+    Yields {path: (input spec, input leaves with `_TENSOR` where a tensor goes)} for
+    `restore`."""
     patched: list[tuple[torch.nn.Module, bool, Any]] = []  # (module, had own forward, that)
     calls: dict[str, tuple] = {}
     for path, spec in specs.items():
@@ -171,7 +175,8 @@ def exporting(model: torch.nn.Module, specs: Mapping[str, OpaqueModule]) -> Iter
         def forward(*args, _path=path, _spec=spec, **kwargs):
             leaves, in_spec = pytree.tree_flatten((args, kwargs))
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-            calls[_path] = (in_spec, [None if isinstance(x, torch.Tensor) else x for x in leaves])
+            calls[_path] = (in_spec, [_TENSOR if isinstance(x, torch.Tensor) else x
+                                      for x in leaves])
             flat = torch.ops.pipecompile.opaque(_path, tensors)
             return pytree.tree_unflatten(list(flat), _spec.out_spec)
 
@@ -209,7 +214,7 @@ def restore(gm: fx.GraphModule, specs: Mapping[str, OpaqueModule], calls: Mappin
             continue
         path, tensors = node.args[0], list(node.args[1])
         in_spec, leaves = calls[path]
-        leaves = [tensors.pop(0) if x is None else x for x in leaves]
+        leaves = [tensors.pop(0) if x is _TENSOR else x for x in leaves]
         args, kwargs = pytree.tree_unflatten(leaves, in_spec)
         with graph.inserting_before(node):
             call = graph.call_module(path, tuple(args), dict(kwargs))

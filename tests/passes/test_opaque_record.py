@@ -101,3 +101,32 @@ def test_export_with_the_opaque_op_then_restore_computes_the_model():
     # its result flat: what the graph reads by index
     y, s = model.routed(torch.randn(4, 6))
     assert opaque.flat_outputs((y, {"s": s})) == (y, s)
+
+
+def test_an_opaque_call_with_none_among_its_inputs_is_restored():
+    class Masked(torch.nn.Module):  # called as transformers call layers: mask=None
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(3, 3)
+
+        def forward(self, x, mask=None, scale=None):
+            y = self.proj(x)
+            return y if mask is None else y * mask
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Masked()
+
+        def forward(self, x):
+            return self.inner(x, mask=None, scale=None) + 1
+
+    torch.manual_seed(0)
+    model, x = Outer(), torch.randn(4, 3)
+    specs = opaque.record(model, (x,), {}, ["inner"], "why", batch=4)
+    with opaque.exporting(model, specs) as calls:
+        gm = torch.export.export(model, (x,), strict=False).module()
+    opaque.restore(gm, specs, calls, model)  # today's main: IndexError (None taken for a tensor)
+    call = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "inner")
+    assert call.kwargs == {"mask": None, "scale": None}
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
