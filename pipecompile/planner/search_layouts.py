@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from ..choices import Choices
 from ..choose import coarsest, cost_model, enough_blocks
+from ..errors import ConfigError
 from ..ir import CostTable, LinearGraph
 from ..options import Example
 from ..passes.linearize import GRANULARITIES, linearize
@@ -40,8 +41,12 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         fsdp=None if "fsdp" in o.auto else o.fsdp,
         nodes=o.cluster.nodes if o.cluster is not None else 1, pipeline=given_p)
         if fixed_d is None or lay.data_parallel == fixed_d]
-    if not candidates:
+    if not candidates:  # D given: it must divide the batch, P = world / D fit the blocks
         enough_blocks(finest, world // (fixed_d or 1), o.granularity)
+        raise ConfigError(
+            f"data_parallel={fixed_d} replicas cannot share the global batch of "
+            f"{example.batch} samples; use a batch that is a multiple of {fixed_d}, or "
+            f"data_parallel='auto'")
     linears: dict[int, LinearGraph | None] = {}
     tables: dict[tuple[str, int], CostTable] = {}
     priced: dict[tuple[str, int], BlockTable] = {}

@@ -86,3 +86,10 @@ def test_a_world_no_layout_divides_is_refused():
         pc.compile(model, (torch.randn(1, 4),), devices=pc.cluster("h100", per_node=2),
                    data_parallel="auto")
     assert Layout(1, 5).devices == 5
+
+
+def test_a_given_degree_that_does_not_share_the_batch_is_refused():
+    model, _ = _gpt()
+    ids = torch.randint(0, 64, (6, 64))  # 6 samples: 4 replicas cannot share them
+    with pytest.raises(ConfigError, match="data_parallel=4 replicas cannot share the global"):
+        pc.compile(model, (ids,), devices=DEVICES, data_parallel=4)
