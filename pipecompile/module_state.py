@@ -36,7 +36,7 @@ from .plan import Plan
 from .runtime.assemble import Runtime
 from .unwritten import Unwritten, refuse
 
-__all__ = ["mirror_model", "adopt", "own_state", "check_runnable", "load_state", "to_empty",
+__all__ = ["mirror_model", "adopt", "own_state", "check_runnable", "check_written", "load_state", "to_empty",
            "init_weights", "load_weights"]
 
 
@@ -81,6 +81,13 @@ def check_runnable(pipe: torch.nn.Module, plan: Plan, where: str) -> None:
     of `pipe`'s tensors is on meta (given no memory yet) and every tensor `to_empty` gave
     memory has been written since (loaded, initialised or recomputed)."""
     require_present(plan.options.devices, where=where)
+    check_written(pipe, plan, where)
+
+
+def check_written(pipe: torch.nn.Module, plan: Plan, where: str) -> None:
+    """Raise a `ConfigError` naming the call `where` if a tensor of `pipe` is on meta or was
+    given memory by `to_empty` and not written since: what a step, `save` and `export_onnx`
+    refuse to run on or to write out."""
     check_materialised(own_state(pipe), where)
     left = _unwritten(pipe).left()
     if left:

@@ -22,10 +22,8 @@ from .deferred import Planner
 from .errors import ConfigError
 from .inputs import batch_parts, check_inputs
 from .lazy import NOT_PLANNED, Plans
-from .materialize import check_materialised
 from .memory_report import DeviceMemory, device_memory
 from . import module_state
-from .module_state import own_state
 from .passes.split import Stage, StagedProgram
 from .persist import load_plan, save_plan
 from .pipeline_compat import DeprecatedNames, is_model_name, model_attribute
@@ -301,12 +299,12 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         """Write one ONNX file per stage (eval mode) and manifest.json; returns its path."""
         from .export import export_onnx
 
-        check_materialised(own_state(self), "pipe.export_onnx()")
+        module_state.check_written(self, self.plan, "pipe.export_onnx()")
         return export_onnx(self.program, directory)
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write the plan (code, weights, schedule, costs, pass log) for `pipecompile.load`."""
-        check_materialised(own_state(self), "pipe.save()")
+        module_state.check_written(self, self.plan, "pipe.save()")
         return save_plan(self.plan, directory)
 
 

@@ -145,6 +145,10 @@ def test_load_weights_is_strict_and_a_step_refuses_what_nothing_wrote(tmp_path):
     with pytest.raises(pc.ConfigError, match=r"pipe.step\(\): 1 tensor.*to_empty.*"
                                              r"\['layers.2.mlp.fc.bias'\].*neither loaded"):
         pipe.step(x, target=x)
+    for where, call in (("pipe.save", lambda: pipe.save(tmp_path / "plan")),
+                        ("pipe.export_onnx", lambda: pipe.export_onnx(str(tmp_path / "onnx")))):
+        with pytest.raises(pc.ConfigError, match=where + r".*layers.2.mlp.fc.bias"):
+            call()  # nor written out with never-written memory
     pipe.load_state_dict({lost: state[lost]}, strict=False)  # written now: the step runs
     ref_loss, ref_grads = reference_step(real, (x,), {}, x, zoo.lm_loss, 4)
     assert abs(pipe.step(x, target=x).item() - ref_loss.item()) < 1e-12
