@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from pipecompile.runtime.direct_forward import direct_forward
 from pipecompile.runtime.op_binding import binding
 
-# Op families not compared, by OpInfo name: (reason, modes it applies to).
+# Op families not compared (in either IR), by OpInfo name, with the reason.
 _CUDA_ONLY = "runs only on CUDA/ROCm (jiterator)"
 _READS_VALUE = "reads a tensor's value as a Python value while tracing: make_fx cannot capture it"
 _SPARSE_CSR = "a sparse CSR input: make_fx cannot trace a tensor without strides"
@@ -62,10 +62,8 @@ _SKIPPED_AFTER_AUTOGRAD: dict[str, str] = {
 # Ops whose outputs are uninitialised memory: the same op, arguments, dtype and shape, and not
 # the same values (not even from two runs of the same graph).
 _UNINITIALISED = frozenset({
-    "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
-    "empty_permuted", "torch.empty", "nn.functional.dropout",
+    "empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided",
 })
-
 _DTYPES = (torch.float64, torch.float32, torch.int64, torch.bool, torch.complex128,
            torch.int32, torch.uint8)
 
