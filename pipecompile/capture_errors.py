@@ -32,7 +32,7 @@ import torch
 
 from .errors import CaptureError
 
-__all__ = ["Site", "capture_error", "failing_submodule", "failure_site", "first_line",
+__all__ = ["Site", "batch_constraint", "capture_error", "failing_submodule", "failure_site", "first_line",
            "frame_site", "module_paths", "opaque_reason", "where"]
 
 Site = tuple[str, str, int]  # (module path, '' for the root; file; line)
@@ -54,19 +54,22 @@ def module_paths(model: torch.nn.Module) -> dict[int, str]:
 def frame_site(paths: Mapping[int, str], frames: Iterable[tuple[types.FrameType, int]]
                ) -> Site | None:
     """The innermost frame (frames given innermost first, with their line) running a method of
-    a module in `paths`, and the innermost model-code line at or inside it."""
+    a module in `paths`, and the innermost line of the model's own code: inside that frame, or
+    where the model calls it when the module is torch's own (an `nn.Linear`)."""
     line: tuple[str, int] | None = None
+    found: tuple[str, str, int] | None = None
     for frame, lineno in frames:
         code = frame.f_code
         if line is None and not _library(code.co_filename):
             line = (code.co_filename, lineno)
-        if code in _MACHINERY or not code.co_argcount:
-            continue
-        owner = frame.f_locals.get(code.co_varnames[0])
-        if isinstance(owner, torch.nn.Module) and id(owner) in paths and _method_of(owner, code):
-            filename, number = line or (code.co_filename, lineno)
-            return paths[id(owner)], filename, number
-    return None
+        if found is None and code not in _MACHINERY and code.co_argcount:
+            owner = frame.f_locals.get(code.co_varnames[0])
+            if (isinstance(owner, torch.nn.Module) and id(owner) in paths
+                    and _method_of(owner, code)):
+                found = (paths[id(owner)], code.co_filename, lineno)
+        if found is not None and line is not None:
+            return found[0], line[0], line[1]
+    return found
 
 
 def _method_of(owner: torch.nn.Module, code: types.CodeType) -> bool:
@@ -102,10 +105,15 @@ def opaque_reason(model: torch.nn.Module, exc: BaseException) -> str:
 def failing_submodule(model: torch.nn.Module, exc: BaseException) -> str | None:
     """The submodule (never the root) whose own code stopped the capture, if one did; None
     when the batch size could not be dynamic (then static shapes are tried instead)."""
-    if type(exc).__name__ == "ConstraintViolationError" or "Constraints violated" in str(exc):
+    if batch_constraint(exc):
         return None
     site = failure_site(model, exc)
     return site[0] if site is not None and site[0] else None
+
+
+def batch_constraint(exc: BaseException) -> bool:
+    """Whether export failed because a size marked dynamic (the batch) could not be."""
+    return type(exc).__name__ == "ConstraintViolationError" or "Constraints violated" in str(exc)
 
 
 def where(model: torch.nn.Module, site: Site | None) -> str:

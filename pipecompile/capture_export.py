@@ -32,8 +32,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .capture_errors import (capture_error, failing_submodule, failure_site, first_line,
-                             opaque_reason)
+from .capture_errors import (batch_constraint, capture_error, failing_submodule, failure_site,
+                             first_line, opaque_reason)
 from .capture_graph import flat_graph, output_names, ranges, symbols, values_from_meta
 from .deadline import TimeUp, within
 from .errors import CaptureError
@@ -148,7 +148,8 @@ def _causes(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
     stopped export, else (no model frame on the stack) those using `.data` of a tensor."""
     if error is None or isinstance(error, TimeUp) or not opaque:
         return {}
-    if "lifted_tensor" in str(error) or failure_site(model, error) is None:
+    if "lifted_tensor" in str(error) or (failure_site(model, error) is None
+                                         and not batch_constraint(error)):
         found = data_writes(model, args, kwargs)
         if found:
             return found
@@ -174,16 +175,13 @@ def _keep_opaque(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
         for same in _same_class(model, path):
             reasons.setdefault(same, why)
     paths = [p for p in reasons if not any(p.startswith(q + ".") for q in reasons)]
-    if set(paths) <= set(specs):
-        return False
+    new = [p for p in paths if p not in specs]
     for path in list(specs):  # a module inside a new opaque one runs inside it
-        if any(path.startswith(p + ".") for p in paths):
+        if any(path.startswith(p + ".") for p in new):
             del specs[path]
-    for path in paths:
-        if path not in specs:
-            specs.update(opaque_modules.record(model, args, kwargs, [path], reasons[path],
-                                               batch))
-    return True
+    for path in new:  # (one not called on this input gets no spec)
+        specs.update(opaque_modules.record(model, args, kwargs, [path], reasons[path], batch))
+    return any(p in specs for p in new)
 
 
 def _rerecord(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],

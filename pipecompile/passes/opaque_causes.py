@@ -66,7 +66,10 @@ def _watched_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     if watcher is not None:
         paths, found = watcher
         site = frame_site(paths, _stack(sys._getframe(1)))
-        if site is not None:
+        if site is None:  # applied by no module's code (a hook?): the root answers for it
+            found.setdefault("", f"applies the custom autograd.Function {cls.__qualname__} "
+                                 f"outside any module's code")
+        else:
             found.setdefault(site[0], f"custom autograd.Function {cls.__qualname__} at "
                                       f"{site[1]}:{site[2]} (kept with its own backward)")
     return _APPLY(cls, *args, **kwargs)
