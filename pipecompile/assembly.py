@@ -3,11 +3,13 @@
     Plan ──runtime_spec──▶ RuntimeSpec ──assemble (runtime/assemble.py)──▶ Runtime
 
 The runtime never sees `CompileOptions`: `runtime_spec` picks what it needs and resolves it
-(per-stage recomputation as a set of stages, this rank's topology).
+(per-stage recomputation as a set of stages, this rank's topology), and the graph pass it may
+need at run time (eval-mode graphs) is handed in with it: runtime/ imports no pass.
 """
 
 from __future__ import annotations
 
+from .passes.eval_mode import eval_graph
 from .plan import Plan
 from .runtime.assemble import Runtime, assemble
 from .runtime.spec import RuntimeSpec
@@ -25,7 +27,7 @@ def runtime_spec(plan: Plan) -> RuntimeSpec:
         checkpoint=frozenset(s for s in stages if options.stage_checkpoint(s)),
         rng=options.rng, vertical_sync=options.vertical_sync,
         compile_stages=options.compile_stages, fsdp=options.fsdp, timeout=options.timeout,
-        topology=options.ranks.topology)
+        topology=options.ranks.topology, eval_graph=eval_graph)
 
 
 def assemble_plan(plan: Plan) -> Runtime:

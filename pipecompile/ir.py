@@ -7,6 +7,8 @@
     LinearGraph     the blocks in order plus, for every cut, its boundary: the values produced
                     before the cut and used after it.
     StageCost       one stage of the split program as the stage table reports it.
+    StagedProgram   the split program (passes/split.py makes it): its `Stage`s, the wiring of
+                    values between them, and the tensors and ties each stage holds.
 
 Values are named by their fx node names; those names are global to a compiled program and are
 the names of stage inputs/outputs and of ONNX values.
@@ -16,17 +18,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import sympy
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 from torch.utils._pytree import TreeSpec
+
+from .errors import ConfigError
 
 from .schedule.simulate import StageCosts
 
 __all__ = ["CapturedModel", "ValueInfo", "Block", "LinearGraph", "NodeRole", "StageCost",
-           "StageTimes", "microbatch_size"]
+           "StageTimes", "Stage", "TiedParameter", "StagedProgram", "microbatch_size",
+           "batch_size_of"]
 
 
 class NodeRole:
@@ -158,6 +164,17 @@ class CapturedModel:
         if self.batch_symbol is not None:
             sizes[self.batch_symbol] = batch
         return sizes
+
+
+def batch_size_of(args: tuple, kwargs: Mapping[str, Any]) -> int:
+    """The batch size: dim 0 of the first tensor argument (positional first, then keyword)."""
+    for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ConfigError(
+        "example_inputs/example_kwargs contain no tensor with a batch dimension; pass at least "
+        "one tensor whose first dimension is the batch size"
+    )
 
 
 def microbatch_size(batch: int, microbatches: int) -> int:
@@ -304,3 +321,70 @@ class StageTimes:
     backward_input: float
     backward_weight: float
     loss: float = 0.0  # of forward + backward: the loss's own forward and backward (last stage)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its graph module, device and named inputs/outputs."""
+
+    index: int
+    module: fx.GraphModule
+    device: torch.device
+    inputs: tuple[str, ...]  # value names, in the order of the module's placeholders
+    outputs: tuple[str, ...]  # value names, in the order of the returned tuple
+    blocks: tuple[int, ...]
+    parameter_names: tuple[str, ...]  # original names of the parameters this stage holds
+    cost: StageCost | None = None  # attached by the compiler
+
+    def __repr__(self) -> str:
+        return (f"Stage({self.index}, {self.device}, blocks {self.blocks[0]}..{self.blocks[-1]}, "
+                f"in={list(self.inputs)}, out={list(self.outputs)})")
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """One parameter reached under several names; `copies` lists (stage, name) for every stage
+    that reads it (stages on the same device share one tensor object)."""
+
+    names: tuple[str, ...]
+    copies: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True)
+class StagedProgram:
+    """The split program: stages plus the wiring of values between them."""
+
+    captured: CapturedModel
+    linear: LinearGraph
+    bounds: tuple[int, ...]
+    stages: tuple[Stage, ...]
+    producer: Mapping[str, int]  # value name -> producing stage
+    consumers: Mapping[str, tuple[int, ...]]  # value name -> stages that read it
+    ties: tuple[TiedParameter, ...]
+    tensors: Mapping[str, tuple[tuple[int, torch.Tensor], ...]] = field(repr=False)
+    # original parameter/buffer name -> (stage, tensor) for every stage holding it (-1: unused)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    # Who owns a tensor held by several stages (a tied parameter, or one object read by two
+    # stages) is decided here only: the first stage holding it. Its copies on other devices
+    # follow it (their gradients summed into it, its value copied out after a step), its
+    # optimizer steps it, and the process holding it counts it in a global norm.
+
+    def owner_stage(self, name: str) -> int:
+        """The stage whose copy of parameter or buffer `name` owns it: the first stage that
+        holds it (0 for a tensor no stage reads: stage 0's process keeps it)."""
+        return max(0, self.tensors[name][0][0])
+
+    def held(self, name: str, own_stages: Collection[int]) -> list[tuple[int, torch.Tensor]]:
+        """(stage, tensor) for each of `own_stages` holding `name`, in stage order (a tensor no
+        stage reads is held by stage 0)."""
+        return [(max(0, s), t) for s, t in self.tensors[name] if max(0, s) in own_stages]
+
+    def held_copies(self, name: str, own_stages: Collection[int]) -> list[torch.Tensor]:
+        """The distinct tensor objects of `name` that `own_stages` hold, in stage order: the
+        first is the owner where `own_stages` hold the owner stage, else the copy every
+        other one of theirs follows."""
+        return list({id(t): t for _, t in self.held(name, own_stages)}.values())

@@ -14,92 +14,28 @@ stage that reads them.
 A tensor reached under several names (a tied weight such as GPT-2's `wte`/`lm_head`) is one
 object per device: stages on the same device share it, so autograd sums its gradient; stages on
 different devices hold copies listed in `StagedProgram.ties`, whose gradients the runtime sums.
+
+The records (`Stage`, `TiedParameter`, `StagedProgram`) live in `ir.py`, beside the other IR
+every floor reads; they are named here too.
 """
 
 from __future__ import annotations
 
 import copy
 import operator
-from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
 from ..errors import ConfigError, InPlaceError
-from ..ir import CapturedModel, LinearGraph, NodeRole, StageCost
+from ..ir import LinearGraph, NodeRole, Stage, StagedProgram, TiedParameter
 from .inplace import cross_stage_writes, mutated_inputs
 from .linearize import compute_inputs
 from .nodes import getattr_path as _getattr_path
 
 __all__ = ["Stage", "StagedProgram", "TiedParameter", "BlockWiring", "block_wiring", "split"]
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One pipeline stage: its graph module, device and named inputs/outputs."""
-
-    index: int
-    module: fx.GraphModule
-    device: torch.device
-    inputs: tuple[str, ...]  # value names, in the order of the module's placeholders
-    outputs: tuple[str, ...]  # value names, in the order of the returned tuple
-    blocks: tuple[int, ...]
-    parameter_names: tuple[str, ...]  # original names of the parameters this stage holds
-    cost: StageCost | None = None  # attached by the compiler
-
-    def __repr__(self) -> str:
-        return (f"Stage({self.index}, {self.device}, blocks {self.blocks[0]}..{self.blocks[-1]}, "
-                f"in={list(self.inputs)}, out={list(self.outputs)})")
-
-
-@dataclass(frozen=True)
-class TiedParameter:
-    """One parameter reached under several names; `copies` lists (stage, name) for every stage
-    that reads it (stages on the same device share one tensor object)."""
-
-    names: tuple[str, ...]
-    copies: tuple[tuple[int, str], ...]
-
-
-@dataclass(frozen=True)
-class StagedProgram:
-    """The split program: stages plus the wiring of values between them."""
-
-    captured: CapturedModel
-    linear: LinearGraph
-    bounds: tuple[int, ...]
-    stages: tuple[Stage, ...]
-    producer: Mapping[str, int]  # value name -> producing stage
-    consumers: Mapping[str, tuple[int, ...]]  # value name -> stages that read it
-    ties: tuple[TiedParameter, ...]
-    tensors: Mapping[str, tuple[tuple[int, torch.Tensor], ...]] = field(repr=False)
-    # original parameter/buffer name -> (stage, tensor) for every stage holding it (-1: unused)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stages)
-
-    # Who owns a tensor held by several stages (a tied parameter, or one object read by two
-    # stages) is decided here only: the first stage holding it. Its copies on other devices
-    # follow it (their gradients summed into it, its value copied out after a step), its
-    # optimizer steps it, and the process holding it counts it in a global norm.
-
-    def owner_stage(self, name: str) -> int:
-        """The stage whose copy of parameter or buffer `name` owns it: the first stage that
-        holds it (0 for a tensor no stage reads: stage 0's process keeps it)."""
-        return max(0, self.tensors[name][0][0])
-
-    def held(self, name: str, own_stages: Collection[int]) -> list[tuple[int, torch.Tensor]]:
-        """(stage, tensor) for each of `own_stages` holding `name`, in stage order (a tensor no
-        stage reads is held by stage 0)."""
-        return [(max(0, s), t) for s, t in self.tensors[name] if max(0, s) in own_stages]
-
-    def held_copies(self, name: str, own_stages: Collection[int]) -> list[torch.Tensor]:
-        """The distinct tensor objects of `name` that `own_stages` hold, in stage order: the
-        first is the owner where `own_stages` hold the owner stage, else the copy every
-        other one of theirs follows."""
-        return list({id(t): t for _, t in self.held(name, own_stages)}.values())
 
 
 def split(

@@ -30,10 +30,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..capture import batch_size_of
 from ..errors import ConfigError
-from ..passes.eval_mode import eval_graph
-from ..passes.split import StagedProgram
+from ..ir import StagedProgram, batch_size_of
 from ..rng import seed_random_ops
 from ..tensors import to_device
 from ..schedule.actions import Schedule
@@ -169,6 +167,13 @@ class Runtime:
         return StepResult((self.mean_loss(losses),), schedule, events,
                           communication=getattr(transport, "stats", None))
 
+    def _eval_graph(self, module: Any) -> torch.fx.GraphModule:
+        """The inference form of a stage graph, by the pass the spec hands in."""
+        if self.spec.eval_graph is None:
+            raise ConfigError("this runtime was assembled without eval-mode stage graphs "
+                              "(RuntimeSpec.eval_graph): assemble it with one to run eval()")
+        return self.spec.eval_graph(module)
+
     def set_training(self, mode: bool) -> None:
         """Train mode runs the captured (training-mode) stage graphs; eval mode their
         inference forms (batch norm reads its running statistics, no dropout), built once on
@@ -187,7 +192,7 @@ class Runtime:
                 worker.module = self._train_modules[index]
             else:
                 if index not in self._eval_modules:
-                    graph = eval_graph(stage.module)
+                    graph = self._eval_graph(stage.module)
                     self._eval_modules[index] = (compile_stage(graph, index)
                                                  if self.spec.compile_stages else graph)
                 worker.module = self._eval_modules[index]

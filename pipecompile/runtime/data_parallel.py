@@ -38,7 +38,7 @@ import torch
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..passes.split import StagedProgram
+    from ..ir import StagedProgram
     from ..schedule.actions import Schedule
     from .distributed import Topology
 

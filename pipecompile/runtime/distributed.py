@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..tensors import local_tensor
 
 if TYPE_CHECKING:
-    from ..passes.split import StagedProgram
+    from ..ir import StagedProgram
     from ..schedule.actions import Schedule
     from .p2p import ValueSpec
 

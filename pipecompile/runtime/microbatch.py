@@ -14,9 +14,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.utils import _pytree as pytree
 
-from ..capture import batch_size_of
 from ..errors import ConfigError
-from ..ir import CapturedModel
+from ..ir import CapturedModel, batch_size_of
 
 __all__ = ["MicroBatch", "forward_in_chunks", "split_microbatches"]
 

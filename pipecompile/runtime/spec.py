@@ -41,6 +41,9 @@ class RuntimeSpec:
     fsdp: bool = False  # stages fully_shard-ed over the data-parallel replicas
     timeout: float = 300.0  # seconds any blocking wait gives up after
     topology: Topology | None = None  # this rank's place; None: every stage in this process
+    # a stage graph's inference form (batch norm on running statistics, no dropout): the
+    # compiler hands its pass in (passes/eval_mode.eval_graph); None: eval mode is refused
+    eval_graph: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None
 
     @property
     def data_parallel(self) -> int:

@@ -16,6 +16,7 @@ import pipecompile
 from pipecompile.capture import capture
 from pipecompile.passes.linearize import linearize
 from pipecompile.passes.split import split
+from pipecompile.passes.eval_mode import eval_graph
 from pipecompile.runtime.assemble import LocalRuntime, assemble
 from pipecompile.runtime.microbatch import split_microbatches
 from pipecompile.runtime.spec import RuntimeSpec, StepResult
@@ -91,7 +92,7 @@ def test_num_items_sums_losses_and_says_so():
 def test_evaluate_returns_the_forward_only_run():
     program, reference, x, y = _case()
     schedule = make_schedule("1f1b", 2, M)
-    runtime = assemble(program, schedule, RuntimeSpec(microbatches=M, loss_fn=_mse))
+    runtime = assemble(program, schedule, RuntimeSpec(microbatches=M, loss_fn=_mse, eval_graph=eval_graph))
     result = runtime.evaluate(split_microbatches((x,), {}, y, M))
     with torch.no_grad():
         losses = [_mse(reference(xc), yc) for xc, yc in zip(torch.chunk(x, M), torch.chunk(y, M))]
@@ -139,3 +140,12 @@ def test_the_runtime_reads_no_compile_options():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
                 assert not any(n.startswith(f"pipecompile.{m}") for n in names for m in above)
+
+
+def test_eval_mode_needs_the_eval_graph_pass_handed_in():
+    """runtime/ imports no pass: a spec without `eval_graph` cannot switch to eval mode."""
+    program, _, _, _ = _case()
+    runtime = assemble(program, make_schedule("1f1b", 2, M),
+                       RuntimeSpec(microbatches=M, loss_fn=_mse))
+    with pytest.raises(pipecompile.ConfigError, match="eval_graph"):
+        runtime.set_training(False)
