@@ -103,9 +103,11 @@ def _inspect(args: argparse.Namespace) -> tuple[dict, str]:
                 for v in c.values]
         lines += _table(rows, indent=4)
     if args.code:
-        result["code"] = {str(s.index): s.module.code for s in program.stages}
+        # the forward training runs (direct calls), not the GraphModule's own code
+        result["code"] = {str(s.index): pipe.stage_code(s.index) for s in program.stages}
         for s in program.stages:
-            lines += ["", f"# stage {s.index} ({s.device})", s.module.code.strip("\n")]
+            lines += ["", f"# stage {s.index} ({s.device}): its training forward",
+                      result["code"][str(s.index)].strip("\n")]
     if args.runtime:
         devices = range(pipe.schedule.num_devices)
         result["runtime_code"] = {str(d): pipe.runtime_code(d) for d in devices}

@@ -31,6 +31,7 @@ from .plan import PassRecord, Plan
 from .planner.layout import Layout
 from . import presentation
 from .runtime.assemble import Runtime
+from .runtime.direct_forward import direct_forward, plain_call
 from .runtime.distributed import Topology
 from .runtime.microbatch import split_microbatches
 from .runtime.spec import StepResult
@@ -250,6 +251,17 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
     def runtime_code(self, device: int = 0) -> str:
         """The generated Python that runs device `device`'s part of a training step."""
         return self.runtime.executor.code(self.schedule, device)
+
+    def stage_code(self, stage: int) -> str:
+        """The Python a training forward of `stage` runs: its graph emitted with direct calls
+        (`runtime/direct_forward.py`: the graph's ops in the graph's order), or the module's
+        own code where the stage is called as a module (hooks, a compiled stage)."""
+        workers = self._runtime.workers if self._runtime is not None else {}
+        module = workers[stage].module if stage in workers else self.program.stages[stage].module
+        direct = direct_forward(module, f"stage {stage}") if plain_call(module) else None
+        if direct is not None:
+            return direct.source
+        return module.code if isinstance(module, torch.fx.GraphModule) else repr(module)
 
     def timeline(self) -> Timeline:
         """Measured start/end of every action of the last step, in the simulator's format."""

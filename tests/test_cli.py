@@ -37,6 +37,7 @@ def test_inspect_json_with_code_and_drawing(tmp_path):
         assert value["producer"] == 0 and value["consumers"] == [1]
     assert cut["bytes"] == 2 * 4 * 8 * 4
     assert "def forward(self, x" in result["code"]["0"]
+    assert "aten_linear_default(" in result["code"]["0"]  # the direct calls training runs
     assert sorted(result["runtime_code"]) == ["0", "1", "2"]
     assert "def device_1(" in result["runtime_code"]["1"]
     assert "1F0: stage 1, forward of micro-batch 0" in result["runtime_code"]["1"]

@@ -68,3 +68,13 @@ def test_a_models_own_name_wins_over_a_pipeline_property():
     assert pipe.stages.weight is dict(pipe.named_parameters())["stages.weight"]
     assert pipe.microbatches.weight is dict(pipe.named_parameters())["microbatches.weight"]
     assert len(pipe.program.stages) == 2
+
+
+def test_stage_code_is_the_forward_training_runs(pipe):
+    code = pipe.stage_code(1)
+    assert "aten_linear_default(" in code and "read_2_weight()" in code  # direct calls
+    assert "torch.ops.aten.linear.default" in pipe.stages[1].module.code  # the graph's own
+    from pipecompile.runtime.direct_forward import direct_forward
+
+    ran = direct_forward(pipe.runtime.workers[1].module, "stage 1")
+    assert ran is not None and ran.source == code
