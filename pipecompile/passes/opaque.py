@@ -50,6 +50,7 @@ class OpaqueModule:
     batch: tuple[int, int] | None  # (input leaf, dim) holding the batch size
     flops_per_sample: int
     out_spec: Any = None  # pytree spec of the module's result
+    nones: tuple[int, ...] = ()  # positions of the result's leaves that are None (not tensors)
 
     def __repr__(self) -> str:
         return f"OpaqueModule({self.path!r}, {self.type_name}: {self.reason})"
@@ -97,20 +98,26 @@ def record(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any],
             continue  # not called on this input: export will not reach it either
         inputs, out, flops = seen[path]
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
+        flat, out_spec = pytree.tree_flatten(out)
         specs[path] = OpaqueModule(
             path, type(model.get_submodule(path)).__name__, reason,
-            _output_rules(leaves, out, path), _batch_dim(leaves, batch),
-            flops // max(batch, 1), pytree.tree_flatten(out)[1])
+            _output_rules(leaves, flat, path), _batch_dim(leaves, batch),
+            flops // max(batch, 1), out_spec, tuple(i for i, x in enumerate(flat) if x is None))
     return specs
 
 
-def _output_rules(leaves: list[torch.Tensor], out: Any, path: str) -> tuple:
+def _output_rules(leaves: list[torch.Tensor], flat: list, path: str) -> tuple:
+    """Per tensor of the result: how its dims follow the inputs', and its dtype. None (an
+    optional output left out, as in transformers' ModelOutputs) stays None."""
     rules = []
-    for leaf in pytree.tree_leaves(out):
+    for leaf in flat:
+        if leaf is None:
+            continue
         if not isinstance(leaf, torch.Tensor):
             raise OpaqueModuleError(
                 f"module {path!r} returns a {type(leaf).__name__}; an opaque module must return "
-                f"tensors only. Make that module traceable (no branching on tensor values)")
+                f"tensors (or None) only. Make that module traceable (no branching on tensor "
+                f"values)")
         rules.append((tuple(_dim_rule(leaves, k, d) for k, d in enumerate(leaf.shape)),
                       leaf.dtype))
     return tuple(rules)
@@ -177,8 +184,10 @@ def exporting(model: torch.nn.Module, specs: Mapping[str, OpaqueModule]) -> Iter
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
             calls[_path] = (in_spec, [_TENSOR if isinstance(x, torch.Tensor) else x
                                       for x in leaves])
-            flat = torch.ops.pipecompile.opaque(_path, tensors)
-            return pytree.tree_unflatten(list(flat), _spec.out_spec)
+            flat = list(torch.ops.pipecompile.opaque(_path, tensors))
+            for i in _spec.nones:
+                flat.insert(i, None)
+            return pytree.tree_unflatten(flat, _spec.out_spec)
 
         had = "forward" in module.__dict__
         patched.append((module, had, module.__dict__.get("forward")))
@@ -202,7 +211,7 @@ def exporting(model: torch.nn.Module, specs: Mapping[str, OpaqueModule]) -> Iter
 
 def flat_outputs(result: Any) -> tuple:
     """The tensors of an opaque module's result, flat: what its call returns in the graph."""
-    return tuple(pytree.tree_leaves(result))
+    return tuple(x for x in pytree.tree_leaves(result) if x is not None)
 
 
 def restore(gm: fx.GraphModule, specs: Mapping[str, OpaqueModule], calls: Mapping[str, tuple],

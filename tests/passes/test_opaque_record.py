@@ -103,7 +103,7 @@ def test_export_with_the_opaque_op_then_restore_computes_the_model():
     assert opaque.flat_outputs((y, {"s": s})) == (y, s)
 
 
-def test_an_opaque_call_with_none_among_its_inputs_is_restored():
+def test_an_opaque_call_with_none_among_its_inputs_and_outputs_is_restored():
     class Masked(torch.nn.Module):  # called as transformers call layers: mask=None
         def __init__(self):
             super().__init__()
@@ -111,7 +111,7 @@ def test_an_opaque_call_with_none_among_its_inputs_is_restored():
 
         def forward(self, x, mask=None, scale=None):
             y = self.proj(x)
-            return y if mask is None else y * mask
+            return (y if mask is None else y * mask), None  # an output not asked for
 
     class Outer(torch.nn.Module):
         def __init__(self):
@@ -119,11 +119,14 @@ def test_an_opaque_call_with_none_among_its_inputs_is_restored():
             self.inner = Masked()
 
         def forward(self, x):
-            return self.inner(x, mask=None, scale=None) + 1
+            y, nothing = self.inner(x, mask=None, scale=None)
+            assert nothing is None
+            return y + 1
 
     torch.manual_seed(0)
     model, x = Outer(), torch.randn(4, 3)
     specs = opaque.record(model, (x,), {}, ["inner"], "why", batch=4)
+    assert specs["inner"].nones == (1,) and len(specs["inner"].outputs) == 1
     with opaque.exporting(model, specs) as calls:
         gm = torch.export.export(model, (x,), strict=False).module()
     opaque.restore(gm, specs, calls, model)  # today's main: IndexError (None taken for a tensor)
