@@ -28,7 +28,7 @@ from .capture_errors import capture_error, first_line
 from .capture_export import capture_export
 from .capture_graph import output_names, symbols, values_from_meta
 from .errors import CaptureError, ConfigError
-from .ir import CapturedModel
+from .ir import CapturedModel, batch_size_of  # batch_size_of: named here for callers
 from .passes.inplace import functionalize
 from .passes.nodes import preserve_buffers
 from .rng import seed_random_ops
@@ -36,17 +36,6 @@ from .rng import seed_random_ops
 __all__ = ["capture", "batch_size_of", "require_module", "seed_captured"]
 
 log = logging.getLogger(__name__)
-
-
-def batch_size_of(args: tuple, kwargs: Mapping[str, Any]) -> int:
-    """The batch size: dim 0 of the first tensor argument (positional first, then keyword)."""
-    for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise ConfigError(
-        "example_inputs/example_kwargs contain no tensor with a batch dimension; pass at least "
-        "one tensor whose first dimension is the batch size"
-    )
 
 
 def require_module(model: Any) -> None:
