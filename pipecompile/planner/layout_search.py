@@ -104,7 +104,9 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
         raise PartitionMemoryError(
             f"no layout of {deepest.devices} devices fits in memory (tried "
             f"{len(layouts)}, up to {deepest.pipeline} pipeline stages); "
-            f"{TENSOR_PARALLEL_NOTE}. The closest: {detail}",
+            f"{TENSOR_PARALLEL_NOTE}. The closest: {detail} Each layout: "
+            + "; ".join(f"{c.layout.pipeline} x {c.layout.data_parallel}"
+                        f"{' FSDP' if c.layout.fsdp else ''}: {c.reason}" for c in found),
             memory_needed=min(errors)[0] if errors else 0.0, devices_needed=None)
     fastest = min(c.step for c in fitting)
     winner = min((c for c in fitting if c.step <= fastest * (1 + tie)), key=lambda c: order[id(c)])
