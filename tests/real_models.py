@@ -2,7 +2,7 @@
 tests/test_real_models.py.
 
 Each `Family` builds a tiny config with random weights (nothing is downloaded: hidden 16,
-2 layers per stack, vocab 96, sequence 8, batch 4) in float64, dropout 0, `use_cache=False`,
+1 or 2 layers per stack, vocab 96, sequence 8, batch 4) in float64, dropout 0, `use_cache=False`,
 and gives the batch its users train on: the inputs plus `labels=` (or `return_loss=True`), so
 that the model computes its own loss (`own_loss`: `out.loss`). Wav2Vec2's CTC loss is the one
 exception: transformers' own `ForCTCLoss` runs as `loss_fn` (see `ctc_loss`).
@@ -180,7 +180,7 @@ def _vit_batch() -> tuple[tuple, dict[str, Any]]:
 def _whisper() -> torch.nn.Module:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-    cfg = WhisperConfig(d_model=16, encoder_layers=LAYERS, decoder_layers=LAYERS,
+    cfg = WhisperConfig(d_model=16, encoder_layers=1, decoder_layers=1,  # BART has 2 + 2
                         encoder_attention_heads=2, decoder_attention_heads=2,
                         encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=VOCAB,
                         num_mel_bins=8, max_source_positions=8, max_target_positions=16,
