@@ -223,7 +223,8 @@ def cost_model(plan: Plan, example: Example) -> CostModel:
 
 
 def target(plan: Plan) -> Target:
-    """What this plan's blocks are placed on: its stages' devices and the schedule's demands."""
+    """What this plan's blocks are placed on: its stages' devices and the schedule's demands
+    (no layout before the search has chosen one: a written schedule's recomputation pass)."""
     o, asked = plan.options, plan.asked
     recompute = (None if asked.checkpoint is False and "checkpoint" not in asked.auto
                  else tuple(o.stage_checkpoint(s) for s in range(o.num_stages)))
@@ -231,7 +232,7 @@ def target(plan: Plan) -> Target:
                   microbatches=o.microbatches, virtual_stages=o.virtual_stages,
                   split_points=o.split_points, recompute=recompute,
                   backward_ratio=placement_ratio(plan.ready.schedule, plan.split_ratio),
-                  layout=plan.ready.choices.layout)
+                  layout=plan.choices.layout if plan.choices is not None else None)
 
 
 def collectives(plan: Plan) -> Collectives | None:

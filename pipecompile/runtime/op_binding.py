@@ -82,8 +82,9 @@ def binding(op: torch._ops.OpOverload) -> Callable | None:
         if found is not None:
             return found
     first = schema.arguments[0] if schema.arguments else None
-    if first is not None and first.name == "self" and hasattr(torch._C.TensorBase, name):
-        return getattr(torch._C.TensorBase, name)
+    method = getattr(torch._C.TensorBase, name, None) if first is not None else None
+    if first is not None and first.name == "self" and callable(method):
+        return method  # not a property (`is_leaf`, `data`, `_version`): those take no call
     return None
 
 
