@@ -1,6 +1,7 @@
 """`compile`: a list of passes over one frozen `Plan`, then a `Pipeline` that runs it.
 
-    options   resolve_options: the keyword arguments checked once (options.py) -> plan.asked
+    options   job_options: the keyword arguments checked once (options.py, or
+              planner/layout_options.py when the layout is searched) -> plan.asked
     capture   the model as a flat fx graph                              -> plan.captured
     probe     this machine's rates, and the planning probe when a searched option
               depends on time (choose.py)                             -> plan.probe, ...
@@ -38,10 +39,10 @@ from .choose import (coarsest, collectives, cost_model, enough_blocks, probe_pas
 from .compile_cache import CompileCache, default_cache
 from .deferred import Planner
 from .materialize import is_meta_model, on_meta
-from .options import (Example, check_async_ties, device_present, example_microbatch_size,
-                      resolve_options)
+from .options import Example, check_async_ties, device_present, example_microbatch_size
 from .passes.calibrate import calibrate_blocks, fit_calibration
 from .passes.partition import DeviceSpec
+from .planner.layout_options import job_options
 from .passes.split import split
 from .pipeline import Pipeline
 from .plan import Pass, Plan, run_passes
@@ -128,7 +129,7 @@ def compile(  # noqa: A001 - the public name of the design
     unless another `CompileCache` is given (`.clear()` empties one); None caches nothing.
     """
     def plan_for(example: Example | None) -> Plan:
-        options = resolve_options(
+        options = job_options(
             example, devices=devices, microbatches=microbatches, schedule=schedule,
             virtual_stages=virtual_stages, memory_limit=memory_limit, bandwidth=bandwidth,
             data_parallel=data_parallel, timeout=timeout, split_points=split_points,

@@ -156,13 +156,6 @@ def resolve_options(
     checked again at the first call); resolve devices and ranks. `rest` are the options taken
     as given (loss_fn, optimizer, capture, ...)."""
     count = devices if isinstance(devices, int) else len(devices)
-    from .planner.layout_options import layout_options, layout_resolved
-
-    layout_auto = layout_options(devices, data_parallel, rest.get("fsdp", False), example)
-    if layout_auto is not None:  # the layout search chooses P x D over all `devices`
-        return layout_resolved(example, devices, layout_auto, microbatches, schedule,
-                               virtual_stages, checkpoint, memory_limit, bandwidth, timeout,
-                               split_points, rest)
     if not isinstance(data_parallel, int) or data_parallel < 1:
         raise ConfigError(f"data_parallel must be a positive int or 'auto', got "
                           f"{data_parallel!r}")

@@ -16,12 +16,30 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..options import (AUTO, CompileOptions, Example, _auto, _device_specs, _fit_given,
-                       _schedule_option, compute_dtype)
+                       _schedule_option, compute_dtype, resolve_options)
 from ..passes.partition import DeviceSpec
 from ..schedule.schedules import ASYNC_SCHEDULE_NAMES, TWO_STAGES_PER_DEVICE
 from .cluster import Cluster
 
-__all__ = ["layout_options", "layout_resolved"]
+__all__ = ["job_options", "layout_options", "layout_resolved"]
+
+
+def job_options(example: Example | None, *, devices: Any, data_parallel: Any,
+                microbatches: Any, schedule: Any, virtual_stages: Any, checkpoint: Any,
+                memory_limit: Any, bandwidth: Any, timeout: float, split_points: Any,
+                **rest: Any) -> CompileOptions:
+    """compile's options: over every device of the job when the layout is searched
+    (`data_parallel="auto"` or a cluster), else `options.resolve_options` (the layout given)."""
+    layout = layout_options(devices, data_parallel, rest.get("fsdp", False), example)
+    if layout is not None:
+        return layout_resolved(example, devices, layout, microbatches, schedule,
+                               virtual_stages, checkpoint, memory_limit, bandwidth, timeout,
+                               split_points, rest)
+    return resolve_options(example, devices=devices, microbatches=microbatches,
+                           schedule=schedule, virtual_stages=virtual_stages,
+                           checkpoint=checkpoint, memory_limit=memory_limit,
+                           bandwidth=bandwidth, data_parallel=data_parallel, timeout=timeout,
+                           split_points=split_points, **rest)
 
 
 def layout_options(devices: Any, data_parallel: Any, fsdp: Any, example: Example | None
