@@ -48,17 +48,7 @@ def llama3_70b(layers=80, batch=32, seq=4096):
         pipecompile plan examples/factories.py:llama3_70b --devices 32 --device h100
         pipecompile plan examples/factories.py:llama3_70b --arg layers=8 --devices 8 --device h100
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        num_hidden_layers=layers, hidden_size=8192, intermediate_size=28672,
-        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, use_cache=False, torch_dtype=torch.bfloat16)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-    return model, (ids,), {"labels": ids}
+    return _llama3_on_meta(layers, hidden=8192, mlp=28672, heads=64, batch=batch, seq=seq)
 
 
 def llama3_8b(layers=32, batch=8, seq=8192):
@@ -68,11 +58,17 @@ def llama3_8b(layers=32, batch=8, seq=8192):
 
         pipecompile plan examples/factories.py:llama3_8b --device h100 --nodes 1 --per-node 8
     """
+    return _llama3_on_meta(layers, hidden=4096, mlp=14336, heads=32, batch=batch, seq=seq)
+
+
+def _llama3_on_meta(layers, *, hidden, mlp, heads, batch, seq):
+    """A Llama-3-shaped LlamaForCausalLM (8 KV heads, vocab 128256, bfloat16, untied, no KV
+    cache) and token ids = labels of `batch` x `seq`, all on the meta device."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        num_hidden_layers=layers, hidden_size=4096, intermediate_size=14336,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=mlp,
+        num_attention_heads=heads, num_key_value_heads=8, vocab_size=128256,
         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=False, use_cache=False, torch_dtype=torch.bfloat16)
     with torch.device("meta"):
