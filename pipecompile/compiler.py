@@ -36,8 +36,10 @@ import torch
 from .capture import capture as capture_model, require_module, seed_captured
 from .choose import (coarsest, collectives, cost_model, enough_blocks, probe_pass, schedule_pass,
                      search_pass, target)
+from .claimed_device import claimable, claiming, restore_tensors
 from .compile_cache import CompileCache, default_cache
 from .deferred import Planner
+from .ir import CapturedModel
 from .materialize import is_meta_model, on_meta
 from .options import Example, check_async_ties, device_present, example_microbatch_size
 from .passes.calibrate import calibrate_blocks, fit_calibration
@@ -154,12 +156,21 @@ def compile(  # noqa: A001 - the public name of the design
 def _capture(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.asked
     meta = is_meta_model(example.model)
-    args, kwargs = (on_meta((example.args, dict(example.kwargs))) if meta
-                    else (example.args, dict(example.kwargs)))
-    captured = capture_model(example.model, args, kwargs, method=o.capture,
+    inputs = (example.args, dict(example.kwargs))
+    claim = claimable([d.name for d in o.devices]) if meta else None
+
+    def capture(args: tuple, kwargs: dict) -> CapturedModel:
+        return capture_model(example.model, args, kwargs, method=o.capture,
                              static_batch_size=example_microbatch_size(example, o),
                              verbose=o.verbose, batch_only=o.symbolic_sizes == "batch",
                              budget=o.capture_budget)
+
+    if claim is not None:  # the model's code sees the device it will run on
+        with claiming(example.model, inputs, claim) as ((args, kwargs), originals):
+            captured = capture(args, kwargs)
+        captured = restore_tensors(captured, example.model, originals, claim)
+    else:  # real tensors, or a plan for devices this torch cannot fake: traced on meta
+        captured = capture(*(on_meta(inputs) if meta else inputs))
     if o.rng == "per-microbatch":
         captured = seed_captured(captured, o.rng_seed)
     if meta:  # traced on meta inputs too (no op mixes devices); nothing can be timed

@@ -115,6 +115,9 @@ class CapturedModel:
     state_keys: tuple[str, ...] = ()  # parameter and persistent buffer names (state_dict order)
     checkpoint_keys: tuple[str, ...] = ()  # model.state_dict() keys, through its hooks
     notes: tuple[str, ...] = ()
+    # a meta model's tensors claimed this device while traced (claimed_device.py): the graph's
+    # device literals name it, and each stage points them at its own device
+    traced_device: torch.device | None = None
 
     def flatten_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
         from torch.fx._pytree import tree_flatten_spec

@@ -253,10 +253,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("gpt2", _gpt2, _lm_batch, meta=True),
     Family("llama", _llama, _lm_batch, meta=True),
     Family("qwen2", _qwen2, _lm_batch, meta=True),
-    # built eagerly: a meta build is captured on meta tensors, so the router loss's
-    # `device.type` branch (histc's dtype) takes the non-CPU path (test_meta_models.py,
-    # test_a_meta_models_device_branches_follow_the_stage_device; not fixed yet)
-    Family("mixtral", _mixtral, _lm_batch),
+    # the router loss branches on `device.type` (histc's dtype): a meta build must be
+    # captured on fakes claiming the stage device to take the CPU path
+    Family("mixtral", _mixtral, _lm_batch, meta=True),
     Family("bert_mlm", _bert_mlm, _bert_mlm_batch, meta=True),
     Family("roberta_cls", _roberta_cls, _cls_batch),
     Family("bart", _bart, _seq2seq_batch),

@@ -477,9 +477,6 @@ class _DeviceBranch(torch.nn.Module):
         return self.b(h)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, not fixed yet: a meta-built model is captured "
-                   "on meta tensors, so a branch on device.type bakes the meta path into the "
-                   "stage graphs (the fix: capture on fake tensors that claim the stage device)")
 def test_a_meta_models_device_branches_follow_the_stage_device(tmp_path):
     torch.manual_seed(0)
     real = _DeviceBranch().double()

@@ -79,7 +79,7 @@ def split(
         module = fx.GraphModule(root, stage_graph, class_name=f"Stage{j}")
         if _clone_written_inputs(module.graph):
             module.recompile()
-        _meta_to(module, placement.devices[j])
+        _meta_to(module, placement.devices[j], linear.captured.traced_device)
         names = tuple(name for name, _ in module.named_parameters())
         stages.append(Stage(j, module, placement.devices[j], inputs, outputs,
                             tuple(range(bounds[j], bounds[j + 1])), names))
@@ -203,16 +203,19 @@ def _clone_written_inputs(graph: fx.Graph) -> bool:
     return True
 
 
-def _meta_to(module: fx.GraphModule, device: torch.device) -> None:
-    """Point the `device=meta` literals of a model captured on the meta device (a position
-    table made on its embedding's device) at the stage's device, in the stage graph and the
-    graphs of its higher-order ops (`wrap_with_set_grad_enabled` bodies)."""
+def _meta_to(module: fx.GraphModule, device: torch.device,
+             traced: torch.device | None) -> None:
+    """Point the device literals of a model captured from the meta device (a position table
+    made on its embedding's device) at the stage's device, in the stage graph and the graphs of
+    its higher-order ops (`wrap_with_set_grad_enabled` bodies): `device=meta`, or the device
+    its tensors claimed while traced (`traced`, see claimed_device.py)."""
     meta = torch.device("meta")
     if device == meta:
         return
+    claimed = {meta} | ({traced} if traced is not None else set())
 
     def move(value: Any) -> Any:
-        return device if isinstance(value, torch.device) and value == meta else value
+        return device if isinstance(value, torch.device) and value in claimed else value
 
     def rewrite(gm: fx.GraphModule) -> bool:
         changed = False
