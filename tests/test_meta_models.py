@@ -477,11 +477,12 @@ class _DeviceBranch(torch.nn.Module):
         return self.b(h)
 
 
-def test_a_meta_models_device_branches_follow_the_stage_device(tmp_path):
+@pytest.mark.parametrize("build", ["meta_parameters", "device"])
+def test_a_meta_models_device_branches_follow_the_stage_device(tmp_path, build):
     torch.manual_seed(0)
     real = _DeviceBranch().double()
     save_file(real.state_dict(), str(tmp_path / "model.safetensors"))
-    with torch.device("meta"):
+    with meta_parameters() if build == "meta_parameters" else torch.device("meta"):
         meta = _DeviceBranch().double()
     x = torch.randn(4, 4, dtype=torch.float64)
     pipe = pc.compile(meta, (x,), devices=2, microbatches=2, schedule="1f1b", loss_fn=_mse)
