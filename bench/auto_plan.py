@@ -23,7 +23,7 @@ import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.errors import PipecompileError
 from pipecompile.passes.partition import PartitionMemoryError
-from pipecompile.report import format_bytes
+from pipecompile.ir.formats import format_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 

@@ -22,7 +22,7 @@ import _common as C
 import torch
 
 import pipecompile as pc
-from pipecompile.compile_cache import CompileCache
+from pipecompile.ir.compile_cache import CompileCache
 
 PASSES = ["capture", "probe", "search", "linearize", "annotate", "partition", "split", "schedule"]
 

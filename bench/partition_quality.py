@@ -46,8 +46,14 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.passes.annotate import annotate
-from pipecompile.passes.partition import (DeviceSpec, PartitionProblem, balanced_by, evaluate,
-                                          lower_bound, uniform_bounds)
+from pipecompile.ir.devices import DeviceSpec
+from pipecompile.passes.partition import (
+    PartitionProblem,
+    balanced_by,
+    evaluate,
+    lower_bound,
+    uniform_bounds,
+)
 from pipecompile.schedule.actions import Kind
 
 M = 8  # micro-batches

@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 import pipecompile as pc  # noqa: E402
 from pipecompile import zoo  # noqa: E402
-from pipecompile.tensors import local_tensor  # noqa: E402
+from pipecompile.ir.tensors import local_tensor  # noqa: E402
 
 FULL = dict(vocab=4096, dim=256, layers=8, heads=8, seq=64)
 QUICK = dict(vocab=512, dim=64, layers=4, heads=4, seq=32)

@@ -30,8 +30,7 @@ import _common  # noqa: E402
 import pipecompile as pc  # noqa: E402
 from pipecompile import zoo  # noqa: E402
 from pipecompile.runtime.split_backward import backward_input, backward_weight  # noqa: E402
-from pipecompile.runtime.weight_store import (WeightGradStore, collecting,  # noqa: E402
-                                              defer_weight_grads)
+from pipecompile.runtime.weight_store import WeightGradStore, collecting, defer_weight_grads
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-v", "interleaved-zb"]
 

@@ -5,7 +5,7 @@
     loss = pipe.step(x, target=y)
 """
 
-from .compile_cache import CompileCache, default_cache
+from .ir.compile_cache import CompileCache, default_cache
 from .compiler import compile
 from .errors import (
     CaptureError,
@@ -19,12 +19,13 @@ from .errors import (
     ScheduleError,
     StageExecutionError,
 )
-from .hardware import preset
-from .materialize import meta_parameters
-from .passes.partition import DeviceSpec, PartitionMemoryError
+from .planner.hardware import preset
+from .weights.materialize import meta_parameters
+from .ir.devices import DeviceSpec
+from .passes.partition import PartitionMemoryError
 from .planner.cluster import Cluster, cluster
 from .pipeline import Pipeline, load
-from .memory_report import DeviceMemory, format_memory
+from .outputs.memory_report import DeviceMemory, format_memory
 
 __all__ = [
     "compile",

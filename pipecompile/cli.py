@@ -21,7 +21,7 @@ files and a manifest (--onnx) and/or the saved program (--save, read back by
 stderr. A bad FILE, FACTORY or option prints a one-line error
 on stderr and exits with status 2.
 
-`--device NAME` plans for --devices devices of a named preset (`pipecompile.hardware`: h100,
+`--device NAME` plans for --devices devices of a named preset (`pipecompile.planner.hardware`: h100,
 a100; `--link nvlink` or `infiniband`) that need not be on this machine: nothing is measured or
 run, and `plan` prints the stage table (each stage's memory and the predicted step) and
 `pipe.explain()` instead of the action grid. `--arg KEY=VALUE` (repeatable) passes a keyword
@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .errors import PipecompileError
-from .report import explain_search, format_bytes
+from .ir.formats import format_bytes
+from .outputs.report import explain_search
 from .schedule.schedules import SCHEDULE_NAMES
 
 __all__ = ["main"]
@@ -77,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> tuple[dict, str]:
-    from .cuts import cuts
+    from .outputs.cuts import cuts
 
     pipe = _compile(args)
     program = pipe.program

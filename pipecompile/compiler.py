@@ -33,33 +33,49 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .capture import capture as capture_model, require_module, seed_captured
-from .choose import (coarsest, collectives, cost_model, enough_blocks, probe_pass, schedule_pass,
-                     search_pass, target)
-from .claimed_device import claimable, claiming, restore_tensors
-from .compile_cache import CompileCache, default_cache
+from .capture.capture import capture as capture_model, require_module, seed_captured
+from .planner.choose import (
+    coarsest,
+    collectives,
+    cost_model,
+    enough_blocks,
+    probe_pass,
+    schedule_pass,
+    search_pass,
+    target,
+)
+from .capture.claimed_device import claimable, claiming, restore_tensors
+from .ir.compile_cache import CompileCache, default_cache
 from .deferred import Planner
-from .ir import CapturedModel
-from .materialize import is_meta_model, on_meta
-from .options import Example, check_async_ties, device_present, example_microbatch_size
+from .ir.records import CapturedModel
+from .weights.materialize import is_meta_model, on_meta
+from .ir.records import Example
+from .planner.options import check_async_ties, device_present, example_microbatch_size
 from .passes.calibrate import calibrate_blocks, fit_calibration
-from .passes.partition import DeviceSpec
+from .ir.devices import DeviceSpec
 from .planner.layout_options import job_options
 from .passes.split import split
 from .pipeline import Pipeline
-from .plan import Pass, Plan, run_passes
-from .planning import Choice, cost, place, refine
-from .report import format_count
+from .planner.plan import Pass, Plan, run_passes
+from .planner.planning import Choice, cost, place, refine
+from .ir.formats import format_count
 from .runtime.data_parallel import data_parallel_mesh, shard_stages
 from .runtime.distributed import local_device
 from .schedule.actions import Schedule
 from .schedule.lowering import relower
 from .schedule.messages import Dataflow
-from .tensors import local_tensor
+from .ir.tensors import local_tensor
 from .measure.probe import efficiency, measure
 from .measure.stages import loss_runs
-from .stage_costs import (BlockTable, message_costs, predict, shared_cores, simulator_costs,
-                          with_collectives, with_stage_costs)
+from .planner.stage_costs import (
+    BlockTable,
+    message_costs,
+    predict,
+    shared_cores,
+    simulator_costs,
+    with_collectives,
+    with_stage_costs,
+)
 
 __all__ = ["compile", "PASSES"]
 

@@ -24,11 +24,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .capture import batch_size_of
+from .capture.capture import batch_size_of
 from .errors import ConfigError
-from .inputs import check_inputs
-from .options import Example
-from .plan import Plan
+from .capture.inputs import check_inputs
+from .ir.records import Example
+from .planner.plan import Plan
 
 __all__ = ["Planner", "cannot_run", "check_same_tensors"]
 

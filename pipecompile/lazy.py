@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .assembly import assemble_plan
+from .planner.assembly import assemble_plan
 from .deferred import Planner, cannot_run
 from .errors import ConfigError
-from .inputs import check_inputs
-from .plan import Plan
+from .capture.inputs import check_inputs
+from .planner.plan import Plan
 from .runtime.assemble import Runtime
 
 __all__ = ["Plans", "NOT_PLANNED"]

@@ -24,17 +24,17 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .checkpoint_load import load_weights as load_checkpoint
+from .weights.load import load_weights as load_checkpoint
 from .deferred import check_same_tensors
 from .errors import ConfigError
-from . import materialize
-from .materialize import check_materialised, copy_to_ties
+from .weights import materialize
+from .weights.materialize import check_materialised, copy_to_ties
 from .mirror import copy_state_dict_hooks, mirror
-from .options import require_present
+from .planner.options import require_present
 from .passes.split import StagedProgram
-from .plan import Plan
+from .planner.plan import Plan
 from .runtime.assemble import Runtime
-from .unwritten import Unwritten, refuse
+from .weights.unwritten import Unwritten, refuse
 
 __all__ = ["mirror_model", "adopt", "own_state", "check_runnable", "check_written", "load_state", "to_empty",
            "init_weights", "load_weights"]

@@ -20,16 +20,16 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from .deferred import Planner
 from .errors import ConfigError
-from .inputs import batch_parts, check_inputs
+from .capture.inputs import batch_parts, check_inputs
 from .lazy import NOT_PLANNED, Plans
-from .memory_report import DeviceMemory, device_memory
+from .outputs.memory_report import DeviceMemory, device_memory
 from . import module_state
 from .passes.split import Stage, StagedProgram
-from .persist import load_plan, save_plan
+from .outputs.persist import load_plan, save_plan
 from .pipeline_compat import DeprecatedNames, is_model_name, model_attribute
-from .plan import PassRecord, Plan
+from .planner.plan import PassRecord, Plan
 from .planner.layout import Layout
-from . import presentation
+from .outputs import presentation
 from .runtime.assemble import Runtime
 from .runtime.direct_forward import direct_forward, plain_call
 from .runtime.distributed import Topology
@@ -38,7 +38,7 @@ from .runtime.spec import StepResult
 from .runtime.training import check_num_items, loss_scale_value
 from .schedule.actions import Schedule
 from .schedule.simulate import Timeline
-from .stage_costs import predict
+from .planner.stage_costs import predict
 
 __all__ = ["Pipeline", "PassRecord", "load"]
 
@@ -309,7 +309,7 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
 
     def export_onnx(self, directory: str) -> str:
         """Write one ONNX file per stage (eval mode) and manifest.json; returns its path."""
-        from .export import export_onnx
+        from .outputs.onnx_export import export_onnx
 
         module_state.check_written(self, self.plan, "pipe.export_onnx()")
         return export_onnx(self.program, directory)

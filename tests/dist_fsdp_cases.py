@@ -7,7 +7,7 @@ import torch
 
 import pipecompile as pc
 from pipecompile import zoo
-from pipecompile.tensors import local_tensor
+from pipecompile.ir.tensors import local_tensor
 
 SIZES = dict(vocab=64, dim=16, layers=4, heads=2, seq=8)
 BATCH, STEPS, LR, CLIP = 8, 3, 1e-2, 0.05

@@ -89,7 +89,7 @@ def test_export_onnx_and_save_then_use_both(tmp_path):
     assert "exporting stage 2 of 2 to ONNX" in done.stderr
 
     import pipecompile
-    import pipecompile.onnx
+    import pipecompile.outputs.onnx_run
 
     sys.path.insert(0, str(ROOT / "examples"))
     try:
@@ -100,7 +100,7 @@ def test_export_onnx_and_save_then_use_both(tmp_path):
     model.eval()
     with torch.no_grad():
         want = model(x, **kwargs)
-    got = pipecompile.onnx.run(result["onnx"], {"x": x.numpy(), "scale": kwargs["scale"].numpy()})
+    got = pipecompile.outputs.onnx_run.run(result["onnx"], {"x": x.numpy(), "scale": kwargs["scale"].numpy()})
     for g, w in zip(got, want, strict=True):
         assert np.abs(g - w.numpy()).max() <= 1e-5
     with torch.no_grad():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipecompile.capture import capture
+from pipecompile.capture.capture import capture
 from pipecompile.deferred import Planner, cannot_run, check_same_tensors
 from pipecompile.errors import ConfigError
 

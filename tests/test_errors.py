@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import pipecompile as pc
 from pipecompile import zoo
-from pipecompile.passes.partition import format_bytes
+from pipecompile.ir.formats import format_bytes
 
 
 class DataDependent(nn.Module):

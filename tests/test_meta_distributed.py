@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from pipecompile import zoo
-from pipecompile.materialize import init_weights
+from pipecompile.weights.materialize import init_weights
 from tests.dist import run_ranks
 from tests.dist_meta_cases import SIZES, ids, meta_gpt_steps
 from tests.reference import reference_step

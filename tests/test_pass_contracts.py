@@ -7,9 +7,9 @@ from dataclasses import fields, replace
 import pytest
 
 from pipecompile.compiler import PASSES
-from pipecompile.options import CompileOptions
-from pipecompile.passes.partition import DeviceSpec
-from pipecompile.plan import Pass, PassContractError, Plan, check_contracts, run_passes
+from pipecompile.planner.options import CompileOptions
+from pipecompile.ir.devices import DeviceSpec
+from pipecompile.planner.plan import Pass, PassContractError, Plan, check_contracts, run_passes
 
 
 def _start() -> Plan:

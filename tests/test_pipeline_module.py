@@ -11,6 +11,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 import pipecompile as pc
+from pipecompile.compiler import compile as compile_model
+from pipecompile.pipeline import Pipeline
 from pipecompile import zoo
 from tests.models import CASES
 from tests.reference import reference_step
@@ -27,7 +29,8 @@ def _gpt_pipe(**options):
 
 def test_names_order_and_state_are_the_models():
     case, reference, pipe = _gpt_pipe()
-    assert isinstance(pipe, nn.Module)
+    assert isinstance(pipe, nn.Module) and isinstance(pipe, Pipeline)
+    assert pc.compile is compile_model
     assert [n for n, _ in pipe.named_parameters()] == [n for n, _ in reference.named_parameters()]
     assert "lm_head.weight" not in dict(pipe.named_parameters())  # tied: once, first name
     assert pipe.get_parameter("lm_head.weight") is pipe.get_parameter("wte.weight")

@@ -10,12 +10,12 @@ from typing import Any, Mapping
 
 import torch
 
-from ..compile_cache import CompileCache, digest, function_key, layout
-from ..ir import CostTable, LinearGraph, StageTimes
-from ..options import Example
+from ..ir.compile_cache import CompileCache, digest, function_key, layout
+from ..ir.records import CostTable, LinearGraph, StageTimes
+from ..ir.records import Example
 from ..passes.calibrate import Calibration
 from ..passes.split import StagedProgram, split
-from ..ranks import Ranks
+from .ranks import Ranks
 from ..runtime.microbatch import split_microbatches
 from ..runtime.stage_worker import LossSpec
 from ..schedule.actions import Schedule

@@ -23,10 +23,10 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from ..ir import CostTable, LinearGraph, NodeRole
+from ..ir.records import CostTable, LinearGraph, NodeRole
 from ..runtime.microbatch import split_microbatches
 from ..passes.annotate import with_measured_times
-from ..passes.nodes import call_node, getattr_path as _getattr_path, preserve_buffers
+from ..ir.nodes import call_node, getattr_path as _getattr_path, preserve_buffers
 
 __all__ = ["profile_blocks", "record_values", "sync_device"]
 

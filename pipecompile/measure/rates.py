@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ..compile_cache import CompileCache
+from ..ir.compile_cache import CompileCache
 from ..passes.linearize import linearize
 from ..schedule.schedules import make_schedule
 from ..schedule.simulate import StageCosts, simulate
@@ -49,7 +49,7 @@ def action_overhead(device: str, repeats: int = 7, *, cache: CompileCache | None
     if cache is not None:
         return cache.get(("action_overhead", device, repeats),
                          lambda: action_overhead(device, repeats))
-    from ..capture import capture
+    from ..capture.capture import capture
     from ..passes.split import split
     from ..runtime.assemble import LocalRuntime
     from ..runtime.spec import RuntimeSpec

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..ir import StageTimes
+from ..ir.records import StageTimes
 from ..runtime.stage_worker import LossSpec, StageWorker
-from ..tensors import to_device as _to
+from ..ir.tensors import to_device as _to
 from .profile import sync_device
 
 if TYPE_CHECKING:

@@ -1,1 +1,11 @@
-"""Compiler passes: each is a function from IR to new IR, testable on its own."""
+"""Compiler passes: each is a function from IR to new IR, testable on its own.
+
+    inplace.py    make in-place ops on activations safe to cut around (run at capture)
+    linearize.py  the captured graph as a chain of blocks, with the values crossing each cut
+    annotate.py   the cost of every block and cut, symbolic in the batch (and other) sizes
+    kernels.py    each op priced as a GPU runs it (the kernel model of absent devices)
+    calibrate.py  block costs corrected by the stages' measured times
+    partition.py  the chain cut into pipeline stages: the placement policy
+    split.py      one fx.GraphModule per stage, with named inputs and outputs
+    eval_mode.py  the inference version of a graph captured in training mode
+"""

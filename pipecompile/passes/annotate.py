@@ -37,11 +37,17 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..compile_cache import CompileCache, digest
-from ..ir import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
-from ..planner.kernels import (ATTENTION_OPS, HardwareRates, Kernels, Recorder, fused_attention,
-                               is_causal_mask)
-from .nodes import call_node, getattr_path as _getattr_path, node_target_str, preserve_buffers
+from ..ir.compile_cache import CompileCache, digest
+from ..ir.records import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
+from .kernels import (
+    ATTENTION_OPS,
+    HardwareRates,
+    Kernels,
+    Recorder,
+    fused_attention,
+    is_causal_mask,
+)
+from ..ir.nodes import call_node, getattr_path as _getattr_path, node_target_str, preserve_buffers
 
 __all__ = ["annotate", "DeviceModel", "optimizer_state_factor", "symbolic_block_costs",
            "PricedBlockCost"]

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from ..ir import CostTable, StageTimes
+from ..ir.records import CostTable, StageTimes
 
 __all__ = ["Calibration", "fit_calibration", "calibrate_blocks"]
 

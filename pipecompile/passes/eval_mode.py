@@ -32,8 +32,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..rng import unseed
-from .nodes import getattr_path, node_target_str
+from ..ir.rng import unseed
+from ..ir.nodes import getattr_path, node_target_str
 
 __all__ = ["eval_graph"]
 

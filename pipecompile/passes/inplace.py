@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .nodes import recreate_as_call
+from ..ir.nodes import recreate_as_call
 
 __all__ = ["functionalize", "mutated_inputs", "mutated_argument", "is_view", "cross_stage_writes"]
 

@@ -28,10 +28,10 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from .nodes import getattr_path as _getattr_path, node_target_str
+from ..ir.nodes import getattr_path as _getattr_path, node_target_str
 
 from ..errors import ConfigError
-from ..ir import Block, CapturedModel, LinearGraph, NodeRole
+from ..ir.records import Block, CapturedModel, LinearGraph, NodeRole
 
 __all__ = ["linearize", "classify", "GRANULARITIES"]
 

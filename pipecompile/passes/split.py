@@ -30,10 +30,10 @@ import torch
 import torch.fx as fx
 
 from ..errors import ConfigError, InPlaceError
-from ..ir import LinearGraph, NodeRole, Stage, StagedProgram, TiedParameter
+from ..ir.records import LinearGraph, NodeRole, Stage, StagedProgram, TiedParameter
 from .inplace import cross_stage_writes, mutated_inputs
 from .linearize import compute_inputs
-from .nodes import getattr_path as _getattr_path
+from ..ir.nodes import getattr_path as _getattr_path
 
 __all__ = ["Stage", "StagedProgram", "TiedParameter", "BlockWiring", "block_wiring", "split"]
 

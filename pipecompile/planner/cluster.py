@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Sequence, overload
 
 from ..errors import ConfigError
-from ..hardware import LATENCY, _accelerator
-from ..passes.partition import DeviceSpec
+from .hardware import LATENCY, _accelerator
+from ..ir.devices import DeviceSpec
 
 __all__ = ["Link", "Cluster", "cluster", "is_cluster"]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..errors import ConfigError
-from ..passes.partition import DeviceSpec
+from ..ir.devices import DeviceSpec
 from .cluster import Cluster, Link
 from .collectives import Group, all_gather, all_reduce, reduce_scatter
 

@@ -15,9 +15,10 @@ import os
 from typing import Any
 
 from ..errors import ConfigError
-from ..options import (AUTO, CompileOptions, Example, _auto, _device_specs, _fit_given,
-                       _schedule_option, compute_dtype, resolve_options)
-from ..passes.partition import DeviceSpec
+from ..ir.devices import DeviceSpec
+from ..ir.records import Example
+from .options import (AUTO, CompileOptions, _auto, _device_specs, _fit_given, _schedule_option,
+                      compute_dtype, resolve_options)
 from ..schedule.schedules import ASYNC_SCHEDULE_NAMES, TWO_STAGES_PER_DEVICE
 from .cluster import Cluster
 

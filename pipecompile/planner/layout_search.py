@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import PartitionError
-from ..passes.partition import PartitionMemoryError, format_bytes
+from ..passes.partition import PartitionMemoryError
+from ..ir.formats import format_bytes
 from .layout import Layout
 
 __all__ = ["LayoutCandidate", "search_layouts", "TENSOR_PARALLEL_NOTE"]

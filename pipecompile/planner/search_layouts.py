@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..choices import Choices
-from ..choose import coarsest, cost_model, enough_blocks
+from .choices import Choices
+from .choose import coarsest, cost_model, enough_blocks
 from ..errors import ConfigError
-from ..ir import CostTable, LinearGraph
-from ..options import Example
+from ..ir.records import CostTable, LinearGraph
+from ..ir.records import Example
 from ..passes.linearize import GRANULARITIES, linearize
-from ..plan import Plan
-from ..planning import cost
-from ..report import format_stages
-from ..search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
-from ..search import search as search_plans
+from .plan import Plan
+from .planning import cost
+from ..ir.formats import format_stages
+from .search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
+from .search import search as search_plans
 from .layout import Collectives, Layout, layouts, pipeline_specs
 from .layout_search import search_layouts
 

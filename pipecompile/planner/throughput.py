@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..hardware import accelerator_of
-from ..ir import evaluate
-from ..options import compute_dtype
-from ..plan import Plan
+from .hardware import accelerator_of
+from ..ir.records import evaluate
+from .options import compute_dtype
+from .plan import Plan
 
 __all__ = ["Throughput", "throughput"]
 

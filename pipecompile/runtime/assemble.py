@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..ir import StagedProgram, batch_size_of
-from ..rng import seed_random_ops
-from ..tensors import to_device
+from ..ir.records import StagedProgram, batch_size_of
+from ..ir.rng import seed_random_ops
+from ..ir.tensors import to_device
 from ..schedule.actions import Schedule
 from .compiled import compile_stage
 from .distributed import (GradientSync, _default_store, broadcast_outputs,

@@ -38,7 +38,7 @@ import torch
 from ..errors import StageExecutionError
 from ..schedule.actions import Action, Kind, Schedule
 from ..schedule.messages import Dataflow, Message, message_of
-from ..tensors import to_device
+from ..ir.tensors import to_device
 
 __all__ = ["StageCode", "DeviceCode", "emit", "load", "failed_action"]
 

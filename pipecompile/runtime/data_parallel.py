@@ -38,7 +38,7 @@ import torch
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..ir import StagedProgram
+    from ..ir.records import StagedProgram
     from ..schedule.actions import Schedule
     from .distributed import Topology
 

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..tensors import local_tensor
+from ..ir.tensors import local_tensor
 
 if TYPE_CHECKING:
-    from ..ir import StagedProgram
+    from ..ir.records import StagedProgram
     from ..schedule.actions import Schedule
     from .p2p import ValueSpec
 
@@ -235,7 +235,7 @@ def broadcast_outputs(outputs: Mapping[str, Any] | None, program: StagedProgram,
     `same_dtypes=False` (under autocast, where an output may not have its captured dtype):
     the sender tells the others each output's dtype first. `sizes`: the size symbols' values
     in the call (`CapturedModel.sizes_of`)."""
-    from ..ir import evaluate
+    from ..ir.records import evaluate
 
     captured = program.captured
     last = program.num_stages - 1

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import StageExecutionError
-from ..tensors import to_device
+from ..ir.tensors import to_device
 from ..schedule.messages import Message
 
 __all__ = ["Mailbox", "Aborted"]

@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError
-from ..ir import CapturedModel, batch_size_of
+from ..ir.records import CapturedModel, batch_size_of
 
 __all__ = ["MicroBatch", "forward_in_chunks", "split_microbatches"]
 

@@ -7,7 +7,7 @@
 
 `RuntimeSpec` holds exactly what the runtime reads of compile's options, resolved (per-stage
 recomputation as a set of stages, the data-parallel degree from the topology); it is built from
-a finished plan outside runtime/ (`pipecompile.assembly.runtime_spec`), so the runtime sits
+a finished plan outside runtime/ (`pipecompile.planner.assembly.runtime_spec`), so the runtime sits
 below the planner and never sees `CompileOptions`. `StepResult` is everything one run of a
 schedule produced (losses, measured events, message statistics, the schedule itself), returned
 rather than left behind as attributes for the caller to read afterwards.

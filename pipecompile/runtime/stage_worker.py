@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from ..errors import LossError
-from ..rng import generator_lock, microbatch, seeded_call
+from ..ir.rng import generator_lock, microbatch, seeded_call
 from . import split_backward
 from .direct_forward import DirectCalls
 from .memory import SavedActivations, inputs_layout, step_started, storage_keys

@@ -25,7 +25,7 @@ import torch
 from torch.nn.utils import get_total_norm
 
 from ..errors import ConfigError
-from ..tensors import local_tensor
+from ..ir.tensors import local_tensor
 
 __all__ = ["check_num_items", "AutocastState", "TiedCopies", "clip_grad_norm", "counted_parameters",
            "loss_scale_value"]

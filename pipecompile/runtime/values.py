@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..ir import evaluate
+from ..ir.records import evaluate
 from ..schedule.messages import Dataflow, MessageKey, link_bytes
 
 __all__ = ["value_shape", "message_bytes"]

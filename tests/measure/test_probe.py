@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipecompile.capture import capture
-from pipecompile.compile_cache import CompileCache
+from pipecompile.capture.capture import capture
+from pipecompile.ir.compile_cache import CompileCache
 from pipecompile.measure import probe as probing
-from pipecompile.options import Example
+from pipecompile.ir.records import Example
 from pipecompile.passes.annotate import annotate
 from pipecompile.passes.linearize import linearize
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipecompile.capture import capture
+from pipecompile.capture.capture import capture
 from pipecompile.measure import profile
 from pipecompile.passes.annotate import annotate
 from pipecompile.passes.linearize import linearize

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from pipecompile.compile_cache import CompileCache
+from pipecompile.ir.compile_cache import CompileCache
 from pipecompile.measure import rates
 
 

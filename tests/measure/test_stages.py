@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from pipecompile.capture import capture
+from pipecompile.capture.capture import capture
 from pipecompile.measure.stages import loss_runs, measure_stages, thread_efficiency
 from pipecompile.passes.linearize import linearize
 from pipecompile.passes.split import split

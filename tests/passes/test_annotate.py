@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipecompile.capture import capture
-from pipecompile.ir import evaluate
+from pipecompile.capture.capture import capture
+from pipecompile.ir.records import evaluate
 from pipecompile.passes.annotate import (
     DeviceModel,
     annotate,
@@ -149,7 +149,7 @@ def test_symbolic_costs_are_computed_once_per_graph_and_shapes(monkeypatch):
     """A second capture of an equal model (a new instance) reuses the costs kept in the
     cache; other parameter shapes or an optimizer factor compute them anew."""
     import pipecompile.passes.annotate as annotate_module
-    from pipecompile.compile_cache import CompileCache
+    from pipecompile.ir.compile_cache import CompileCache
 
     calls = []
     compute = annotate_module._symbolic_block_costs

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import pipecompile as pc
-from pipecompile import planning, zoo
-from pipecompile.ir import StageTimes
+from pipecompile.planner import planning
+from pipecompile import zoo
+from pipecompile.ir.records import StageTimes
 from pipecompile.passes.calibrate import Calibration, calibrate_blocks, fit_calibration
 from tests.models import CASES
 from tests.reference import assert_grads_equal, reference_step

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipecompile import zoo
-from pipecompile.capture import capture
+from pipecompile.capture.capture import capture
 from pipecompile.passes.eval_mode import eval_graph
 
 aten = torch.ops.aten

@@ -40,7 +40,7 @@ def test_inplace_relu_after_residual_add_on_four_stages(granularity, capture):
 
 
 def test_export_capture_makes_activation_inplace_ops_out_of_place():
-    from pipecompile.capture import capture
+    from pipecompile.capture.capture import capture
 
     model = InplaceResNet().double()
     captured = capture(model, (torch.randn(4, 3, 6, 6, dtype=torch.float64),))

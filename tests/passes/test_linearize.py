@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 
 from pipecompile import zoo
-from pipecompile.capture import capture
+from pipecompile.capture.capture import capture
 from pipecompile.errors import ConfigError
-from pipecompile.ir import NodeRole
+from pipecompile.ir.records import NodeRole
 from pipecompile.passes.linearize import linearize
 
 

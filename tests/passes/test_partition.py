@@ -10,20 +10,20 @@ from itertools import combinations
 import pytest
 
 from pipecompile.errors import PartitionError
+from pipecompile.ir.devices import DeviceSpec
 from pipecompile.passes.partition import (
-    DeviceSpec,
     Partition,
     PartitionMemoryError,
     PartitionProblem,
     balanced_by,
     evaluate,
-    format_bytes,
     lower_bound,
     partition,
     stage_memory,
     stage_time,
     uniform_bounds,
 )
+from pipecompile.ir.formats import format_bytes
 
 GiB = 2**30
 

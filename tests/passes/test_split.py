@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pipecompile.capture import capture
+from pipecompile.capture.capture import capture
 from pipecompile.errors import ConfigError
 from pipecompile.passes.linearize import linearize
 from pipecompile.passes.split import block_wiring, split
@@ -173,3 +173,11 @@ def test_a_shared_tensor_is_owned_by_its_first_stage():
     assert program.held_copies("w", {3}) == [b]
     assert program.held_copies("unused", {0}) == [c]
     assert program.held_copies("unused", {1}) == []
+
+
+def test_the_passes_folder_names_each_of_its_modules():
+    import pipecompile.passes as folder
+
+    from tests.folders import unlisted
+
+    assert unlisted(folder) == []

@@ -11,10 +11,16 @@ from pipecompile.errors import ConfigError
 from pipecompile.passes.partition import PartitionMemoryError
 from pipecompile.planner.cluster import cluster
 from pipecompile.planner.collectives import Group, all_gather, all_reduce, reduce_scatter
-from pipecompile.planner.layout import (Collectives, Layout, data_group, describe_placement,
-                                        layout_static, layouts, pipeline_specs)
-from pipecompile.planner.layout_search import (TENSOR_PARALLEL_NOTE, LayoutCandidate,
-                                               search_layouts)
+from pipecompile.planner.layout import (
+    Collectives,
+    Layout,
+    data_group,
+    describe_placement,
+    layout_static,
+    layouts,
+    pipeline_specs,
+)
+from pipecompile.planner.layout_search import TENSOR_PARALLEL_NOTE, LayoutCandidate, search_layouts
 
 C = cluster("h100", nodes=8, per_node=8)
 
@@ -111,3 +117,11 @@ def test_no_layout_fitting_names_tensor_parallelism():
     with pytest.raises(PartitionMemoryError, match="tensor parallelism is not supported"):
         search_layouts([Layout(1, 2), Layout(2, 1)], run)
     assert "tensor parallelism" in TENSOR_PARALLEL_NOTE
+
+
+def test_the_planner_folder_names_each_of_its_modules():
+    import pipecompile.planner as folder
+
+    from tests.folders import unlisted
+
+    assert unlisted(folder) == []

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import pipecompile
-from pipecompile.capture import capture
+from pipecompile.capture.capture import capture
 from pipecompile.passes.linearize import linearize
 from pipecompile.passes.split import split
 from pipecompile.passes.eval_mode import eval_graph

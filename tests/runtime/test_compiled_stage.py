@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.exc import Unsupported
 
-from pipecompile.capture import capture
+from pipecompile.capture.capture import capture
 from pipecompile.errors import StageExecutionError
 from pipecompile.passes.linearize import linearize
 from pipecompile.passes.split import split

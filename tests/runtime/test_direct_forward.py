@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pipecompile as pc
-from pipecompile.capture import capture
+from pipecompile.capture.capture import capture
 from pipecompile.runtime.direct_forward import DirectCalls, direct_forward
 from pipecompile.runtime.op_binding import _RESOLVED, binding, direct_call, schema_arguments
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipecompile.capture import capture
+from pipecompile.capture.capture import capture
 from pipecompile.errors import ConfigError
 from pipecompile.passes.linearize import linearize
 from pipecompile.passes.split import split

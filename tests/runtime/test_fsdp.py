@@ -10,9 +10,20 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from tests.dist import run_ranks
-from tests.dist_fsdp_cases import (CLIP, LR, STEPS, bad_options, batch, meta_fsdp_train_and_save, model,
-                                   padded_batch, resume_without_data_parallel, token_loss, train,
-                                   train_tokens)
+from tests.dist_fsdp_cases import (
+    CLIP,
+    LR,
+    STEPS,
+    bad_options,
+    batch,
+    meta_fsdp_train_and_save,
+    model,
+    padded_batch,
+    resume_without_data_parallel,
+    token_loss,
+    train,
+    train_tokens,
+)
 from tests.reference import assert_grads_equal, reference_step
 
 

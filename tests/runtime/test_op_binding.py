@@ -17,8 +17,14 @@ from typing import Any
 
 import torch
 
-from pipecompile.runtime.op_binding import (_MEMORY_FORMATS, _RESOLVED, _default, binding,
-                                            direct_call, full_name)
+from pipecompile.runtime.op_binding import (
+    _MEMORY_FORMATS,
+    _RESOLVED,
+    _default,
+    binding,
+    direct_call,
+    full_name,
+)
 
 # Bindings torch writes by hand (not generated from the schema), each run below against its
 # overload: what they return for a real tensor is the overload's result.

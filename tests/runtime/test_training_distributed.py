@@ -12,8 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist import run_ranks
-from tests.dist_training_cases import (_loop, autocast_bf16_boundary, autocast_step, eval_mode,
-                                       user_loop)
+from tests.dist_training_cases import (
+    _loop,
+    autocast_bf16_boundary,
+    autocast_step,
+    eval_mode,
+    user_loop,
+)
 from tests.models import CASES
 from tests.reference import reference_step
 

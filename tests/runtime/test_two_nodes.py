@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from pipecompile import zoo
-from pipecompile.materialize import init_weights
+from pipecompile.weights.materialize import init_weights
 from tests.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipecompile.capture import capture
+from pipecompile.capture.capture import capture
 from pipecompile.passes.linearize import linearize
 from pipecompile.passes.split import split
 from pipecompile.runtime import values

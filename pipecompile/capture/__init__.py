@@ -1,0 +1,12 @@
+"""Capture: a model and example inputs -> one flat fx graph (`CapturedModel`).
+
+    capture.py         `capture(model, args, kwargs)`: torch.export (default) or fx, opaque blocks
+    export.py          the torch.export front end: attempts bounded in time, what failures make opaque
+    graph.py           the captured graph's values, size symbols and their ranges
+    blame.py           why a capture failed: the module and line of the model's own code
+    opaque.py          modules kept whole (one graph node) where export cannot trace them
+    opaque_causes.py   what makes a module opaque: custom autograd Functions, `.data` writes
+    claimed_device.py  a meta model traced on fakes that claim the device it will train on
+    deadline.py        a time budget for one call, in the calling thread
+    inputs.py          a call's inputs checked against what the model was compiled with
+"""

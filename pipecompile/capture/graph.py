@@ -1,0 +1,111 @@
+"""The IR parts of a captured graph, shared by both capture front ends: the graph with a flat
+tuple output, each node's `ValueInfo`, and the size symbols with their example values and the
+ranges export assumed for them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..ir.records import ValueInfo
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
+__all__ = ["flat_graph", "values_from_meta", "value_info", "symbols", "ranges", "output_names"]
+
+
+def flat_graph(graph: fx.Graph, *, drop_guards: bool) -> fx.Graph:
+    """A copy of `graph` with plain codegen, no export guard calls and a flat tuple output."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and drop_guards and node.target == "_guards_fn":
+            continue
+        if node.op == "output":
+            flat = pytree.tree_leaves(node.args[0], is_leaf=lambda x: isinstance(x, fx.Node))
+            new.output(tuple(env[x] if isinstance(x, fx.Node) else x for x in flat))
+            continue
+        env[node] = new.node_copy(node, lambda n: env[n])
+    new.lint()
+    return new
+
+
+def values_from_meta(graph: fx.Graph) -> dict[str, ValueInfo]:
+    """Every node's `ValueInfo` from its `meta['val']`, by node name."""
+    values = {}
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        values[node.name] = value_info(node.name, node.meta.get("val"))
+    return values
+
+
+def value_info(name: str, val: Any) -> ValueInfo:
+    """ValueInfo of a node's `meta['val']` (a FakeTensor, SymInt, or anything else)."""
+    if isinstance(val, torch.Tensor):
+        return ValueInfo(name, tuple(_expr(d) for d in val.shape), val.dtype)
+    if isinstance(val, torch.SymInt):
+        return ValueInfo(name, (), None)
+    return ValueInfo(name, (), None)
+
+
+def _expr(d: Any) -> Any:
+    if isinstance(d, torch.SymInt):
+        return d.node.expr
+    return int(d)
+
+
+def symbols(graph: fx.Graph, values: Mapping[str, ValueInfo], batch: int
+            ) -> tuple[sympy.Symbol | None, dict]:
+    """The batch size's symbol, and every symbol's example value (from the shape env hints)."""
+    batch_symbol = None
+    for node in graph.find_nodes(op="placeholder"):
+        info = values[node.name]
+        if info.shape and isinstance(info.shape[0], sympy.Symbol):
+            batch_symbol = info.shape[0]
+            break
+    sizes: dict[sympy.Symbol, int] = {}
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d in val.shape:
+                if isinstance(d, torch.SymInt):
+                    for sym in d.node.expr.free_symbols:
+                        env = d.node.shape_env
+                        hints = getattr(env, "backed_var_to_val", None) or env.var_to_val
+                        hint = hints.get(sym)
+                        if hint is not None:
+                            sizes[sym] = int(hint)
+    if batch_symbol is not None:
+        sizes[batch_symbol] = batch
+    return batch_symbol, sizes
+
+
+def ranges(ep: ExportedProgram, sizes: Mapping[sympy.Symbol, int]
+            ) -> dict[sympy.Symbol, tuple[int, int | None]]:
+    """The range export assumed for each size symbol, where it is narrower than any size."""
+    ranges = {}
+    for symbol, vr in ep.range_constraints.items():
+        if symbol not in sizes:
+            continue
+        low = _finite(vr.lower) or 0
+        high = _finite(vr.upper)
+        if low > 2 or high is not None:  # export's own floor (0 or 2) needs no check
+            ranges[symbol] = (low, high)
+    return ranges
+
+
+def _finite(bound: Any) -> int | None:
+    """A value range's bound as an int; None for an infinite one (sympy's or torch's int_oo)."""
+    return None if "oo" in str(bound) else int(bound)
+
+
+def output_names(graph: fx.Graph) -> tuple[str, ...]:
+    """The names of the values the graph returns, in order (a constant as its repr)."""
+    out = graph.find_nodes(op="output")[0]
+    return tuple(x.name if isinstance(x, fx.Node) else repr(x) for x in out.args[0])

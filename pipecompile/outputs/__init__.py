@@ -1,0 +1,13 @@
+"""What a compiled pipeline shows and writes: reports, pictures, ONNX files, saved pipelines.
+
+    report.py         the stage table of `print(pipe)`, the pass log of `explain()`, number formats
+    presentation.py   what a pipeline shows its user, from its plan and its last step
+    draw.py           pictures of a partition: blocks coloured by stage, cuts and their values
+    cuts.py           the cuts of a staged program and the tensors that cross each one
+    memory_report.py  the last step's measured memory per device beside the prediction
+    onnx_export.py    one ONNX file per stage plus manifest.json
+    onnx_run.py       run and check an exported ONNX pipeline
+    persist.py        `pipe.save(directory)` and `pipecompile.load(directory)`
+    graph_code.py     graph modules as Python source, and back (saved pipelines)
+    treespec.py       pytree specs as text (a saved pipeline's input/output structures)
+"""

@@ -1,0 +1,252 @@
+"""The passes that choose the plan's shape before the model is cut, and what the later passes
+derive from the plan.
+
+    probe     this machine measured: the matmul rate, the cost of one action and, when a
+              searched option depends on time, the planning probe  -> plan.probe, device_model,
+                                                                     overhead, calibration, ...
+    search    the "auto" options by predicted step time (search.py), over the analytic costs
+              and the probe's numbers; measures nothing                   -> plan.choices
+    schedule  the action lists per device and peak in-flight counts      -> plan.schedule
+
+`cost_model`, `target`, `coarsest` and `enough_blocks` are shared with the passes of
+compiler.py: how blocks are costed and placed for this plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .choices import Choices
+from ..errors import PartitionError
+from ..ir.records import CapturedModel, CostTable, LinearGraph
+from ..weights.materialize import is_meta_model
+from ..measure.probe import Probe, probe
+from .options import CompileOptions, compute_dtype, example_microbatch_size
+from ..ir.records import Example
+from ..passes.annotate import optimizer_state_factor
+from ..passes.linearize import GRANULARITIES, linearize
+from .plan import Plan
+from .layout import Collectives
+from .planning import (
+    CostModel,
+    Target,
+    action_cost,
+    analytic as all_described,
+    cost,
+    device_model,
+    inflight,
+    place,
+)
+from .hardware import describe_devices
+from ..ir.formats import format_count, format_stages
+from ..runtime.distributed import local_device
+from ..schedule.actions import Schedule
+from ..schedule.schedules import make_schedule
+from .search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
+from .search import search as search_plans
+from .stage_costs import placement_ratio, shared_cores
+
+__all__ = ["probe_pass", "search_pass", "schedule_pass", "cost_model", "target", "coarsest",
+           "enough_blocks", "collectives"]
+
+
+def probe_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
+    """Measure what the search needs of this machine (`measure.rates`, `measure.probe`):
+    nothing for devices described by their figures."""
+    o = plan.asked
+    dtype = compute_dtype(example.model)
+    model = device_model(o.devices[0], o.ranks, dtype, cache=o.cache)
+    overhead = action_cost(o.devices[0], o.ranks, cache=o.cache)
+    plan = replace(plan, device_model=model, overhead=overhead)
+    rates = (describe_devices(o.devices, dtype) if all_described(o.devices) else
+             f"matmul {format_count(model.flops)}FLOP/s, {overhead * 1e6:.0f} us per action")
+    found, skipped = _probe(plan, example)
+    if found is None:
+        return plan, f"{rates}; no planning probe: {skipped}"
+    # profile=True measures the blocks themselves: no calibration of analytic ones then
+    return replace(plan, probe=found, efficiency=found.efficiency, split_ratio=found.split_ratio,
+                   calibration=None if o.profile else found.calibration), (
+        f"{rates}; measured: {found}")
+
+
+def _probe(plan: Plan, example: Example) -> tuple[Probe | None, str]:
+    """What the analytic costs miss on this machine, measured on the model cut after its first
+    block at about 4 micro-batches (`measure.probe.probe`); rank 0's numbers under
+    torch.distributed. None, and why, where nothing searched depends on time, for devices
+    described by their figures (they need not be here), a meta model or one of one block."""
+    o = plan.asked
+    # recomputation alone is chosen by memory (it only ever adds time): measured times could
+    # not change the choice, so the probe's forward and backward passes are saved
+    if o.auto <= {"checkpoint"}:
+        return None, "no searched option depends on time"
+    if all_described(o.devices):
+        return None, "devices described by their figures"
+    if is_meta_model(example.model):  # no weights to run: analytic
+        return None, "model on the meta device"
+    captured = plan.ready.captured
+    linear = coarsest(captured, o.granularity, 2)
+    if linear.num_blocks < 2:
+        return None, "the model is one block"
+    m = (min(microbatch_choices(example.batch), key=lambda c: (abs(c - 4), c))
+         if "microbatches" in o.auto else o.microbatches)
+    if o.ranks.topology is not None and o.ranks.topology.rank != 0:
+        return o.ranks.shared(None), ""  # rank 0 measures, the others wait for its numbers
+    model = replace(cost_model(plan, example), profile=False, calibration=None,
+                    microbatch_size=captured.microbatch_size(m), microbatches=m)
+    table = cost(linear, model, example, o.ranks)
+    device = local_device() if o.ranks.distributed else torch.device(o.devices[0].name)
+    found = probe(linear, table, example, device, microbatches=m, loss_fn=o.loss_fn,
+                  threads=len(o.devices), cores=shared_cores(o.devices, o.ranks), cache=o.cache)
+    return o.ranks.shared(found), ""
+
+
+def search_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
+    """Choose the "auto" options by predicted step time (search.py), over the analytic costs
+    calibrated by the probe; record the candidates. Given options are kept as given."""
+    o = plan.asked
+    captured = plan.ready.captured
+    profile = o.profile and not is_meta_model(example.model)
+    if not o.auto:
+        given = Choices(o.schedule, o.microbatches, o.virtual_stages,
+                        (bool(o.checkpoint),) * o.num_stages, profile)
+        return replace(plan, choices=given), (
+            "nothing searched: schedule, micro-batches, virtual stages and checkpoint were given")
+    if "layout" in o.auto:  # P x D too (planner/layout_search.py)
+        from .search_layouts import layout_search_pass
+
+        return layout_search_pass(plan, example, profile)
+    if o.given_schedule is not None:  # it fixes all but recomputation
+        return _recompute_for(plan, example, o.given_schedule, profile)
+    fewest = len(o.devices) * (1 if "virtual_stages" in o.auto else o.virtual_stages)
+    enough_blocks(coarsest(captured, o.granularity, fewest), fewest, o.granularity)
+    linears: dict[int, LinearGraph | None] = {}
+    tables: dict[tuple[str, int], CostTable] = {}
+    calibration = plan.probe.calibration if plan.probe is not None else None
+
+    def costs_for(m: int, stages: int) -> BlockTable | None:
+        if stages not in linears:
+            found = coarsest(captured, o.granularity, stages)
+            linears[stages] = found if found.num_blocks >= stages else None
+        linear = linears[stages]
+        if linear is None:
+            return None
+        size = captured.microbatch_size(m)
+        if (linear.granularity, size) not in tables:
+            model = replace(cost_model(plan, example), microbatch_size=size, microbatches=m,
+                            profile=False, calibration=calibration)
+            like = next((t for (g, _), t in tables.items() if g == linear.granularity), None)
+            tables[linear.granularity, size] = cost(linear, model, example, o.ranks, like)
+        return BlockTable.of(tables[linear.granularity, size], linear)
+
+    space = Space(
+        schedules=(FSDP_SCHEDULES if o.fsdp else SYNC_SCHEDULES) if "schedule" in o.auto
+        else (o.schedule,),
+        microbatches=(microbatch_choices(example.batch)
+                      if "microbatches" in o.auto and captured.dynamic_batch
+                      else (o.microbatches,)),
+        virtual_stages=(_split_point_stages(o) if "virtual_stages" in o.auto
+                        else (o.virtual_stages,)),
+        checkpoint=None if "checkpoint" in o.auto and not o.fsdp else bool(o.checkpoint))
+    found = search_plans(space, o.devices, costs_for, overhead=plan.overhead,
+                         split_ratio=plan.split_ratio,
+                         cores=shared_cores(o.devices, o.ranks), efficiency=plan.efficiency,
+                         searched=tuple(sorted(o.auto)))
+    best = found.best
+    stages = len(o.devices) * best.virtual_stages
+    recompute = (tuple(best.recompute) if "checkpoint" in o.auto
+                 else (bool(o.checkpoint),) * stages)
+    choices = Choices(best.schedule, best.microbatches, best.virtual_stages, recompute, profile)
+    fits = sum(c.fits for c in found.candidates)
+    return replace(plan, choices=choices, search=found), (
+        f"{best.schedule}, {best.microbatches} micro-batches, {best.virtual_stages} virtual "
+        f"stage(s), recompute stages {format_stages(best.recomputed)}: predicted step "
+        f"{best.step * 1e3:.3f} ms ({len(found.candidates)} candidates, {fits} fit"
+        + ("" if captured.dynamic_batch else "; static batch: micro-batches fixed") + ")")
+
+
+def _recompute_for(plan: Plan, example: Example, given: Schedule, profile: bool
+                   ) -> tuple[Plan, str]:
+    """A written schedule, checkpoint="auto": recompute where memory needs it (as the search)."""
+    o = plan.asked
+    schedule = make_schedule(given, len(o.devices), o.microbatches, virtual_stages=o.virtual_stages)
+    linear = coarsest(plan.ready.captured, o.granularity, o.num_stages)
+    enough_blocks(linear, o.num_stages, o.granularity)
+    costs = cost(linear, replace(cost_model(plan, example), profile=False), example, o.ranks)
+    staged = replace(plan, schedule=schedule, inflight=inflight(schedule))  # for target only
+    goal = replace(target(staged), recompute=(False if o.fsdp else None,) * o.num_stages)
+    recompute = place(linear, costs, goal).recompute or (False,) * o.num_stages
+    choices = Choices(o.schedule, o.microbatches, o.virtual_stages, tuple(recompute), profile)
+    return replace(plan, choices=choices), (
+        f"{o.schedule} given, recompute stages {[s for s, r in enumerate(recompute) if r]}")
+
+
+def schedule_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
+    """The action lists per device of the chosen schedule, and each stage's peak in-flight
+    micro-batches."""
+    c, devices = plan.ready.choices, len(plan.options.devices)
+    schedule = make_schedule(plan.asked.given_schedule or c.schedule, devices, c.microbatches,
+                             virtual_stages=c.virtual_stages)
+    peaks = inflight(schedule)
+    return replace(plan, schedule=schedule, inflight=peaks), (
+        f"{c.schedule}: {sum(len(a) for a in schedule.actions)} actions on {devices} "
+        f"devices, peak in-flight micro-batches {list(peaks)}")
+
+
+def _split_point_stages(o: CompileOptions) -> tuple[int, ...] | None:
+    """With split_points the stage count is given: only the matching virtual stage count."""
+    if o.split_points is None:
+        return None
+    return ((len(o.split_points) + 1) // len(o.devices),)
+
+
+def coarsest(captured: CapturedModel, granularity: str | None, stages: int) -> LinearGraph:
+    """The coarsest linearization with a block for every stage (or the finest tried)."""
+    for level in [granularity] if granularity else list(GRANULARITIES):
+        linear = linearize(captured, granularity=level)
+        if linear.num_blocks >= stages:
+            break
+    return linear
+
+
+def enough_blocks(linear: LinearGraph, stages: int, granularity: str | None) -> None:
+    """Raise a `PartitionError` when `linear` has fewer blocks than `stages`."""
+    if linear.num_blocks < stages:
+        raise PartitionError(
+            f"the model has only {linear.num_blocks} blocks at granularity "
+            f"{linear.granularity!r}, fewer than the {stages} stages asked for; use at "
+            f"most {linear.num_blocks} devices"
+            + ("" if granularity is None else " or a finer granularity"))
+
+
+def cost_model(plan: Plan, example: Example) -> CostModel:
+    """How this plan's blocks are costed: the measured device model, the resolved micro-batch
+    size, profiling, the calibration so far, the compile cache."""
+    o = plan.options
+    return CostModel(device=plan.ready.device_model,
+                     microbatch_size=example_microbatch_size(example, o),
+                     microbatches=o.microbatches,
+                     optimizer_factor=optimizer_state_factor(o.optimizer), profile=o.profile,
+                     calibration=plan.calibration, cache=o.cache)
+
+
+def target(plan: Plan) -> Target:
+    """What this plan's blocks are placed on: its stages' devices and the schedule's demands
+    (no layout before the search has chosen one: a written schedule's recomputation pass)."""
+    o, asked = plan.options, plan.asked
+    recompute = (None if asked.checkpoint is False and "checkpoint" not in asked.auto
+                 else tuple(o.stage_checkpoint(s) for s in range(o.num_stages)))
+    return Target(stage_specs=plan.stage_specs, inflight=plan.inflight, schedule=o.schedule,
+                  microbatches=o.microbatches, virtual_stages=o.virtual_stages,
+                  split_points=o.split_points, recompute=recompute,
+                  backward_ratio=placement_ratio(plan.ready.schedule, plan.split_ratio),
+                  layout=plan.choices.layout if plan.choices is not None else None)
+
+
+def collectives(plan: Plan) -> Collectives | None:
+    """The searched layout's collectives and optimizer step (None: no layout searched)."""
+    layout = plan.ready.choices.layout
+    if layout is None:
+        return None
+    return Collectives.of(layout, plan.asked.cluster, plan.options.devices[0])

@@ -1,0 +1,182 @@
+"""Named accelerators for planning on hardware that is not here: datasheet figures, and the
+fraction of them a training step sustains.
+
+    preset("h100")                        -> DeviceSpec(name="cuda", memory=80e9, flops=..., ...)
+    preset("A100", link="infiniband")     -> the A100 80GB SXM behind an InfiniBand HCA
+
+A preset is an *absolute* `DeviceSpec`: compile plans for it analytically (block time = FLOPs
+at the sustained rate of the model's dtype + bytes at the sustained memory bandwidth + a fixed
+cost per op), prices a message at bytes / link bandwidth + latency and charges a fixed cost per
+pipeline action, measuring nothing on this machine. The figures (docs/hardware.md has the
+table and the reasoning):
+
+    peak        NVIDIA datasheets, dense (the datasheets' tensor-core figures are "with
+                sparsity", twice the dense rate): H100 SXM5 BF16 989.4 TFLOP/s, FP32 66.9;
+                A100 SXM4 BF16 312, FP32 19.5. HBM: H100 80 GB at 3.35 TB/s, A100 80 GB at
+                2.039 TB/s. NVLink per direction: H100 450 GB/s (900 both ways), A100 300 GB/s
+                (600). InfiniBand per GPU: H100 NDR 400 Gb/s = 50 GB/s (ConnectX-7), A100 HDR
+                200 Gb/s = 25 GB/s (ConnectX-6), as in DGX H100 / DGX A100.
+    sustained   per op, as the device runs it (planner/kernels.py): a matmul at the
+                accelerator's `matmul` fraction of peak (large BF16 GEMMs: 0.75 on the H100,
+                0.8 on the A100; an assumption from public cuBLAS measurements) or by its bytes,
+                whichever is slower (a roofline of its shape); attention as one fused kernel at
+                the `attention` fraction (FlashAttention-2, which torch's sdpa runs: 0.35 of the
+                H100's peak forward + backward at head dim 128, 0.6 of the A100's, from the
+                FlashAttention-2 and -3 papers); other ops by their bytes at MEMORY_EFFICIENCY
+                = 0.8 of HBM bandwidth; links at LINK_EFFICIENCY = 0.8 (STREAM and nccl-tests
+                reach 0.8-0.9). A spec's `flops` is the matmul rate.
+    memory      the datasheet's 80 GB as 80e9 bytes: the devices report about 85.5e9 (81,559
+                MiB on an H100, 81,920 MiB on an A100); the difference is left for the CUDA
+                context, NCCL buffers and allocator fragmentation.
+    latency     LATENCY per message: 10 us on NVLink, 20 us over InfiniBand (the order of
+                nccl-tests' small-message send/recv times; an assumption, not a datasheet).
+    overheads   OP_OVERHEAD = 2 us per graph op (kernel launch, mostly hidden behind compute on
+                a busy GPU) and ACTION_OVERHEAD = 50 us per pipeline action or message (Python
+                dispatch, autograd set-up, an NCCL call): assumptions for a GPU runtime, used in
+                place of `measure.rates.action_overhead`, which would time this machine.
+
+This module is pure: it imports neither torch nor a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import ConfigError
+from ..ir.devices import DeviceSpec
+
+__all__ = ["describe_devices", "Accelerator", "ACCELERATORS", "preset", "accelerator_of", "MEMORY_EFFICIENCY",
+           "LINK_EFFICIENCY", "LATENCY", "OP_OVERHEAD", "ACTION_OVERHEAD"]
+
+MEMORY_EFFICIENCY = 0.8  # sustained / peak HBM bandwidth
+LINK_EFFICIENCY = 0.8  # sustained / peak link bandwidth, per direction
+LATENCY = {"nvlink": 10e-6, "infiniband": 20e-6}  # seconds per message
+OP_OVERHEAD = 2e-6  # seconds per graph op on a GPU
+ACTION_OVERHEAD = 50e-6  # seconds per pipeline action or message on a GPU runtime
+
+TERA = 1e12
+GIGA = 1e9
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """Datasheet figures of one accelerator (peak, dense; bytes and bytes/s)."""
+
+    title: str
+    peak_flops: tuple[tuple[str, float], ...]  # by torch dtype name; the first is the default
+    memory: float
+    memory_bandwidth: float
+    links: tuple[tuple[str, float], ...]  # bytes/s per direction, by link name
+    matmul: float = 0.75  # sustained / peak FLOP/s of a large GEMM (assumed, see above)
+    attention: float = 0.5  # sustained / peak FLOP/s of fused attention, forward + backward
+
+    def peak(self, dtype: str | None = None) -> float:
+        """Dense peak FLOP/s in `dtype` (the first listed, bfloat16, when not listed)."""
+        return dict(self.peak_flops).get(dtype or "", self.peak_flops[0][1])
+
+    def spec(self, *, efficiency: float | None = None, link: str = "nvlink",
+             device: str = "cuda") -> DeviceSpec:
+        """The `DeviceSpec` of this accelerator whose matmuls sustain `efficiency` of its peak
+        FLOP/s (None: its `matmul` fraction), sending over `link`, as torch device `device`."""
+        efficiency = self.matmul if efficiency is None else efficiency
+        if not 0 < efficiency <= 1:
+            raise ConfigError(f"efficiency must be in (0, 1] (sustained / peak FLOP/s), "
+                              f"got {efficiency}")
+        links = dict(self.links)
+        if link not in links:
+            raise ConfigError(f"{self.title} has no link {link!r}; use one of "
+                              f"{', '.join(links)}")
+        rates = tuple((dtype, efficiency * peak) for dtype, peak in self.peak_flops)
+        return DeviceSpec(
+            name=device, memory=self.memory, bandwidth=LINK_EFFICIENCY * links[link],
+            flops=rates[0][1], latency=LATENCY[link],
+            memory_bandwidth=MEMORY_EFFICIENCY * self.memory_bandwidth,
+            op_overhead=OP_OVERHEAD, action_overhead=ACTION_OVERHEAD,
+            hardware=f"{self.title} ({efficiency:g} of peak, {link})", dtype_flops=rates)
+
+    def link(self, name: str) -> float:
+        """Sustained bytes/s per direction of link `name` ("nvlink", "infiniband")."""
+        links = dict(self.links)
+        if name not in links:
+            raise ConfigError(f"{self.title} has no link {name!r}; use one of "
+                              f"{', '.join(links)}")
+        return LINK_EFFICIENCY * links[name]
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense = half the sparse figure)
+    "h100": Accelerator(
+        title="NVIDIA H100 80GB SXM",
+        peak_flops=(("bfloat16", 989.4 * TERA), ("float16", 989.4 * TERA),
+                    ("float32", 66.9 * TERA), ("float8_e4m3fn", 1978.9 * TERA)),
+        memory=80 * GIGA, memory_bandwidth=3350 * GIGA,
+        links=(("nvlink", 450 * GIGA), ("infiniband", 50 * GIGA)), matmul=0.75, attention=0.35),
+    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column
+    "a100": Accelerator(
+        title="NVIDIA A100 80GB SXM",
+        peak_flops=(("bfloat16", 312 * TERA), ("float16", 312 * TERA),
+                    ("float32", 19.5 * TERA)),
+        memory=80 * GIGA, memory_bandwidth=2039 * GIGA,
+        links=(("nvlink", 300 * GIGA), ("infiniband", 25 * GIGA)), matmul=0.8, attention=0.6),
+}
+
+_NOISE = ("nvidia", "sxm5", "sxm4", "sxm", "80gb", "tensorcore", "gpu")
+
+
+def preset(name: str, *, efficiency: float | None = None, link: str = "nvlink",
+           device: str = "cuda") -> DeviceSpec:
+    """The `DeviceSpec` of a named accelerator: "h100" or "a100" (any case; "H100 80GB SXM",
+    "a100-sxm4-80gb" too). `efficiency`: sustained / peak FLOP/s; `link`: "nvlink" (within a
+    node) or "infiniband" (across nodes); `device`: the torch device its stages run on when
+    this machine has it ("cuda" is numbered per pipeline device when enough GPUs are here).
+    `efficiency`: sustained / peak FLOP/s of large matmuls (None: the accelerator's own,
+    0.75 for the H100, 0.8 for the A100).
+
+    Sources (dense peaks; the datasheets' tensor-core figures are "with sparsity", 2x dense):
+    NVIDIA H100 datasheet, SXM5: BF16/FP16 989.4 TFLOP/s, FP32 66.9, 80 GB HBM3 at 3.35 TB/s,
+    NVLink 900 GB/s (450 per direction); NVIDIA A100 datasheet, 80GB SXM: BF16/FP16 312,
+    FP32 19.5, 80 GB HBM2e at 2.039 TB/s, NVLink 600 GB/s (300 per direction); DGX H100 / A100:
+    one ConnectX-7 NDR 400 Gb/s (50 GB/s) / ConnectX-6 HDR 200 Gb/s (25 GB/s) per GPU.
+    Assumed: matmuls at 0.75 (H100) / 0.8 (A100) of peak, 0.8 of memory and link
+    bandwidth, 10/20 us per NVLink/InfiniBand message, 2 us per op, 50 us per pipeline action
+    (the module docstring and docs/hardware.md give the reasons)."""
+    return _accelerator(name).spec(efficiency=efficiency, link=link, device=device)
+
+
+def _accelerator(name: str) -> Accelerator:
+    key = "".join(ch for ch in name.lower() if ch.isalnum())
+    for noise in _NOISE:
+        key = key.replace(noise, "")
+    if key not in ACCELERATORS:
+        raise ConfigError(f"no device preset named {name!r}; presets: "
+                          f"{', '.join(ACCELERATORS)} (or give DeviceSpec(flops=..., "
+                          f"memory=..., bandwidth=..., latency=...) yourself)")
+    return ACCELERATORS[key]
+
+
+def accelerator_of(spec: DeviceSpec) -> Accelerator | None:
+    """The preset `spec` was made from (by its `hardware` title), None for another spec: its
+    dense peak is what MFU divides by, its attention fraction what fused attention runs at."""
+    for accelerator in ACCELERATORS.values():
+        if spec.hardware.startswith(accelerator.title + " ("):
+            return accelerator
+    return None
+
+
+def describe_devices(specs: Sequence[DeviceSpec], dtype: str | None) -> str:
+    """What analytic costs assume about absolute devices, for `explain()`: "costs analytic for
+    32 x NVIDIA H100 80GB SXM (...): bfloat16 at 494.7 TFLOP/s, ...; nothing measured here"."""
+    kinds: dict[str, int] = {}
+    for s in specs:
+        kinds[s.hardware or s.name] = kinds.get(s.hardware or s.name, 0) + 1
+    first = specs[0]
+    figures = [f"{dtype or 'default dtype'} at {first.rate(dtype) / 1e12:.1f} TFLOP/s"]
+    if first.memory_bandwidth is not None:
+        figures.append(f"memory {first.memory_bandwidth / 1e9:.0f} GB/s")
+    figures.append(f"link {first.bandwidth / 1e9:.0f} GB/s + {first.latency * 1e6:g} us/message")
+    if first.action_overhead is not None:
+        figures.append(f"{first.action_overhead * 1e6:g} us/action")
+    return (f"costs analytic for {', '.join(f'{n} x {k}' for k, n in kinds.items())}: "
+            f"{', '.join(figures)}{' (the first device)' if len(kinds) > 1 else ''}; nothing "
+            f"measured on this machine")

@@ -1,0 +1,103 @@
+"""Ops priced as a GPU runs them: matmul rooflines, fused attention (O(s) saved), bytes at
+memory bandwidth; the kernels recorded while annotate runs a block on fake tensors."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+
+import pipecompile as pc
+from pipecompile import zoo
+from pipecompile.planner.hardware import accelerator_of
+from pipecompile.passes.annotate import PricedBlockCost, symbolic_block_costs
+from pipecompile.passes.kernels import FLASH_BACKWARD, HardwareRates, Kernels, is_causal_mask
+
+RATES = HardwareRates(matmul=100e12, attention=50e12, memory=1e12, launch=1e-6)
+
+
+def test_a_matmul_is_priced_by_the_slower_of_its_flops_and_its_bytes():
+    f, b = sympy.Symbol("f"), sympy.Symbol("b")
+    kernels = Kernels(matmuls=((f, b),), launches=1)
+    compute_bound = kernels.times(0.0, RATES, lambda e: float(e.subs({f: 1e12, b: 1e9})))
+    memory_bound = kernels.times(0.0, RATES, lambda e: float(e.subs({f: 1e9, b: 1e9})))
+    assert compute_bound[0] == pytest.approx(1e12 / 100e12 + 1e-6)  # 10 ms > 1 ms of bytes
+    assert memory_bound[0] == pytest.approx(1e9 / 1e12 + 1e-6)  # 1 ms of bytes > 10 us
+
+
+def test_backward_runs_flash_backward_at_the_attention_rate_and_twice_the_memory():
+    kernels = Kernels(matmuls=((sympy.Integer(10**12), sympy.Integer(0)),),
+                      attention=sympy.Integer(10**11), attention_counted=sympy.Integer(2 * 10**11),
+                      memory=sympy.Integer(10**9), launches=4)
+    forward, backward = kernels.times(2e12 + FLASH_BACKWARD * 2e11, RATES, float)
+    assert forward == pytest.approx(1e12 / 100e12 + 1e11 / 50e12 + 1e9 / 1e12 + 4e-6)
+    assert backward == pytest.approx(2e12 / 100e12 + FLASH_BACKWARD * 1e11 / 50e12
+                                     + 2e9 / 1e12 + 8e-6)
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab=64, dim=32, layers=2, heads=4, seq=128)
+    ids = torch.randint(0, 64, (4, 128))
+    return pc.compile(model, (ids,), devices=[pc.preset("h100")] * 2, schedule="gpipe",
+                      microbatches=1).plan
+
+
+def test_attention_is_fused_on_a_gpu_preset_and_saves_no_score_matrix(gpt_plan):
+    linear = gpt_plan.linear
+    plain = symbolic_block_costs(linear)
+    fused = symbolic_block_costs(linear, fused=True)
+    layer = next(i for i, b in enumerate(linear.blocks) if b.name == "layers.0")
+    cost = fused[layer]
+    assert isinstance(cost, PricedBlockCost) and not isinstance(plain[layer], PricedBlockCost)
+    sizes = gpt_plan.costs.sizes
+    value = lambda e: float(sympy.sympify(e).subs(dict(sizes)))  # noqa: E731
+    b, h, s, d = 4, 4, 128, 8
+    # the counter's sdpa FLOPs (QK^T and PV, 4 b h s^2 d), halved for the causal mask
+    assert value(cost.kernels.attention_counted) == 4 * b * h * s * s * d
+    assert value(cost.kernels.attention) == 2 * b * h * s * s * d
+    assert value(cost.activation_bytes) < 40 * b * s * 32 * 4  # O(s): (b, s, dim) tensors
+    assert value(plain[layer].activation_bytes) > 0
+
+
+class MaskedAttention(torch.nn.Module):
+    """Attention with a causal mask built from two position ranges, as transformers builds it:
+    on this CPU the math kernel saves the s x s probabilities."""
+
+    def __init__(self, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.qkv, self.heads = torch.nn.Linear(dim, 3 * dim), heads
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (z.view(b, s, self.heads, -1).transpose(1, 2)
+                   for z in self.qkv(x).split(d, dim=-1))
+        positions = torch.arange(s, device=x.device)
+        mask = positions[:, None] >= positions[None, :]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+def test_a_range_built_mask_is_causal_and_fused_attention_drops_the_score_matrix():
+    x = torch.randn(2, 64, 16)
+    pipe = pc.compile(MaskedAttention(), (x,), devices=[pc.preset("a100")], schedule="gpipe",
+                      microbatches=1)
+    graph = pipe.plan.captured.module.graph
+    attention = [n for n in graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert len(attention) == 1 and is_causal_mask(attention[0])
+    assert not any(is_causal_mask(n) for n in graph.nodes if n.op == "call_function"
+                   and n not in attention and "scaled_dot_product" in str(n.target))
+    linear = pipe.plan.linear
+    seq = next(k for k, v in pipe.plan.costs.sizes.items() if v == 64)
+    plain = sympy.expand(sum(c.activation_bytes for c in symbolic_block_costs(linear)))
+    fused = sympy.expand(sum(c.activation_bytes
+                             for c in symbolic_block_costs(linear, fused=True)))
+    # the CPU kernel keeps an s x s tensor (the mask, or the probabilities); fused: O(s)
+    assert sympy.degree(plain, seq) == 2 and sympy.degree(fused, seq) == 1
+
+
+def test_presets_price_attention_at_their_own_fraction_of_peak(gpt_plan):
+    model = gpt_plan.device_model
+    h100 = accelerator_of(pc.preset("h100"))
+    assert h100 is not None and model.attention == pytest.approx(h100.attention * 66.9e12)  # fp32
+    assert model.kernels is not None and model.kernels.matmul == pytest.approx(0.75 * 66.9e12)
