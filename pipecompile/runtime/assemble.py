@@ -66,14 +66,16 @@ class Runtime:
 
     def __init__(self, program: StagedProgram, schedule: Schedule, spec: RuntimeSpec,
                  own_stages: Sequence[int], executor_rows: Sequence[int] | None = None,
-                 label: Callable[[int], str] = lambda stage: f"stage {stage}"):
+                 label: Callable[[int], str] = lambda stage: f"stage {stage}",
+                 hooks: Callable[[int], Any] | None = None):
         self.program = program
         self.schedule = schedule
         self.spec = spec
         self.asynchronous = schedule.asynchronous
         self.own_stages = tuple(own_stages)
         self.grad_values = gradient_values(program)
-        self.workers = _workers(program, schedule, spec, self.own_stages, self.grad_values)
+        self.workers = _workers(program, schedule, spec, self.own_stages, self.grad_values,
+                               hooks)
         self.wiring = Wiring(Dataflow.of(program), program.captured.input_names,
                              tuple(s.device for s in program.stages))
         self.executor = Executor(self.workers, self.wiring, rows=executor_rows, label=label)
@@ -311,18 +313,20 @@ class DistributedRuntime(Runtime):
     def __init__(self, program: StagedProgram, schedule: Schedule, spec: RuntimeSpec):
         topology = spec.topology
         assert topology is not None, "a distributed runtime runs one rank of a topology"
-        super().__init__(program, schedule, spec, topology.own_stages(schedule),
-                         executor_rows=[topology.position],
-                         label=lambda st: f"rank {topology.rank} (stage {st})")
-        self.topology = topology
+        own = topology.own_stages(schedule)
         in_backward = spec.fsdp or (spec.data_parallel > 1 and reduces_in_backward(
-            schedule, any(s in spec.checkpoint for s in self.own_stages), spec.compile_stages))
-        self.sync = GradientSync(topology, program, schedule, self.own_stages,
+            schedule, any(s in spec.checkpoint for s in own), spec.compile_stages))
+        self.sync = GradientSync(topology, program, schedule, own,
                                  sharded=spec.fsdp, replicas_reduced=in_backward)
-        if in_backward and not spec.fsdp:  # replicated: DDP's reducer, armed per step
-            for index, worker in self.workers.items():
-                worker.sync = ReplicaSync(program.stages[index].module, spec.microbatches,
-                                          self.sync.dp_group, spec.data_parallel)
+
+        def replica_hooks(index: int) -> ReplicaSync:  # replicated: DDP's reducer, per step
+            return ReplicaSync(program.stages[index].module, spec.microbatches,
+                               self.sync.dp_group, spec.data_parallel)
+
+        super().__init__(program, schedule, spec, own, executor_rows=[topology.position],
+                         label=lambda st: f"rank {topology.rank} (stage {st})",
+                         hooks=replica_hooks if in_backward and not spec.fsdp else None)
+        self.topology = topology
         self.waiter = Waiter()
         # constant per plan: the receive buffers' specs, and their shapes per distinct sizes
         self.specs = value_specs(program)
@@ -374,9 +378,13 @@ class DistributedRuntime(Runtime):
 
 
 def _workers(program: StagedProgram, schedule: Schedule, spec: RuntimeSpec,
-             own: Sequence[int], grad_values: frozenset[str]) -> dict[int, StageWorker]:
-    """One worker per stage in `own`; the last computes the loss. Asynchronous schedules give
-    each worker its weight versions and their optimizer."""
+             own: Sequence[int], grad_values: frozenset[str],
+             hooks: Callable[[int], Any] | None = None) -> dict[int, StageWorker]:
+    """One worker per stage in `own`; the last computes the loss. Its behaviours are chosen
+    here, once (`StageWorker`): recomputation for the stages in `spec.checkpoint`, weight
+    versions and their optimizer under the asynchronous schedules, the split backward under
+    the zero-bubble ones, a compiled stage's fused backward, and the data-parallel gradient
+    hooks (FSDP's per micro-batch; DDP's, `hooks`, where the replicas reduce in backward)."""
     m, last = spec.microbatches, program.num_stages - 1
     asynchronous = schedule.asynchronous
     scale = (VersionRule(schedule.name, program.num_stages, 0, m).loss_scale
@@ -411,7 +419,8 @@ def _workers(program: StagedProgram, schedule: Schedule, spec: RuntimeSpec,
             loss if s.index == last else None, recompute, versions=versions,
             fused_backward=spec.compile_stages, own_streams=own_streams,
             split_weights=splits, exclusive_params=exclusive,
-            sync=MicrobatchSync(s.module, m, spec.data_parallel) if spec.fsdp else None)
+            sync=(MicrobatchSync(s.module, m, spec.data_parallel) if spec.fsdp
+                  else hooks(s.index) if hooks is not None else None))
     return workers
 
 

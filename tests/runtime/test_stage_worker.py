@@ -195,3 +195,41 @@ def test_checkpointed_backward_keeps_stashed_weights_and_target():
     for name, grad in versions.pending.items():
         torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad,
                                    rtol=1e-14, atol=0)
+
+
+class _Hooks:
+    """Data-parallel gradient hooks as the worker calls them."""
+
+    def begin_step(self) -> None:
+        pass
+
+    def before_backward(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("options, names", [
+    ({}, ("KeptForward", "FusedBackward")),
+    ({"checkpoint": True}, ("RecomputedForward", "FusedBackward")),
+    ({"split_weights": True}, ("KeptForward", "SplitBackward")),
+    ({"split_weights": True, "fused_backward": True}, ("KeptForward", "CompiledBackward")),
+    ({"checkpoint": True, "sync": "hooks"}, ("RecomputedForward", "FusedBackward", "_Hooks")),
+])
+def test_the_options_choose_the_behaviours_once(options, names):
+    if "sync" in options:
+        options = {**options, "sync": _Hooks()}
+    worker = _middle_worker(Middle().double(), **options)
+    assert worker.behaviours == names
+    chosen = (worker.forward_behaviour, worker.backward_behaviour)
+    worker.forward(0, _inputs(0)[0])  # running does not choose again
+    assert (worker.forward_behaviour, worker.backward_behaviour) == chosen
+    assert repr(worker) == f"StageWorker(0, {', '.join(names)})"
+
+
+def test_weight_versions_choose_the_versioned_backward():
+    module = Middle().double()
+    rule = VersionRule("pipedream", 1, 0, 1)
+    worker = _middle_worker(module, versions=WeightVersions(
+        module, rule, lambda ps: torch.optim.SGD(ps, lr=0.1)))
+    assert worker.behaviours == ("KeptForward", "VersionedBackward")
+    worker.split_weights = True  # an option changed later chooses again, from all of them
+    assert worker.behaviours == ("KeptForward", "VersionedBackward")
