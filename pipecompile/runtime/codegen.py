@@ -4,13 +4,16 @@ The executor does not interpret the action list. For every device row it emits a
 performs that row's actions in order, one commented block per action, as torch.fx emits a
 graph's ``forward``: values live in local dictionaries named for the stage and micro-batch they
 belong to, messages are constants, and each local is deleted after its last use so nothing lives
-longer than the interpreter kept it. For a 2-stage 1F1B, device 1 reads::
+longer than the interpreter kept it. Each stage's worker is bound once, with the behaviours
+it was assembled with (`StageWorker.behaviours`), and each forward and backward names the one
+it runs. For a 2-stage 1F1B whose last stage recomputes, device 1 reads::
 
+    w1, d1 = workers[1], devices[1]  # stage 1 runs RecomputedForward, FusedBackward
     # 1RECV_F0<0: stage 1, receive the values of micro-batch 0
     t = now()
     X1_0 = to_device(transport.recv(M[0]), d1)
     records.append((0, t, now()))
-    # 1F0: stage 1, forward of micro-batch 0
+    # 1F0: stage 1, forward of micro-batch 0 (RecomputedForward)
     t = now()
     o = w1.forward(0, {'h': X1_0['h']}, to_device(targets[0], d1))
     ...
@@ -56,6 +59,15 @@ class StageCode:
     fed: frozenset[str]
     loss: bool
     accelerator: bool = False
+    # the worker's chosen behaviours (`StageWorker.behaviours`: forward, backward, gradient
+    # hooks), named where the row binds the stage and on each action they run
+    behaviours: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, worker: Any, *, fed: frozenset[str], accelerator: bool = False) -> "StageCode":
+        """What the emitter needs of a `StageWorker`, its chosen behaviours included."""
+        return cls(worker.index, tuple(worker.input_names), fed, worker.loss is not None,
+                   accelerator, tuple(getattr(worker, "behaviours", ())))
 
 
 @dataclass
@@ -145,7 +157,10 @@ class _Emitter:
         self.line(f'"""Device {self.device} of schedule {self.schedule.name!r} '
                   f'({mode}): stages {own}, {len(actions)} actions."""')
         for s in own:
-            self.line(f"w{s}, d{s} = workers[{s}], devices[{s}]")
+            runs = self.stages[s].behaviours if s in self.stages and not self.forward_only \
+                else ()
+            self.line(f"w{s}, d{s} = workers[{s}], devices[{s}]"
+                      + (f"  # stage {s} runs {', '.join(runs)}" if runs else ""))
         starts = []
         for k, action in enumerate(actions):
             starts.append(len(self.lines) + 1)
@@ -158,6 +173,16 @@ class _Emitter:
         return DeviceCode(self.device, source, filename, actions, tuple(starts),
                           tuple(self.messages))
 
+    def by(self, a: Action) -> str:
+        """The behaviour that runs action `a` (its stage's forward or backward), as a comment
+        suffix; nothing where the stage's behaviours are not known or nothing trains."""
+        known = self.stages[a.stage].behaviours if a.stage in self.stages else ()
+        if self.forward_only or len(known) < 2 or a.kind not in _BEHAVIOUR:
+            return ""
+        if a.kind is Kind.STEP and a.microbatch is None:  # `finish`, not the worker's
+            return ""
+        return f" ({known[_BEHAVIOUR[a.kind]]})"
+
     def line(self, text: str, indent: int = 1) -> None:
         self.lines.append("    " * indent + text)
 
@@ -169,7 +194,7 @@ class _Emitter:
         s, i = a.stage, a.microbatch
         doing = _DOING[a.kind]
         self.line(f"# {a}: stage {s}, " + (f"{doing} {i}" if i is not None
-                                            else doing.split(",")[0]))
+                                            else doing.split(",")[0]) + self.by(a))
         if a.kind is Kind.STEP:
             if i is not None:  # PipeDream, 2BW: the stage updates in place, in row order
                 self.line(f"t = now(); w{s}.apply_update(); records.append(({k}, t, now()))")
@@ -297,6 +322,8 @@ class _Emitter:
 
 
 _COMM = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+# which of a stage's behaviours (StageCode.behaviours) runs each computing action
+_BEHAVIOUR = {Kind.F: 0, Kind.B: 1, Kind.I: 1, Kind.W: 1, Kind.STEP: 1}
 _DOING = {  # what an action does, completed by its micro-batch (a STEP may have none)
     Kind.F: "forward of micro-batch", Kind.B: "backward of micro-batch",
     Kind.I: "input gradients (zero-bubble I) of micro-batch",
