@@ -2,12 +2,16 @@
 
     options   job_options: the keyword arguments checked once (options.py, or
               planner/layout_options.py when the layout is searched) -> plan.asked
+    join      the layout of torchrun's ranks searched: the process group joined, the
+              link between ranks measured (planner/layout_ranks.py)  (updates asked)
     capture   the model as a flat fx graph                              -> plan.captured
     probe     this machine's rates, and the planning probe when a searched option
               depends on time (choose.py)                             -> plan.probe, ...
     search    the "auto" options: schedule, micro-batches, virtual stages,
               recomputation per stage, by predicted step time; measures
               nothing (search.py, choose.py)                  -> plan.choices, plan.search
+    ranks     the layout of torchrun's ranks searched: this process's place in the
+              chosen P x D (planner/layout_ranks.py)                   (updates asked)
     schedule  the action lists per device and peak in-flight counts      -> plan.schedule
     linearize blocks in order, as coarse as still gives every stage one  -> plan.linear
     annotate  block costs (analytic, or measured with profile=True)      -> plan.costs
@@ -54,6 +58,7 @@ from .planner.options import check_async_ties, device_present, example_microbatc
 from .passes.calibrate import calibrate_blocks, fit_calibration
 from .ir.devices import DeviceSpec
 from .planner.layout_options import job_options
+from .planner.layout_ranks import join_pass, ranks_pass
 from .passes.split import split
 from .pipeline import Pipeline
 from .planner.plan import Pass, Plan, run_passes
@@ -85,7 +90,7 @@ def compile(  # noqa: A001 - the public name of the design
     example_inputs: Sequence[Any] = (),
     example_kwargs: dict[str, Any] | None = None,
     *,
-    devices: int | Sequence[str | torch.device | DeviceSpec] = 1,
+    devices: int | Sequence[str | torch.device | DeviceSpec] | None = None,
     microbatches: int | str = "auto",
     schedule: str | Schedule = "auto",
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -102,13 +107,13 @@ def compile(  # noqa: A001 - the public name of the design
     bandwidth: float | None = None,
     checkpoint: bool | str = "auto",
     vertical_sync: bool = False,
-    data_parallel: int = 1,
+    data_parallel: int | str | None = None,
     timeout: float = 300.0,
     verbose: bool = False,
     rng: str = "global",
     rng_seed: int = 0,
     compile_stages: bool = False,
-    fsdp: bool = False,
+    fsdp: bool | str = False,
     mesh: Any = None,
     cache: CompileCache | None = default_cache,
 ) -> Pipeline:
@@ -118,8 +123,9 @@ def compile(  # noqa: A001 - the public name of the design
     `step(...)` or call captures and plans from those inputs, and a later call whose inputs the
     plan cannot run is planned again (see `deferred.py`). With them, it plans now.
 
-    `devices` is a count (CUDA devices if present, else that many CPU workers), a list of
-    device names, or a list of `DeviceSpec` (relative speed, memory) for heterogeneous devices.
+    `devices` is a count (CUDA devices if present, else that many CPU workers; 1 when not
+    given), a list of device names, or a list of `DeviceSpec` (relative speed, memory) for
+    heterogeneous devices.
     `memory_limit` (bytes, per device or one for all) caps each stage's predicted memory.
     `example_target` (the target of the example batch) lets `profile=True` time `loss_fn` too.
     `rng="per-microbatch"` draws every random op from a stream of (`rng_seed`, step,
@@ -140,7 +146,12 @@ def compile(  # noqa: A001 - the public name of the design
     Under torch.distributed (an initialised process group, or torchrun's environment) the same
     call runs on every rank: `devices` is the number of pipeline ranks and `data_parallel` the
     number of pipeline replicas; each rank keeps only its own stages. `fsdp=True` shards each
-    stage over the replicas (`fully_shard`); `mesh` is a ("dp", "pp") DeviceMesh to use.
+    stage over the replicas (`fully_shard`); `mesh` is a ("dp", "pp") DeviceMesh to use. Each
+    rank then passes its replica's batch. With `data_parallel="auto"`, or neither `devices`
+    nor `data_parallel` given, the search chooses P x D = the ranks (and FSDP with
+    `fsdp="auto"`; `devices=P` or a written schedule fixes P) by this machine's measured
+    costs, and every rank passes the GLOBAL batch: replica r of D takes its rows
+    [r B/D, (r+1) B/D), the loss returned is the global batch's.
 
     `cache` keeps what compiling measures or derives (this machine's rates, the planning probe,
     symbolic block costs), keyed by content: the process-wide `compile_cache.default_cache`
@@ -333,9 +344,11 @@ _MEASURED = ("probe", "device_model", "overhead", "calibration", "efficiency", "
 _PLACED = ("linear", "costs", "placement", "schedule", "inflight", "choices")
 
 PASSES: tuple[Pass, ...] = (
+    Pass("join", join_pass, updates=("asked",)),
     Pass("capture", _capture, produces=("captured",)),
     Pass("probe", probe_pass, requires=("captured",), produces=_MEASURED),
     Pass("search", search_pass, requires=("captured", *_MEASURED), produces=("choices", "search")),
+    Pass("ranks", ranks_pass, requires=("choices",), updates=("asked",)),
     Pass("schedule", schedule_pass, requires=("choices",), produces=("schedule", "inflight")),
     Pass("linearize", _linearize, requires=("captured", "choices"), produces=("linear",)),
     Pass("annotate", _annotate, requires=("linear", "choices", "device_model", "calibration"),

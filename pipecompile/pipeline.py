@@ -31,6 +31,7 @@ from .planner.plan import PassRecord, Plan
 from .planner.layout import Layout
 from .outputs import presentation
 from .runtime.assemble import Runtime
+from .runtime.data_parallel import replica_microbatches
 from .runtime.direct_forward import direct_forward, plain_call
 from .runtime.distributed import Topology
 from .runtime.microbatch import split_microbatches
@@ -155,11 +156,13 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         during the step (`runtime/versions.py`). The caller's `torch.autocast` applies in every
         stage; `loss_scale` (a number or a `GradScaler`) scales the loss before backward, not
         the loss returned. `num_items_in_batch=N` (transformers' normalisation): losses and
-        gradients summed over micro-batches and replicas, the unsplit model's over N items."""
+        gradients summed over micro-batches and replicas, the unsplit model's over N items.
+        With `data_parallel="auto"` every rank passes the global batch and its replica takes
+        its rows; the loss is the global batch's (`runtime.data_parallel.replica_microbatches`)."""
         self._ready(args, kwargs, target, where="pipe.step()")
         if num_items_in_batch is not None:
             check_num_items(self.plan.options.loss_fn, num_items_in_batch)
-        mbs = split_microbatches(args, kwargs, target, self.plan.options.microbatches)
+        mbs = self._microbatches(args, kwargs, target)
         scale = loss_scale_value(loss_scale, self.runtime.wiring.devices[-1])
         self._last = self.runtime.run(self.schedule, mbs, batches=1, loss_scale=scale,
                                       num_items=num_items_in_batch)
@@ -169,8 +172,18 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         """The validation loss of a batch, by forwards only in eval mode without autograd;
         gradients, parameters and `pipe.training` are left as they were."""
         self._ready(args, kwargs, target, where="pipe.eval_step()")
-        mbs = split_microbatches(args, kwargs, target, self.plan.options.microbatches)
-        return self.runtime.evaluate(mbs).losses[0]
+        return self.runtime.evaluate(self._microbatches(args, kwargs, target)).losses[0]
+
+    def _microbatches(self, args: tuple, kwargs: Mapping[str, Any], target: Any) -> list:
+        """This process's micro-batches of a step's batch: of its replica's rows when every
+        rank passes the global batch (data_parallel="auto" under torch.distributed)."""
+        o = self.plan.options
+        topology = o.ranks.topology
+        if o.global_batch and topology is not None and topology.data_parallel > 1:
+            return replica_microbatches(args, kwargs, target, microbatches=o.microbatches,
+                                        replica=topology.replica,
+                                        replicas=topology.data_parallel)
+        return split_microbatches(args, kwargs, target, o.microbatches)
 
     def fit(self, batches: Iterable[tuple]) -> list[torch.Tensor]:
         """Train on `(args, target)` or `(args, kwargs, target)` batches; each one's mean loss.

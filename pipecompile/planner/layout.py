@@ -143,14 +143,17 @@ class Collectives:
     group: Group
     intra: Link
     inter: Link
-    memory_bandwidth: float  # bytes/s of device memory: what the optimizer step moves at
+    # bytes/s of device memory: what the optimizer step moves at (None: not priced, for
+    # the ranks of this machine, whose memory bandwidth is not measured)
+    memory_bandwidth: float | None
 
     @classmethod
     def of(cls, layout: Layout, cluster: Cluster | None, device: DeviceSpec
            ) -> "Collectives | None":
-        """The pricing of `layout` (None where there is nothing to price: devices measured
-        on this machine, whose collectives and optimizer are not modelled)."""
-        if not device.absolute or device.memory_bandwidth is None:
+        """The pricing of `layout`: over the cluster's links, or the link `device` sends
+        over (the ranks of this machine: measured, planner/layout_ranks.py). None for an
+        absolute device without memory bandwidth."""
+        if device.absolute and device.memory_bandwidth is None:
             return None
         if cluster is not None:
             intra, inter = cluster.intra, cluster.inter
@@ -165,7 +168,8 @@ class Collectives:
         during that backward (one autograd backward per micro-batch, no recomputation)."""
         d = self.layout.data_parallel
         shard = d if self.layout.fsdp else 1
-        step = (2 * param + grad + 2 * optimizer) / shard / self.memory_bandwidth
+        step = (0.0 if self.memory_bandwidth is None else
+                (2 * param + grad + 2 * optimizer) / shard / self.memory_bandwidth)
         if d < 2:
             return 0.0, step
         if self.layout.fsdp:

@@ -1,28 +1,43 @@
 """compile's options when the layout is searched: `data_parallel="auto"` or a `Cluster`.
 
+    job_options(example, ...)                              -> CompileOptions (compile's entry)
     layout_options(devices, data_parallel, fsdp, example) -> (cluster, D given, FSDP given)
                                                              | None (the layout is given)
+    ranks_options(world, devices, fsdp, example)           -> the same, for the ranks of a
+                                                             torchrun job
     layout_resolved(...)                                   -> CompileOptions over every device
 
 Then `devices` are all of the job's devices, the example is the global batch (each replica
 takes its slice), and the search pass chooses P x D, FSDP and where each dimension goes
-(planner/layout.py). Bad values are `ConfigError`s saying what to pass.
+(planner/layout.py). Under torchrun (WORLD_SIZE > 1) `data_parallel="auto"`, or neither
+`devices` nor `data_parallel` given, searches the layout of the ranks: `devices=P` then fixes
+the pipeline degree (D = world / P). Validating joins no process group: compile's "join"
+pass does (planner/layout_ranks.py). Bad values are `ConfigError`s saying what to pass.
 """
 
 from __future__ import annotations
 
-import os
+import math
 from typing import Any
 
 from ..errors import ConfigError
-from ..ir.devices import DeviceSpec
+from .options import (
+    AUTO,
+    CompileOptions,
+    _auto,
+    _device_specs,
+    _fit_given,
+    _schedule_option,
+    compute_dtype,
+    resolve_options,
+)
 from ..ir.records import Example
-from .options import (AUTO, CompileOptions, _auto, _device_specs, _fit_given, _schedule_option,
-                      compute_dtype, resolve_options)
+from ..ir.devices import DeviceSpec
 from ..schedule.schedules import ASYNC_SCHEDULE_NAMES, TWO_STAGES_PER_DEVICE
 from .cluster import Cluster
+from .layout_ranks import rank_device, world_size
 
-__all__ = ["job_options", "layout_options", "layout_resolved"]
+__all__ = ["job_options", "layout_options", "ranks_options", "layout_resolved"]
 
 
 def job_options(example: Example | None, *, devices: Any, data_parallel: Any,
@@ -30,8 +45,21 @@ def job_options(example: Example | None, *, devices: Any, data_parallel: Any,
                 memory_limit: Any, bandwidth: Any, timeout: float, split_points: Any,
                 **rest: Any) -> CompileOptions:
     """compile's options: over every device of the job when the layout is searched
-    (`data_parallel="auto"` or a cluster), else `options.resolve_options` (the layout given)."""
-    layout = layout_options(devices, data_parallel, rest.get("fsdp", False), example)
+    (`data_parallel="auto"`, a cluster, or under torchrun neither `devices` nor
+    `data_parallel`), else `options.resolve_options` (the layout given). `devices` and
+    `data_parallel` None: not given (1 each outside that search)."""
+    world = world_size()
+    fsdp = rest.get("fsdp", False)
+    searched = data_parallel == AUTO or (devices is None and data_parallel is None)
+    if world > 1 and searched and not isinstance(devices, Cluster):
+        names, ranks = ranks_options(world, devices, fsdp, example)
+        return layout_resolved(example, names, ranks, microbatches, schedule, virtual_stages,
+                               checkpoint, memory_limit,
+                               math.inf if bandwidth is None else bandwidth,  # inf: measured
+                               timeout, split_points, rest)
+    devices = 1 if devices is None else devices
+    data_parallel = 1 if data_parallel is None else data_parallel
+    layout = layout_options(devices, data_parallel, fsdp, example)
     if layout is not None:
         return layout_resolved(example, devices, layout, microbatches, schedule,
                                virtual_stages, checkpoint, memory_limit, bandwidth, timeout,
@@ -41,6 +69,38 @@ def job_options(example: Example | None, *, devices: Any, data_parallel: Any,
                            checkpoint=checkpoint, memory_limit=memory_limit,
                            bandwidth=bandwidth, data_parallel=data_parallel, timeout=timeout,
                            split_points=split_points, **rest)
+
+
+def ranks_options(world: int, devices: Any, fsdp: Any, example: Example | None
+                  ) -> tuple[list[str], tuple[Cluster | None, int | None, bool | None]]:
+    """The devices (one per rank, this rank's kind) and what the search may choose of the
+    layout of `world` ranks: P x D, or D = world / P where `devices=P` fixes the pipeline."""
+    if fsdp not in (True, False, AUTO):
+        raise ConfigError(f"fsdp must be True, False or 'auto', got {fsdp!r}")
+    divisors = [p for p in range(1, world + 1) if world % p == 0]
+    fixed = None
+    if devices is not None:
+        if isinstance(devices, bool) or not isinstance(devices, int):
+            raise ConfigError(
+                f"under torch.distributed with data_parallel='auto' each of the {world} ranks "
+                f"runs on its own device: pass devices=P (the pipeline ranks) to fix the "
+                f"pipeline degree, or leave devices out (the search chooses P x D = {world})")
+        if devices < 1 or world % devices:
+            raise ConfigError(
+                f"devices={devices} pipeline ranks do not divide the {world} ranks; pass one "
+                f"of {divisors} (D = {world} / P replicas) or leave devices out (the search "
+                f"chooses)")
+        fixed = world // devices
+    if fsdp is True and fixed == 1:
+        raise ConfigError(f"fsdp=True shards each stage over replicas, but devices={world} "
+                          f"leaves one; pass fewer pipeline ranks or leave devices out")
+    if example is not None and fixed is not None and example.batch < fixed:
+        raise ConfigError(
+            f"the global batch has {example.batch} samples, fewer than data_parallel="
+            f"{fixed} replicas ({world} ranks / devices={devices}); every rank passes the "
+            f"global batch: use at least {fixed} samples (a multiple of {fixed}) or more "
+            f"pipeline ranks")
+    return [rank_device()] * world, (None, fixed, None if fsdp == AUTO else bool(fsdp))
 
 
 def layout_options(devices: Any, data_parallel: Any, fsdp: Any, example: Example | None
@@ -56,11 +116,11 @@ def layout_options(devices: Any, data_parallel: Any, fsdp: Any, example: Example
                           f"{data_parallel!r}")
     if fsdp not in (True, False, AUTO):
         raise ConfigError(f"fsdp must be True, False or 'auto', got {fsdp!r}")
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+    if world_size() > 1:  # ranks: job_options searched them; a cluster is planned, not run
         raise ConfigError(
-            "data_parallel='auto' (or a cluster) under torch.distributed is not supported yet: "
-            "pass devices=P and data_parallel=D with P x D = the ranks (each rank passing its "
-            "replica's batch)")
+            "a cluster of devices that are not here is planned in one process, not under "
+            "torch.distributed; compile it without torchrun (nothing runs), or leave devices "
+            "out to lay out this job's ranks")
     if cluster is None and (isinstance(devices, int) or not all(
             isinstance(d, DeviceSpec) and d.absolute for d in devices)):
         raise ConfigError(
@@ -91,6 +151,11 @@ def layout_resolved(example: Example | None, devices: Any,
                           f"divisor of {world} or 'auto'")
     name, given = _schedule_option(schedule)
     if given is not None:  # a written schedule fixes P (and its counts)
+        if fixed is not None and given.num_devices * fixed != world:
+            raise ConfigError(
+                f"schedule {given.name!r} runs on {given.num_devices} pipeline devices but "
+                f"{world} devices / data_parallel={fixed} leave {world // fixed}; write it for "
+                f"{world // fixed} devices or leave the pipeline degree to the schedule")
         if world % given.num_devices:
             raise ConfigError(
                 f"schedule {given.name!r} runs on {given.num_devices} pipeline devices, which "

@@ -62,7 +62,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         key = (linear.granularity, size)
         if key not in tables:
             model = replace(cost_model(plan, example), microbatch_size=size, microbatches=m,
-                            profile=False, calibration=None)
+                            profile=False)  # calibrated by the probe (ranks of this machine)
             like = next((t for (g, _), t in tables.items() if g == linear.granularity), None)
             tables[key] = cost(linear, model, example, o.ranks, like)
             priced[key] = BlockTable.of(tables[key], linear)

@@ -26,16 +26,23 @@ torchtitan and torch's pipelining `stage.py`:
   so the user's optimizer, clipping and `torch.distributed.checkpoint` see what torchtitan's do.
 
 Every rank must run `shard_stages` (the mesh and the sharding are collective).
+
+With `data_parallel="auto"` every rank passes the global batch to `step()`: replica r of D
+takes its rows [r B/D, (r+1) B/D) (`replica_microbatches`), split into the plan's
+micro-batches; the loss the step returns is the mean over every replica's micro-batches, the
+global batch's.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from ..errors import ConfigError
+from ..ir.records import batch_size_of
+from .microbatch import MicroBatch, split_microbatches
 
 if TYPE_CHECKING:
     from ..ir.records import StagedProgram
@@ -43,7 +50,7 @@ if TYPE_CHECKING:
     from .distributed import Topology
 
 __all__ = ["data_parallel_mesh", "shard_stages", "MicrobatchSync", "ReplicaSync",
-           "reduces_in_backward"]
+           "reduces_in_backward", "replica_microbatches"]
 
 
 def data_parallel_mesh(topology: "Topology", device: torch.device, mesh: Any = None) -> Any:
@@ -67,6 +74,22 @@ def data_parallel_mesh(topology: "Topology", device: torch.device, mesh: Any = N
             f"rank = replica * {P} + position, i.e. ('dp', 'pp') = {want}: build it with "
             f"init_device_mesh('{device.type}', ({D}, {P}), mesh_dim_names=('dp', 'pp'))")
     return mesh
+
+
+def replica_microbatches(args: tuple, kwargs: Mapping[str, Any], target: Any, *,
+                         microbatches: int, replica: int, replicas: int) -> list[MicroBatch]:
+    """The micro-batches of `replica` (of `replicas`) in a global batch: its rows
+    [replica B/D, (replica + 1) B/D) of every batched input and the target, split in
+    `microbatches`. A batch that D does not divide is a `ConfigError` saying what to pass."""
+    batch = batch_size_of(args, kwargs)
+    if batch < replicas or batch % replicas:
+        raise ConfigError(
+            f"the global batch of {batch} samples does not split into {replicas} replicas "
+            f"(data_parallel='auto': every rank passes the global batch, each replica takes "
+            f"its 1/{replicas} of the rows); pass a global batch that is a multiple of "
+            f"{replicas}, the same on every rank")
+    mine = split_microbatches(args, kwargs, target, replicas)[replica]
+    return split_microbatches(mine.args, mine.kwargs, mine.target, microbatches)
 
 
 def shard_stages(program: "StagedProgram", own: Sequence[int], mesh: Any) -> "StagedProgram":

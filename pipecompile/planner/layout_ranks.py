@@ -1,0 +1,141 @@
+"""The ranks of a job whose layout is searched under torch.distributed (data_parallel="auto"
+under torchrun): validating compile's options joins nothing, two explicit passes do.
+
+    world_size()          the ranks torchrun launched (or an initialised group has), read
+                          without joining: what validating the options needs
+    join_pass             before planning: join the process group; every rank gets a
+                          provisional place (P = world, D = 1) so that what planning measures
+                          (matmul rate, action cost, the planning probe) is rank 0's
+                          (ranks.py); the link between ranks, unless `bandwidth=` was given
+                          (the devices' bandwidth is infinite until then), is measured: an
+                          all-reduce over every rank timed at two sizes, fitted to the ring's
+                          alpha-beta model (planner/collectives.py), rank 0's fit everywhere
+    ranks_pass            once the search chose P x D: this process's place, rank =
+                          replica * P + position (the runtime builds the groups and the meshes
+                          from it; FSDP's mesh in compile's "shard" pass)
+
+Every rank searches with the same numbers, so every rank chooses the same layout; compile's
+"plan check" pass compares the finished plans.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..measure.ranks import Ranks
+from ..runtime.distributed import Topology, topology_from_environment
+
+if TYPE_CHECKING:
+    from .options import CompileOptions
+    from ..ir.records import Example
+    from .plan import Plan
+
+__all__ = ["world_size", "rank_device", "searched_here", "join_pass", "ranks_pass",
+           "fit_link"]
+
+_ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # torchrun's
+_SIZES = (4, 1 << 20)  # bytes of the two timed all-reduces
+_REPEATS = 5
+
+
+def world_size() -> int:
+    """The ranks of this job: the initialised process group's, else torchrun's environment's
+    (nothing is joined), else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if all(k in os.environ for k in _ENVIRONMENT):
+        return int(os.environ["WORLD_SIZE"])
+    return 1
+
+
+def rank_device() -> str:
+    """The device this rank will run on once joined (`runtime.distributed.local_device`):
+    its CUDA device (torchrun's LOCAL_RANK) where CUDA is, else the CPU."""
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return "cpu"
+
+
+def searched_here(options: "CompileOptions") -> bool:
+    """Whether `options` search the layout of ranks of this job (not of absent devices)."""
+    return "layout" in options.auto and options.cluster is None and not any(
+        d.absolute for d in options.devices)
+
+
+def join_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
+    """Join the process group, measure the link between ranks (module docstring)."""
+    o = plan.asked
+    if not searched_here(o) or o.ranks.distributed:
+        return None
+    world = len(o.devices)
+    topology = topology_from_environment(world, 1, o.timeout)
+    if topology is None:  # the group went away between validation and now
+        from ..errors import ConfigError
+
+        raise ConfigError(f"data_parallel='auto' was validated for {world} ranks but this "
+                          f"process is not one of them; launch it with torchrun")
+    ranks = Ranks(topology)
+    note = "bandwidth given"
+    devices = o.devices
+    if math.isinf(o.devices[0].bandwidth):  # not given: measured
+        bandwidth, latency = ranks.shared(_measure_link(world))
+        devices = tuple(replace(d, bandwidth=bandwidth, latency=latency) for d in o.devices)
+        note = (f"link between ranks measured: {latency * 1e6:.0f} us per message, "
+                f"{bandwidth / 1e9:.2f} GB/s")
+    asked = replace(o, ranks=ranks, devices=devices)
+    return replace(plan, asked=asked), (
+        f"rank {topology.rank} of {world} joined; {note}")
+
+
+def ranks_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
+    """This process's place in the chosen P x D grid."""
+    o, layout = plan.asked, plan.ready.choices.layout
+    if layout is None or not searched_here(o) or o.ranks.topology is None:
+        return None
+    t = o.ranks.topology
+    placed = Topology(t.rank, t.world_size, layout.pipeline, layout.data_parallel)
+    return replace(plan, asked=replace(o, ranks=Ranks(placed))), (
+        f"{layout.pipeline} x {layout.data_parallel}: rank {t.rank} is position "
+        f"{placed.position} of replica {placed.replica}")
+
+
+def fit_link(world: int, small: tuple[int, float], large: tuple[int, float]
+             ) -> tuple[float, float]:
+    """(bytes/s, seconds per message) of the ring all-reduce model
+    t(S) = 2 (n-1) alpha + 2 (n-1)/n S / B fitted to two timed sizes (bytes, seconds)."""
+    steps = 2 * (world - 1)
+    (s0, t0), (s1, t1) = small, large
+    moved = steps / world * (s1 - s0)
+    bandwidth = moved / max(t1 - t0, 1e-9)
+    latency = max(0.0, t0 - steps / world * s0 / bandwidth) / steps
+    return bandwidth, latency
+
+
+def _measure_link(world: int) -> tuple[float, float]:
+    """Time all-reduces of `_SIZES` bytes over every rank (the median of `_REPEATS`)."""
+    import torch.distributed as dist
+
+    from ..runtime.distributed import local_device
+
+    timed = []
+    for size in _SIZES:
+        buffer = torch.zeros(max(1, size // 4), dtype=torch.float32, device=local_device())
+        dist.all_reduce(buffer)  # warm: connections, buffers
+        times = []
+        for _ in range(_REPEATS):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buffer)
+            if buffer.is_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        timed.append((buffer.numel() * 4, sorted(times)[_REPEATS // 2]))
+    return fit_link(world, timed[0], timed[1])

@@ -1,0 +1,106 @@
+"""Functions run on every rank by tests/planner/test_layout_torchrun.py (importable by spawned
+processes): on 4 gloo ranks, every rank passes the GLOBAL batch and the layout (P x D) is
+searched (`data_parallel="auto"`, or neither `devices` nor `data_parallel`) or forced
+(`devices=P` with `data_parallel="auto"`: D = 4 / P); one training step each, then the bad
+inputs. One spawn runs every case (the suite's time goes to starting processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import pipecompile as pc
+from pipecompile.schedule.actions import Schedule
+
+BATCH = 8
+WORLD = 4
+# name -> (compile's options, lazy: compiled without example inputs)
+CASES: dict[str, tuple[dict, bool]] = {
+    "declarative": ({}, True),  # neither devices nor data_parallel: the search chooses P x D
+    "auto": ({"data_parallel": "auto", "fsdp": "auto"}, False),
+    "4x1": ({"devices": 4, "data_parallel": "auto"}, False),
+    "2x2": ({"devices": 2, "data_parallel": "auto", "fsdp": False}, False),
+    "2x2 fsdp": ({"devices": 2, "data_parallel": "auto", "fsdp": True}, False),
+    "1x4": ({"devices": 1, "data_parallel": "auto", "fsdp": False}, False),
+    # a written schedule fixes P = its 2 devices: 2 x 2
+    "written": ({"data_parallel": "auto", "schedule": "name: mine\n0: 0F0 0F1 0B0 0B1\n"
+                 "1: 1F0 1B0 1F1 1B1"}, False),
+}
+
+
+def model() -> torch.nn.Module:
+    """Four linear layers (seven blocks), float64: every layout of 4 ranks fits it."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+        torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+
+
+def batch(rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(rows, 8, generator=g, dtype=torch.float64),
+            torch.randn(rows, 4, generator=g, dtype=torch.float64))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a DTensor's all-gather is collective: every replica calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _step(options: dict, lazy: bool) -> dict:
+    x, y = batch()
+    pipe = pc.compile(model(), **({} if lazy else {"example_inputs": (x,)}), loss_fn=F.mse_loss,
+                      timeout=60, **options)
+    loss = pipe.step(x, target=y).item()
+    grads = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()}
+    evaluated = pipe.eval_step(x, target=y).item()  # each replica its rows, the global mean
+    tried = pipe.plan.search.layouts if pipe.plan.search is not None else ()
+    return {"loss": loss, "layout": pipe.layout, "repr": repr(pipe), "grads": grads,
+            "eval": evaluated,
+            "tried": [(c.layout.pipeline, c.layout.data_parallel, c.layout.fsdp, c.fits)
+                      for c in tried],
+            "data_parallel": pipe.plan.options.data_parallel}
+
+
+def _errors() -> dict[str, str]:
+    """The bad inputs: each a PipecompileError on every rank (never a hang)."""
+    x, y = batch()
+    found: dict[str, str] = {}
+
+    def expect(name, call):
+        try:
+            call()
+        except pc.PipecompileError as exc:
+            found[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            found[name] = "no error"
+
+    expect("pipeline does not divide", lambda: pc.compile(
+        model(), (x,), devices=3, data_parallel="auto", loss_fn=F.mse_loss))
+    written = Schedule.from_text("name: three\n0: 0F0 0B0\n1: 1F0 1B0\n2: 2F0 2B0")
+    expect("written schedule does not divide", lambda: pc.compile(
+        model(), (x,), data_parallel="auto", schedule=written, loss_fn=F.mse_loss))
+    one_block = torch.nn.Linear(8, 4).double()  # P = 1 only; D = 4 does not divide 2 samples
+    expect("no layout", lambda: pc.compile(
+        one_block, (x[:2],), data_parallel="auto", loss_fn=F.mse_loss))
+    expect("batch smaller than D", lambda: pc.compile(
+        model(), (x[:2],), devices=1, data_parallel="auto", loss_fn=F.mse_loss))
+    pipe = pc.compile(model(), (x,), devices=1, data_parallel="auto", fsdp=False,
+                      loss_fn=F.mse_loss, timeout=60)
+    x6, y6 = batch(6)
+    expect("step: batch not divisible", lambda: pipe.step(x6, target=y6))
+    expect("step: batch smaller than D", lambda: pipe.step(x[:2], target=y[:2]))
+    expect("devices list", lambda: pc.compile(
+        model(), (x,), devices=["cpu"] * 4, data_parallel="auto", loss_fn=F.mse_loss))
+    # after the refused steps the pipeline still trains (no rank was left in a collective)
+    found["after"] = str(pipe.step(x, target=y).item())
+    return found
+
+
+def run_all(rank: int) -> dict:
+    """Every case's loss, gradients (whole tensors) and layout, then the bad inputs' errors."""
+    out: dict = {name: _step(options, lazy) for name, (options, lazy) in CASES.items()}
+    out["errors"] = _errors()
+    return out
