@@ -81,6 +81,14 @@ def check_runnable(pipe: torch.nn.Module, plan: Plan, where: str) -> None:
     of `pipe`'s tensors is on meta (given no memory yet) and every tensor `to_empty` gave
     memory has been written since (loaded, initialised or recomputed)."""
     require_present(plan.options.devices, where=where)
+    o = plan.options
+    if o.data_parallel > 1 and o.ranks.topology is None:  # a loaded (or absent) layout
+        raise ConfigError(
+            f"{where}: this plan is for {o.data_parallel} data-parallel replicas of a "
+            f"{len(o.devices)}-device pipeline, and this process has no torch.distributed group "
+            f"of {o.data_parallel * len(o.devices)} ranks to run them (a loaded plan rebuilds "
+            f"one replica's stages); compile under torchrun with data_parallel="
+            f"{o.data_parallel}, or compile again without data parallelism to run here")
     check_written(pipe, plan, where)
 
 

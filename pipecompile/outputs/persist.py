@@ -47,6 +47,8 @@ import torch.fx as fx
 from ..errors import ConfigError
 from .graph_code import build_module, install, module_source
 from ..ir.records import Block, CapturedModel, LinearGraph, NodeRole, StageCost, ValueInfo
+from ..planner.choices import Choices
+from ..planner.layout import Layout
 from ..planner.options import CompileOptions
 from ..ir.devices import DeviceSpec
 from ..passes.split import Stage, StagedProgram, _Placement, _tensor_copies
@@ -80,6 +82,7 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
                        else options.checkpoint),  # per stage, or one flag for all
         "timeout": float(options.timeout), "vertical_sync": options.vertical_sync,
         "compile_stages": options.compile_stages,
+        "layout": _layout_to_json(plan),
         "schedule": "schedule.json", "bounds": list(program.bounds), "stages": stages,
         "producer": dict(program.producer),
         "consumers": {k: list(v) for k, v in program.consumers.items()},
@@ -144,7 +147,8 @@ def load_plan(
         virtual_stages=schedule.num_stages // schedule.num_devices,
         capture=program.captured.method, granularity=program.linear.granularity)
     passes = tuple(PassRecord(**p) for p in data["passes"])
-    plan = Plan(options, captured=program.captured, schedule=schedule, linear=program.linear,
+    plan = Plan(options, choices=_choices_from_json(data.get("layout"), options),
+                captured=program.captured, schedule=schedule, linear=program.linear,
                 program=program,
                 stage_costs=stage_costs,
                 cores=data.get("cores"), efficiency=data.get("efficiency", 1.0),
@@ -160,6 +164,31 @@ def load_plan(
 
 
 # -- stages ------------------------------------------------------------------------------------
+
+
+def _layout_to_json(plan: Plan) -> dict[str, Any] | None:
+    """The layout the plan was made for (P x D, FSDP, the dimension inside a node), without this
+    process's ranks (each process finds its own place again); None for a pipeline alone."""
+    chosen = plan.choices.layout if plan.choices is not None else None
+    o = plan.options
+    if chosen is None and o.data_parallel <= 1:
+        return None
+    layout = chosen or Layout(len(o.devices), o.data_parallel, o.fsdp)
+    return {"pipeline": layout.pipeline, "data_parallel": layout.data_parallel,
+            "fsdp": layout.fsdp, "inner": layout.inner}
+
+
+def _choices_from_json(entry: dict[str, Any] | None, options: CompileOptions) -> Choices | None:
+    """The saved layout as the plan's choices (what `Plan.options` applies), or None."""
+    if entry is None:
+        return None
+    checkpoint = options.checkpoint
+    stages = len(options.devices) * options.virtual_stages
+    flags = checkpoint if isinstance(checkpoint, tuple) else (bool(checkpoint),) * stages
+    return Choices(options.schedule, options.microbatches, options.virtual_stages, flags,
+                   layout=Layout(int(entry["pipeline"]), int(entry["data_parallel"]),
+                                 bool(entry["fsdp"]), str(entry["inner"])),
+                   devices=options.devices)
 
 
 def _write_stage(stage: Stage, program: StagedProgram, out: Path) -> dict[str, Any]:

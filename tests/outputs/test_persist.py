@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import pipecompile as pc
@@ -70,3 +71,21 @@ def test_the_loaded_stages_compute_what_the_saved_ones_did(tmp_path):
                 values.update(zip(stage.outputs, stage.module(*[values[n] for n in stage.inputs])))
         outputs.append(values[program.stages[-1].outputs[0]])
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+
+
+def test_a_saved_layout_loads_back_and_a_loaded_replica_refuses_to_run_alone(tmp_path):
+    """The layout is part of the plan: P x D, FSDP and the dimension inside a node come back;
+    one process cannot run D replicas, so a step says what to do instead of running one."""
+    from pipecompile import zoo
+
+    model = zoo.GPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
+    x = torch.randint(0, 64, (8, 16))
+    pipe = pc.compile(model, (x,), devices=pc.cluster("h100", nodes=1, per_node=2),
+                      data_parallel="auto", loss_fn=zoo.lm_loss)
+    assert pipe.layout.data_parallel > 1  # a model this small: replicas, not stages
+    pipe.save(tmp_path)
+    back = pc.load(tmp_path, loss_fn=zoo.lm_loss)
+    assert back.layout == pipe.layout
+    assert f"layout {pipe.layout}" in str(back)
+    with pytest.raises(pc.ConfigError, match=f"{pipe.layout.data_parallel} data-parallel replicas"):
+        back.step(x, target=x)
