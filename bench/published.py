@@ -1,4 +1,5 @@
-"""Predicted against published: torchtitan's FSDP2 Llama 3 runs on 64 A100 80GB, planned here.
+"""Predicted against published: torchtitan's FSDP2 Llama 3 runs on 64 A100 80GB, and the
+pipeline-only 1F1B runs of the Zero Bubble paper on 8 A100 80GB, planned here.
 
 Published (pytorch/torchtitan docs/performance.md, "Llama 3 performance numbers", FSDP2 only,
 64 A100 80GB, local batch 1, sequence 8192, so a global batch of 64 sequences):
@@ -21,6 +22,22 @@ The prediction uses the planner's own pieces, nothing fitted to these numbers:
   AdamW over fp32 shards at HBM bandwidth;
 - MFU with torchtitan's and the issue's FLOP count: (6 N + 12 L h s) per token, A100 BF16
   dense peak 312 TFLOP/s.
+
+Pipeline parallelism, no data or tensor parallelism (Qi, Wan, Huang and Lin, "Zero Bubble
+Pipeline Parallelism", ICLR 2024, arXiv 2401.10241): Table 3 gives the GPT-3-like models
+(Megatron-LM, fp16, sequence 1024), Table 4 the samples per GPU per second of Megatron-LM's
+1F1B on 8 A100 SXM 80GB in one node (its "1F1B" row):
+
+    1.5B: 22 layers, hidden 2304, 24 heads, micro-batch 6;  m = 24: 11.8,  m = 64: 13.6
+    6.2B: 30 layers, hidden 4096, 32 heads, micro-batch 3;  m = 24: 3.50,  m = 64: 4.03
+
+The model is transformers' GPT-2 at those sizes (learned positions, LayerNorm, GELU MLP of
+4 x hidden, biases, dropout 0.1, embedding tied to the head as in the repository's
+Megatron script of the time, vocabulary 32,000: the SentencePiece tokenizer's, which gives
+the parameter counts the paper names, 1.48B and 6.18B), bfloat16 on meta, compiled for
+`cluster("a100", nodes=1, per_node=8)` with `data_parallel=1, schedule="1f1b",
+microbatches=m, checkpoint=False`: the plan's own placement (it puts one layer fewer on the
+first and last stages, as the paper's runs do) and its predicted step, messages over NVLink.
 
     python bench/published.py
 """
@@ -77,9 +94,50 @@ def predict(factory, layers: int, hidden: int, recomputed: float) -> dict:
                 tokens=SEQ / step, mfu=flops / step / PEAK)
 
 
+PIPELINE_RUNS = [  # name, layers, hidden, heads, micro-batch size, m, published samples/s/GPU
+    ("Zero Bubble 1.5B, 1F1B, m=24", 22, 2304, 24, 6, 24, 11.8),
+    ("Zero Bubble 1.5B, 1F1B, m=64", 22, 2304, 24, 6, 64, 13.6),
+    ("Zero Bubble 6.2B, 1F1B, m=24", 30, 4096, 32, 3, 24, 3.50),
+    ("Zero Bubble 6.2B, 1F1B, m=64", 30, 4096, 32, 3, 64, 4.03),
+]
+ZB_GPUS, ZB_SEQ, ZB_VOCAB = 8, 1024, 32000
+
+
+def gpt(layers: int, hidden: int, heads: int, batch: int):
+    """The Zero Bubble paper's GPT-3-like model as transformers' GPT-2, on meta, bfloat16."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=ZB_SEQ,
+                        vocab_size=ZB_VOCAB, bos_token_id=0, eos_token_id=0, use_cache=False,
+                        tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config).to(torch.bfloat16)
+    ids = torch.empty(batch, ZB_SEQ, dtype=torch.long, device="meta")
+    return model, (ids,), {"labels": ids}
+
+
+def predict_pipeline(layers: int, hidden: int, heads: int, size: int, m: int) -> dict:
+    """Megatron-LM's 1F1B on 8 A100s in one node as pipecompile plans it (module docstring)."""
+    model, args, kwargs = gpt(layers, hidden, heads, size * m)
+    pipe = pc.compile(model, args, kwargs, devices=pc.cluster("a100", nodes=1, per_node=ZB_GPUS),
+                      data_parallel=1, schedule="1f1b", microbatches=m, checkpoint=False,
+                      optimizer=lambda p: torch.optim.AdamW(p))
+    step = pipe.predicted.makespan
+    layers_per_stage = [sum(b.name.startswith("transformer.h.") for b in blocks)
+                        for blocks in _stage_blocks(pipe)]
+    return dict(n=sum(p.numel() for p in model.parameters()), step=step,
+                samples=size * m / step / ZB_GPUS, bubble=pipe.predicted.bubble_fraction,
+                layers=layers_per_stage)
+
+
+def _stage_blocks(pipe) -> list:
+    linear = pipe.plan.linear.blocks
+    return [[linear[b] for b in stage.blocks] for stage in pipe.program.stages]
+
+
 def main() -> None:
-    print(f"# predicted vs published: torchtitan FSDP2 on 64 A100 80GB; {C.machine()}, "
-          f"load {C.loadavg()}")
+    print(f"# predicted vs published; {C.machine()}, load {C.loadavg()}")
+    print("\n## torchtitan, FSDP2 only, 64 A100 80GB (docs/performance.md)")
     rows = []
     for name, factory, layers, hidden, recomputed, tokens, mfu in RUNS:
         start = time.perf_counter()
@@ -91,6 +149,18 @@ def main() -> None:
     print(C.table(rows, ("run", "params", "compute s", "FSDP comm s", "exposed s",
                          "step s", "tok/s/GPU pred.", "published", "error", "MFU pred.",
                          "published", "plan s")))
+
+    print("\n## Zero Bubble (Qi et al., ICLR 2024), Table 4 1F1B row: pipeline only, 8 A100 80GB")
+    rows = []
+    for name, layers, hidden, heads, size, m, published in PIPELINE_RUNS:
+        start = time.perf_counter()
+        p = predict_pipeline(layers, hidden, heads, size, m)
+        rows.append((name, f"{p['n'] / 1e9:.2f}B", "/".join(map(str, p["layers"])),
+                     f"{p['step']:.3f}", f"{p['bubble']:.1%}", f"{p['samples']:.2f}",
+                     f"{published:.2f}", f"{p['samples'] / published - 1:+.1%}",
+                     f"{time.perf_counter() - start:.0f}"))
+    print(C.table(rows, ("run", "params", "layers per stage", "step s", "bubble",
+                         "samples/s/GPU pred.", "published", "error", "plan s")))
 
 
 if __name__ == "__main__":
