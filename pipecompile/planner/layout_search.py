@@ -22,10 +22,15 @@ from ..passes.partition import PartitionMemoryError
 from ..ir.formats import format_bytes
 from .layout import Layout
 
-__all__ = ["LayoutCandidate", "search_layouts", "TENSOR_PARALLEL_NOTE"]
+__all__ = ["LayoutCandidate", "search_layouts", "TENSOR_PARALLEL_NOTE", "StateTooLarge"]
 
 TENSOR_PARALLEL_NOTE = ("bound by tensor parallelism: a stage does not fit even with the most "
                         "pipeline stages and recomputation (tensor parallelism is not supported)")
+
+
+class StateTooLarge(PartitionMemoryError):
+    """A layout refused before its search: the bytes its devices must hold whatever the plan
+    (parameters, gradients and optimizer state over its P devices) exceed a device."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,8 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
         except PartitionMemoryError as error:
             need = error.memory_needed or math.inf
             errors.append((need, str(error)))
-            found.append(LayoutCandidate(layout, reason=f"does not fit: needs "
+            least = "at least " if isinstance(error, StateTooLarge) else ""
+            found.append(LayoutCandidate(layout, reason=f"does not fit: needs {least}"
                                          f"{format_bytes(need)} on a device" + (
                                              f"; {TENSOR_PARALLEL_NOTE}"
                                              if layout.data_parallel == 1 else "")))

@@ -44,7 +44,7 @@ from .stage_costs import (
 
 # BlockTable and SPLIT_BACKWARD_RATIO live in stage_costs (the pricing); named here for callers
 __all__ = ["FSDP_SCHEDULES", "BlockTable", "Space", "Candidate", "SearchResult", "search",
-           "microbatch_choices", "SYNC_SCHEDULES", "SPLIT_BACKWARD_RATIO"]
+           "microbatch_choices", "SYNC_SCHEDULES", "SPLIT_BACKWARD_RATIO", "ANY_V_SCHEDULES"]
 
 #: The synchronous schedules an automatic schedule choice considers, in tie-breaking order
 #: (the zero-bubble ones priced with the measured (I + W) / B of the planning probe).
@@ -52,6 +52,9 @@ SYNC_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1",
                                    "interleaved-zb")
 #: Those whose backward runs FSDP's hooks (one autograd backward per micro-batch): fsdp=True.
 FSDP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+
+#: The schedules that place any number v of stages on a device (the others: 1, zb-v 2).
+ANY_V_SCHEDULES: tuple[str, ...] = ("interleaved-1f1b", "interleaved-zb")
 
 #: Predicted steps within this fraction of the fastest are ties, decided by peak memory.
 TIE = 1e-3
@@ -65,6 +68,18 @@ class Space:
     microbatches: tuple[int, ...]
     virtual_stages: tuple[int, ...] | None = None  # None: 2 for TWO_STAGES_PER_DEVICE, else 1
     checkpoint: bool | None = False  # True every stage, None where memory needs it
+    # with virtual_stages None: the v tried by the schedules that take any v (ANY_V_SCHEDULES:
+    # interleaving), where 2 alone is too coarse (Megatron-LM interleaves up to one layer per
+    # stage); None: 2
+    interleave: tuple[int, ...] | None = None
+
+    def virtual_for(self, name: str) -> tuple[int, ...]:
+        """The virtual stage counts tried for schedule `name`."""
+        if self.virtual_stages:
+            return self.virtual_stages
+        if name in ANY_V_SCHEDULES and self.interleave:
+            return self.interleave
+        return (2,) if name in TWO_STAGES_PER_DEVICE else (1,)
 
 
 @dataclass(frozen=True)
@@ -166,7 +181,7 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     found: list[Candidate] = []
     for name in space.schedules:
         for m in space.microbatches:
-            for v in space.virtual_stages or ((2,) if name in TWO_STAGES_PER_DEVICE else (1,)):
+            for v in space.virtual_for(name):
                 table = costs_for(m, p * v)
                 if table is None:
                     continue

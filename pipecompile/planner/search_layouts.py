@@ -14,16 +14,17 @@ from dataclasses import replace
 from .choices import Choices
 from .choose import coarsest, cost_model, enough_blocks
 from ..errors import ConfigError
-from ..ir.records import CostTable, LinearGraph
+from ..ir.records import CapturedModel, CostTable, LinearGraph
 from ..ir.records import Example
 from ..passes.linearize import GRANULARITIES, linearize
 from .plan import Plan
 from .planning import cost
-from ..ir.formats import format_stages
+from ..ir.devices import DeviceSpec
+from ..ir.formats import format_bytes, format_stages
 from .search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
 from .search import search as search_plans
 from .layout import Collectives, Layout, layouts, pipeline_specs
-from .layout_search import search_layouts
+from .layout_search import StateTooLarge, search_layouts
 
 __all__ = ["layout_search_pass"]
 
@@ -75,6 +76,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
     def run(layout: Layout):
         local = example.batch // layout.data_parallel
         specs = pipeline_specs(layout, o.cluster, o.devices)
+        _check_state_fits(costs_for(layout, 1, layout.pipeline), layout, specs)
         space = Space(
             schedules=(FSDP_SCHEDULES if layout.fsdp else SYNC_SCHEDULES)
             if "schedule" in o.auto else (o.schedule,),
@@ -83,7 +85,8 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
                           else (o.microbatches,)),
             virtual_stages=None if "virtual_stages" in o.auto else (o.virtual_stages,),
             checkpoint=None if "checkpoint" in o.auto and not layout.fsdp
-            else bool(o.checkpoint) and not layout.fsdp)
+            else bool(o.checkpoint) and not layout.fsdp,
+            interleave=_interleave(captured, o.granularity, layout.pipeline))
         return search_plans(space, specs, lambda m, s: costs_for(layout, m, s),
                             overhead=plan.overhead, split_ratio=plan.split_ratio,
                             efficiency=plan.efficiency, searched=tuple(sorted(o.auto)),
@@ -114,6 +117,30 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         f"{best.virtual_stages} virtual stage(s), recompute stages "
         f"{format_stages(best.recomputed)}: predicted step {best.step * 1e3:.3f} ms "
         f"({len(tried)} layouts, {fits} fit)")
+
+
+def _check_state_fits(table: BlockTable | None, layout: Layout,
+                      specs: tuple[DeviceSpec, ...]) -> None:
+    """Refuse `layout` before searching it when the bytes held whatever the plan (parameters,
+    gradients, optimizer state: `table`'s static bytes under the layout) spread evenly over
+    its P devices already exceed the smallest device: no placement, schedule or recomputation
+    fits then (`StateTooLarge`, its need a lower bound)."""
+    if table is None:
+        return
+    floor = sum(table.static_bytes) / layout.pipeline
+    limit = min(d.memory for d in specs)
+    if floor > limit:
+        raise StateTooLarge(
+            f"{layout}: parameters, gradients and optimizer state alone need "
+            f"{format_bytes(floor)} per device over {layout.pipeline} device(s) > limit "
+            f"{format_bytes(limit)}", memory_needed=floor, devices_needed=None)
+
+
+def _interleave(captured: CapturedModel, granularity: str | None, p: int) -> tuple[int, ...]:
+    """The virtual stage counts an interleaved schedule may use on `p` devices: 2 up to one
+    block per stage of the coarsest linearization with a block per device (Megatron-LM
+    interleaves down to one layer per stage: the bubble (p-1)/(v m + p-1) shrinks with v)."""
+    return tuple(range(2, coarsest(captured, granularity, p).num_blocks // p + 1))
 
 
 def _enough(choices: tuple[int, ...], stages: int) -> tuple[int, ...]:

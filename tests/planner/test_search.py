@@ -121,6 +121,23 @@ def test_explicit_values_are_the_only_ones_costed():
     assert [(c.schedule, c.microbatches) for c in result.candidates] == [("zb-h1", 4)]
 
 
+def test_interleaving_tries_every_virtual_stage_count_asked():
+    # 2 devices, 8 equal blocks, m = 4: interleaved 1F1B's bubble (p-1)/(v m + p-1) shrinks
+    # with v, so one block per stage (v = 4) is the fastest; the others keep their own v
+    space = Space(("1f1b", "interleaved-1f1b", "zb-v"), (4,), interleave=(2, 3, 4))
+    assert space.virtual_for("interleaved-1f1b") == (2, 3, 4)
+    assert space.virtual_for("zb-v") == (2,) and space.virtual_for("1f1b") == (1,)
+    result = _search(space, overhead=0.0)
+    tried = {(c.schedule, c.virtual_stages) for c in result.candidates}
+    assert tried == {("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
+                     ("interleaved-1f1b", 4), ("zb-v", 2)}
+    steps = {c.virtual_stages: c.step for c in result.candidates
+             if c.schedule == "interleaved-1f1b" and c.fits}
+    assert steps[4] < steps[2]
+    assert Space(("interleaved-1f1b",), (4,), virtual_stages=(2,),
+                 interleave=(2, 3)).virtual_for("interleaved-1f1b") == (2,)  # given wins
+
+
 def _compile_gpt(**options):
     torch.manual_seed(0)
     case = gpt()

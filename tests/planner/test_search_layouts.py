@@ -9,8 +9,9 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.errors import ConfigError
+from pipecompile.ir.formats import format_bytes
 from pipecompile.planner import layout_options, search_layouts, throughput
-from pipecompile.planner.layout import Layout
+from pipecompile.planner.layout import Layout, layout_static
 from pipecompile.schedule.actions import Schedule
 
 DEVICES = pc.cluster("h100", nodes=2, per_node=2)
@@ -93,3 +94,21 @@ def test_a_given_degree_that_does_not_share_the_batch_is_refused():
     ids = torch.randint(0, 64, (6, 64))  # 6 samples: 4 replicas cannot share them
     with pytest.raises(ConfigError, match="data_parallel=4 replicas cannot share the global"):
         pc.compile(model, (ids,), devices=DEVICES, data_parallel=4)
+
+
+def test_a_layout_whose_state_cannot_fit_is_refused_before_its_search():
+    model, ids = _gpt()
+    n = sum(p.numel() for p in model.parameters())
+    # float32 AdamW: 16 n bytes replicated, 8 n + 12 n / 4 FSDP over 4; a device holds 9 n
+    pipe = pc.compile(model, (ids,), devices=DEVICES, data_parallel="auto", fsdp="auto",
+                      memory_limit=9 * n, optimizer=lambda p: torch.optim.AdamW(p))
+    tried = {c.layout: c for c in pipe.plan.search.layouts}
+    one = [c for lay, c in tried.items() if lay.pipeline == 1]
+    assert len(one) == 2 and all("does not fit: needs at least" in c.reason for c in one)
+    held = [(c.param_bytes, c.grad_bytes, c.optimizer_bytes) for c in pipe.plan.costs.symbolic]
+    replicated = sum(b.static_bytes for b in pipe.plan.costs.blocks)  # 16 n and the buffers
+    sharded = sum(layout_static(*h, Layout(1, 4, fsdp=True)) for h in held)
+    assert 16 * n <= replicated < 16.5 * n and 11 * n <= sharded < 11.5 * n
+    assert {c.reason.split("at least ")[1].split(" on")[0] for c in one} == {
+        format_bytes(replicated), format_bytes(sharded)}
+    assert pipe.layout.pipeline >= 2 and tried[pipe.layout].fits
