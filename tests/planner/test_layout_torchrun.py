@@ -18,8 +18,8 @@ from pipecompile.runtime.data_parallel import replica_microbatches
 from tests.dist import free_port, run_ranks
 from tests.dist_layout_cases import CASES, WORLD, batch, model, run_all
 
-FORCED = {"4x1": (4, 1, False), "2x2": (2, 2, False), "2x2 fsdp": (2, 2, True),
-          "1x4": (1, 4, False), "written": (2, 2, None)}
+FORCED = {"4x1": (4, 1, False), "2x2": (2, 2, False), "1x4 fsdp": (1, 4, True),
+          "written": (2, 2, None)}
 
 
 @pytest.fixture(scope="module")
