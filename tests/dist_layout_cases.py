@@ -55,9 +55,11 @@ def _step(options: dict, lazy: bool) -> tuple[dict, pc.Pipeline]:
     loss = pipe.step(x, target=y).item()
     grads = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()}
     evaluated = pipe.eval_step(x, target=y).item()  # each replica its rows, the global mean
+    with torch.no_grad():
+        out = pipe(x)  # not split: every replica runs the global batch, returns its output
     tried = pipe.plan.search.layouts if pipe.plan.search is not None else ()
     return {"loss": loss, "layout": pipe.layout, "repr": repr(pipe), "grads": grads,
-            "eval": evaluated,
+            "eval": evaluated, "out": out,
             "tried": [(c.layout.pipeline, c.layout.data_parallel, c.layout.fsdp, c.fits)
                       for c in tried]}, pipe
 

@@ -30,17 +30,18 @@ def ranks() -> list[dict]:
     return results
 
 
-def _reference() -> tuple[float, dict[str, torch.Tensor]]:
+def _reference() -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
     net = model()
     x, y = batch()
-    loss = F.mse_loss(net(x), y)
+    out = net(x)
+    loss = F.mse_loss(out, y)
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in net.named_parameters()}
+    return loss.item(), {n: p.grad for n, p in net.named_parameters()}, out.detach()
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_layout_equals_the_unsplit_model_on_the_global_batch(ranks, case):
-    loss, grads = _reference()
+    loss, grads, out = _reference()
     layouts = {r[case]["layout"] for r in ranks}
     shape = {(lay.pipeline, lay.data_parallel, lay.fsdp) for lay in layouts}
     assert len(shape) == 1, (case, layouts)  # every rank runs the same layout
@@ -52,6 +53,7 @@ def test_each_layout_equals_the_unsplit_model_on_the_global_batch(ranks, case):
         assert (lay.pipeline_rank, lay.data_rank) == (rank % lay.pipeline, rank // lay.pipeline)
         assert abs(got["loss"] - loss) < 1e-12, (case, rank, got["loss"], loss)
         assert abs(got["eval"] - loss) < 1e-12, (case, rank, got["eval"], loss)
+        assert (got["out"] - out).abs().max().item() < 1e-12, (case, rank)
         for name, g in got["grads"].items():
             scale = grads[name].abs().max().item()
             assert (g - grads[name]).abs().max().item() <= 1e-10 * scale, (case, rank, name)
