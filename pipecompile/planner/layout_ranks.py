@@ -1,10 +1,11 @@
-"""The ranks of a job whose layout is searched under torch.distributed (data_parallel="auto"
-under torchrun): validating compile's options joins nothing, two explicit passes do.
+"""The ranks of a job under torch.distributed: validating compile's options joins nothing, two
+explicit passes do (the first alone where the layout is given: devices x data_parallel).
 
     world_size()          the ranks torchrun launched (or an initialised group has), read
                           without joining: what validating the options needs
-    join_pass             before planning: join the process group; every rank gets a
-                          provisional place (P = world, D = 1) so that what planning measures
+    join_pass             before planning: join the process group; a given layout places
+                          this rank at once, a searched one gives every rank a provisional
+                          place (P = world, D = 1) so that what planning measures
                           (matmul rate, action cost, the planning probe) is rank 0's
                           (ranks.py); the link between ranks, unless `bandwidth=` was given
                           (the devices' bandwidth is infinite until then), is measured: an
@@ -73,8 +74,18 @@ def searched_here(options: "CompileOptions") -> bool:
 def join_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
     """Join the process group, measure the link between ranks (module docstring)."""
     o = plan.asked
-    if not searched_here(o) or o.ranks.distributed:
+    if o.ranks.distributed or world_size() <= 1:
         return None
+    if not searched_here(o):  # the layout given: join as devices x data_parallel
+        given = topology_from_environment(len(o.devices), o.data_parallel, o.timeout)
+        if given is None:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"the options were validated for {world_size()} ranks but this "
+                              f"process is not one of them; launch it with torchrun")
+        return replace(plan, asked=replace(o, ranks=Ranks(given))), (
+            f"rank {given.rank} of {given.world_size} joined ({len(o.devices)} pipeline "
+            f"devices x {o.data_parallel} replicas)")
     world = len(o.devices)
     topology = topology_from_environment(world, 1, o.timeout)
     if topology is None:  # the group went away between validation and now

@@ -35,10 +35,10 @@ from ..errors import ConfigError, ScheduleError
 from ..ir.records import Example, microbatch_size
 from ..ir.devices import DeviceSpec
 from .cluster import Cluster
+from .layout_ranks import rank_device, world_size
 from ..measure.ranks import Ranks
 from ..ir.rng import RNG_MODES
 from ..schedule.actions import Schedule
-from ..runtime.distributed import local_device, topology_from_environment
 from ..schedule.schedules import (
     ASYNC_SCHEDULE_NAMES,
     SCHEDULE_NAMES,
@@ -146,13 +146,18 @@ def resolve_options(
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ConfigError(f"timeout must be a positive number of seconds (every blocking wait "
                           f"gives up after it), got {timeout!r}")
-    topology = topology_from_environment(count, data_parallel, timeout)
-    if topology is None and data_parallel > 1:
+    world = world_size()  # torchrun's ranks, read without joining: compile's "join" pass joins
+    if world <= 1 and data_parallel > 1:
         raise ConfigError(
             f"data_parallel={data_parallel} needs torch.distributed: launch "
             f"{count * data_parallel} ranks with torchrun (or init a process group)")
-    if topology is not None:
-        devices = [str(local_device())] * count
+    if world > 1:
+        if count * data_parallel != world:
+            raise ConfigError(
+                f"the job has {world} ranks but devices={count} x data_parallel="
+                f"{data_parallel} = {count * data_parallel}; launch {count * data_parallel} "
+                f"ranks or change devices/data_parallel")
+        devices = [rank_device()] * count
         bandwidth = bandwidth or _RANK_BANDWIDTH
     name, given = _schedule_option(schedule)
     if given is not None:  # its counts stand for "auto" and must equal those given
@@ -190,7 +195,7 @@ def resolve_options(
         microbatches=microbatches, schedule=name,
         split_points=None if split_points is None else tuple(split_points),
         virtual_stages=virtual_stages, checkpoint=checkpoint is True,
-        data_parallel=data_parallel, timeout=timeout, ranks=Ranks(topology), auto=auto,
+        data_parallel=data_parallel, timeout=timeout, auto=auto,
         given_schedule=given, **rest)
     _check_fsdp(options)
     _check_async(options)
@@ -303,11 +308,12 @@ def _check_async(options: CompileOptions) -> None:
 def _check_fsdp(options: CompileOptions) -> None:
     """fsdp=True: sharding over data-parallel ranks, with schedules whose backward is one
     autograd call per micro-batch (FSDP's hooks reduce the gradients)."""
-    if options.mesh is not None and options.ranks.topology is None:
+    distributed = world_size() > 1
+    if options.mesh is not None and not distributed:
         raise ConfigError("mesh= needs torch.distributed: launch the ranks with torchrun")
     if not options.fsdp:
         return
-    if options.ranks.topology is None or options.data_parallel < 2:
+    if not distributed or options.data_parallel < 2:
         raise ConfigError(
             f"fsdp=True shards each stage over data-parallel replicas: pass data_parallel=D "
             f"(D >= 2) and launch devices x D = {len(options.devices)} x D ranks with torchrun")

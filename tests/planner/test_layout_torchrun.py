@@ -98,7 +98,8 @@ def test_bad_inputs_say_what_to_do_on_every_rank(ranks):
 
 def test_validating_the_options_joins_no_process_group(monkeypatch):
     """A lazy compile under torchrun's environment checks its options without a process
-    group (joining would wait for the other ranks: here it would fail after 2 s)."""
+    group (joining would wait for the other ranks: here it would fail after 2 s), the layout
+    searched or given."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -109,6 +110,13 @@ def test_validating_the_options_joins_no_process_group(monkeypatch):
     with pytest.raises(pc.PipecompileError, match=r"pass devices=P \(the pipeline ranks\)"):
         pc.compile(model(), loss_fn=F.mse_loss, devices=["cpu"] * 4, data_parallel="auto",
                    timeout=2)
+    assert not dist.is_initialized()
+    # the layout given (devices x data_parallel): validated, nothing joined before planning
+    pipe = pc.compile(model(), loss_fn=F.mse_loss, devices=2, data_parallel=2, timeout=2)
+    assert not pipe.planned and not dist.is_initialized()
+    with pytest.raises(pc.PipecompileError, match=r"the job has 4 ranks but devices=3 x "
+                                                  r"data_parallel=1 = 3"):
+        pc.compile(model(), loss_fn=F.mse_loss, devices=3, data_parallel=1, timeout=2)
     assert not dist.is_initialized()
     monkeypatch.delenv("WORLD_SIZE")
     assert layout_ranks.world_size() == 1 and "WORLD_SIZE" not in os.environ
