@@ -267,10 +267,13 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
 
     def stage_code(self, stage: int) -> str:
         """The Python a training forward of `stage` runs: its graph emitted with direct calls
-        (`runtime/direct_forward.py`: the graph's ops in the graph's order), or the module's
-        own code where the stage is called as a module (hooks, a compiled stage)."""
+        (`runtime/direct_forward.py`: the graph's ops in the graph's order; under a split
+        backward, of the graph with deferred linears), or the module's own code where the stage
+        is called as a module (a weight version, hooks, a compiled stage)."""
         workers = self._runtime.workers if self._runtime is not None else {}
-        module = workers[stage].module if stage in workers else self.program.stages[stage].module
+        if stage in workers:  # this process runs it: what its chosen behaviours run
+            return workers[stage].forward_code()
+        module = self.program.stages[stage].module
         direct = direct_forward(module, f"stage {stage}") if plain_call(module) else None
         if direct is not None:
             return direct.source

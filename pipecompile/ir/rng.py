@@ -18,7 +18,7 @@ op runs unchanged.
 Random ops inside an opaque module (kept as one eager call) still draw from the global stream.
 
 Under rng="global" a checkpointed stage also seeds its graph's random ops, from one draw of the
-global generator per forward (runtime/stage_worker.py): its recomputation must redraw the
+global generator per forward (runtime/forwards.py): its recomputation must redraw the
 forward's masks, and other device threads draw from the same generator in between.
 """
 

@@ -13,7 +13,7 @@ more for forwards without autograd (checkpointed first forwards, validation, `pi
 
 A compiled region's backward is one autograd node: zero-bubble I cannot stop at the frontier
 nodes inside it, so a compiled stage's I runs its whole backward (weight gradients included)
-and W only frees the micro-batch (`StageWorker.fused_backward`). The cost: such a stage's W
+and W only frees the micro-batch (`CompiledBackward`, backwards.py). The cost: such a stage's W
 fills no bubbles. Letting W re-run the compiled node from I's recorded gradient would compute
 the whole backward twice, and AOTAutograd's donated buffers refuse the retained graph anyway.
 

@@ -80,8 +80,8 @@ class Executor:
         self.dataflow = wiring.dataflow
         produced = self.dataflow.producers()
         self._stages = {
-            s: StageCode(s, w.input_names, frozenset(n for n in w.input_names if n not in produced),
-                         w.loss is not None, wiring.devices[s].type == "cuda")
+            s: StageCode.of(w, fed=frozenset(n for n in w.input_names if n not in produced),
+                            accelerator=wiring.devices[s].type == "cuda")
             for s, w in self.workers.items()}
         # generated code per schedule and mode, by the schedule's identity and by its value
         self._programs: dict[tuple, _Program] = {}

@@ -198,8 +198,9 @@ def _value_layout(value: Any) -> Any:
 
 
 def inputs_layout(inputs: Mapping[str, Any], target: Any) -> Any:
-    """The per-forward part of a layout key (`StageWorker._layout`: what `SavedActivations.record` reuses a count by): each input's layout, the
-    inputs that share a storage, and the target's layout; None when one is not plain."""
+    """The per-forward part of a layout key (`StageCall.layout`: what `SavedActivations.record`
+    reuses a count by): each input's layout, the inputs that share a storage, and the target's
+    layout; None when one is not plain."""
     values = []
     storages: dict[int, int] = {}
     for name, value in inputs.items():
