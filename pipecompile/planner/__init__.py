@@ -6,6 +6,7 @@
     choices.py        what compile resolved of its options (the search pass's record)
     planning.py       cost, place, refine: the planner's decisions as pure functions
     search.py         which schedule, micro-batch count, virtual stages and recomputation
+    device_share.py   virtual stages placed so that together they fit their device
     stage_costs.py    block costs -> what the simulator needs (one path for search and split)
     hardware.py       named accelerators: datasheet figures and sustained fractions
     assembly.py       a finished plan -> its RuntimeSpec

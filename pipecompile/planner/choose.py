@@ -241,7 +241,8 @@ def target(plan: Plan) -> Target:
                   microbatches=o.microbatches, virtual_stages=o.virtual_stages,
                   split_points=o.split_points, recompute=recompute,
                   backward_ratio=placement_ratio(plan.ready.schedule, plan.split_ratio),
-                  layout=plan.choices.layout if plan.choices is not None else None)
+                  layout=plan.choices.layout if plan.choices is not None else None,
+                  stage_to_device=tuple(plan.ready.schedule.stage_to_device))
 
 
 def collectives(plan: Plan) -> Collectives | None:

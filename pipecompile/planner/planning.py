@@ -42,6 +42,7 @@ from ..passes.partition import (
 )
 from ..measure.profile import profile_blocks
 from ..measure.rates import action_overhead, matmul_rate
+from .device_share import fit_devices
 from .layout import Layout
 from ..measure.ranks import Ranks
 from ..schedule.simulate import inflight  # the passes' in-flight counts (one home: simulate)
@@ -80,6 +81,8 @@ class Target:
     # splits it (`stage_costs.backward_ratio`), as the search placed it
     backward_ratio: float = 1.0
     layout: Layout | None = None  # the searched layout: what a device holds (FSDP shards)
+    # each stage's device (virtual stages share its memory: device_share.fit_devices)
+    stage_to_device: tuple[int, ...] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -127,9 +130,10 @@ def place(linear: LinearGraph, costs: CostTable, target: Target) -> Partition:
     if target.split_points is not None:
         return evaluate(problem, bounds_from_split_points(linear, target.split_points,
                                                           target.num_stages))
-    return partition(problem, inflight_for=functools.partial(
-        inflight_for, target.schedule, microbatches=target.microbatches,
-        virtual_stages=target.virtual_stages))
+    advice = functools.partial(inflight_for, target.schedule, microbatches=target.microbatches,
+                               virtual_stages=target.virtual_stages)
+    return fit_devices(problem, target.stage_to_device,
+                       lambda placed: partition(placed, inflight_for=advice))
 
 
 def refine(captured: CapturedModel, current: Choice, *, model: CostModel, target: Target,

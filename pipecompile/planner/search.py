@@ -25,9 +25,11 @@ from ..ir.devices import DeviceSpec
 from ..passes.partition import PartitionMemoryError, PartitionProblem, partition
 from ..ir.formats import format_bytes
 from ..schedule.actions import Schedule
-from ..schedule.schedules import TWO_STAGES_PER_DEVICE, make_schedule
+from ..schedule.lowering import add_communication
+from ..schedule.schedules import SCHEDULES, TWO_STAGES_PER_DEVICE, make_schedule
 from ..schedule.lowering import relower
 from ..schedule.simulate import inflight, simulate
+from .device_share import device_memory, fit_devices
 from .layout import Collectives
 from ..schedule.actions import Kind
 from .stage_costs import (
@@ -163,7 +165,7 @@ def search(space: Space, devices: Sequence[DeviceSpec],
            split_ratio: float | None = None, cores: int | None = None,
            efficiency: float = 1.0, searched: tuple[str, ...] = (),
            collectives: Collectives | None = None, memo: dict | None = None,
-           written: Schedule | None = None) -> SearchResult:
+           written: Schedule | None = None, advise: bool = True) -> SearchResult:
     """Cost every candidate of `space` on `devices` and pick the fastest that fits.
 
     `costs_for(m, num_stages)` is the block table at micro-batch size batch/m, linearized finely
@@ -173,7 +175,9 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     the data-parallel layout's (`stage_costs.with_collectives`), None for one replica; `memo`
     keeps the schedules built, for the searches of several layouts; `written`: the user's
     schedule that `space.schedules` names.
-    Raises `PartitionMemoryError` when no candidate fits in memory.
+    Raises `PartitionMemoryError` when no candidate fits in memory; with `advise`, its message
+    names the fewest devices that would fit (a search over more stages: the layout search,
+    which compares device counts itself, passes False).
     """
     devices = tuple(devices)
     p = len(devices)
@@ -204,6 +208,11 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     best = ranked[0]
     table = costs_for(best.microbatches, p * best.virtual_stages)
     assert table is not None, "the candidate was costed"
+    if not best.fits and not advise:
+        raise PartitionMemoryError(
+            f"no plan fits in memory on {p} devices: the smallest ({best.schedule}, "
+            f"{best.microbatches} micro-batches) {best.reason}", memory_needed=best.needed,
+            devices_needed=None)
     if not best.fits:
         raise _no_fit(best, table, devices, space.checkpoint, split_ratio, schedules)
     # the compute spread over what can run at once: every device, or with device threads of
@@ -223,8 +232,11 @@ def search(space: Space, devices: Sequence[DeviceSpec],
 
 
 class _Schedules:
-    """The schedules one search builds (validated by make_schedule), each once, with their peak
-    in-flight micro-batches per stage; kept for that search only."""
+    """The schedules one search builds, each once, with their peak in-flight micro-batches per
+    stage; kept for that search (or the layout search's searches). A built-in generator's
+    schedule is not validated here (its tests validate every generator; validating is most of
+    the cost of building one with 80 stages): the schedule pass builds the chosen one with
+    `make_schedule`, which does. A written schedule is validated (make_schedule)."""
 
     def __init__(self, memo: dict | None = None, written: Schedule | None = None) -> None:
         self._made: dict[tuple[str, int, int, int], tuple[Schedule, tuple[int, ...]]] = (
@@ -235,8 +247,11 @@ class _Schedules:
         key = (name, p, m, v)
         if key not in self._made:
             written = self._written
-            schedule = make_schedule(written if written is not None and name == written.name
-                                     else name, p, m, virtual_stages=v)
+            if name in SCHEDULES and (written is None or name != written.name):
+                schedule = add_communication(SCHEDULES[name](p, m, virtual_stages=v))
+            else:
+                schedule = make_schedule(written if written is not None and name == written.name
+                                         else name, p, m, virtual_stages=v)
             self._made[key] = schedule, inflight(schedule)
         return self._made[key]
 
@@ -263,7 +278,8 @@ def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[Devi
     stages = schedule.num_stages
     specs = tuple(devices[d] for d in schedule.stage_to_device)
     try:
-        placement = partition(_problem(schedule, peaks, table, specs, checkpoint, split_ratio))
+        problem = _problem(schedule, peaks, table, specs, checkpoint, split_ratio)
+        placement = fit_devices(problem, schedule.stage_to_device, partition)
     except PartitionMemoryError as error:
         limit = min(d.memory for d in devices)
         needed = error.memory_needed * v  # a device holds v stages (at most this together)
@@ -271,9 +287,7 @@ def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[Devi
             f"needs {'up to ' if v > 1 else ''}{format_bytes(needed)} on a device > limit "
             f"{format_bytes(limit)}"))
     recompute = placement.recompute or (False,) * stages
-    memory = [0.0] * len(devices)
-    for s, d in enumerate(schedule.stage_to_device):
-        memory[d] += placement.stage_memory[s]
+    memory = device_memory(problem, placement, schedule.stage_to_device)
     over = [d for d, used in enumerate(memory) if used > devices[d].memory]
     if over:  # virtual stages share their device's memory
         d = over[0]

@@ -91,7 +91,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
                             overhead=plan.overhead, split_ratio=plan.split_ratio,
                             efficiency=plan.efficiency, searched=tuple(sorted(o.auto)),
                             collectives=Collectives.of(layout, o.cluster, o.devices[0]),
-                            memo=memo, written=o.given_schedule)
+                            memo=memo, written=o.given_schedule, advise=False)
 
     memo: dict = {}  # the schedules built, shared by every layout's search
 
