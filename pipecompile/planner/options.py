@@ -154,7 +154,7 @@ def resolve_options(
     if world > 1:
         if count * data_parallel != world:
             raise ConfigError(
-                f"the job has {world} ranks but devices={count} x data_parallel="
+                f"the job has {world} ranks but devices={count} × data_parallel="
                 f"{data_parallel} = {count * data_parallel}; launch {count * data_parallel} "
                 f"ranks or change devices/data_parallel")
         devices = [rank_device()] * count

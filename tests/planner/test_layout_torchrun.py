@@ -114,7 +114,7 @@ def test_validating_the_options_joins_no_process_group(monkeypatch):
     # the layout given (devices x data_parallel): validated, nothing joined before planning
     pipe = pc.compile(model(), loss_fn=F.mse_loss, devices=2, data_parallel=2, timeout=2)
     assert not pipe.planned and not dist.is_initialized()
-    with pytest.raises(pc.PipecompileError, match=r"the job has 4 ranks but devices=3 x "
+    with pytest.raises(pc.PipecompileError, match=r"the job has 4 ranks but devices=3 × "
                                                   r"data_parallel=1 = 3"):
         pc.compile(model(), loss_fn=F.mse_loss, devices=3, data_parallel=1, timeout=2)
     assert not dist.is_initialized()
