@@ -38,16 +38,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .capture.capture import capture as capture_model, require_module, seed_captured
-from .planner.choose import (
-    coarsest,
-    collectives,
-    cost_model,
-    enough_blocks,
-    probe_pass,
-    schedule_pass,
-    search_pass,
-    target,
-)
+from .planner.block_tables import coarsest, cost_model, enough_blocks
+from .planner.choose import collectives, probe_pass, schedule_pass, search_pass, target
 from .capture.claimed_device import claimable, claiming, restore_tensors
 from .ir.compile_cache import CompileCache, default_cache
 from .deferred import Planner

@@ -3,6 +3,7 @@
     options.py        compile's inputs validated once: the model, its example batch, the options
     plan.py           the plan record the passes advance, their contracts, the pass runner
     choose.py         the passes that choose the plan's shape before the model is cut
+    block_tables.py   the block costs a search prices candidates with, each made once
     choices.py        what compile resolved of its options (the search pass's record)
     planning.py       cost, place, refine: the planner's decisions as pure functions
     search.py         which schedule, micro-batch count, virtual stages and recomputation

@@ -18,19 +18,15 @@ from dataclasses import replace
 
 import torch
 
+from .block_tables import BlockTables, coarsest, cost_model, enough_blocks
 from .choices import Choices
-from ..errors import PartitionError
-from ..ir.records import CapturedModel, CostTable, LinearGraph
 from ..weights.materialize import is_meta_model
 from ..measure.probe import Probe, probe
-from .options import CompileOptions, compute_dtype, example_microbatch_size
+from .options import CompileOptions, compute_dtype
 from ..ir.records import Example
-from ..passes.annotate import optimizer_state_factor
-from ..passes.linearize import GRANULARITIES, linearize
 from .plan import Plan
 from .layout import Collectives
 from .planning import (
-    CostModel,
     Target,
     action_cost,
     analytic as all_described,
@@ -121,24 +117,12 @@ def search_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
         return _recompute_for(plan, example, o.given_schedule, profile)
     fewest = len(o.devices) * (1 if "virtual_stages" in o.auto else o.virtual_stages)
     enough_blocks(coarsest(captured, o.granularity, fewest), fewest, o.granularity)
-    linears: dict[int, LinearGraph | None] = {}
-    tables: dict[tuple[str, int], CostTable] = {}
-    calibration = plan.probe.calibration if plan.probe is not None else None
+    tables = BlockTables(plan, example,
+                         plan.probe.calibration if plan.probe is not None else None)
 
     def costs_for(m: int, stages: int) -> BlockTable | None:
-        if stages not in linears:
-            found = coarsest(captured, o.granularity, stages)
-            linears[stages] = found if found.num_blocks >= stages else None
-        linear = linears[stages]
-        if linear is None:
-            return None
-        size = captured.microbatch_size(m)
-        if (linear.granularity, size) not in tables:
-            model = replace(cost_model(plan, example), microbatch_size=size, microbatches=m,
-                            profile=False, calibration=calibration)
-            like = next((t for (g, _), t in tables.items() if g == linear.granularity), None)
-            tables[linear.granularity, size] = cost(linear, model, example, o.ranks, like)
-        return BlockTable.of(tables[linear.granularity, size], linear)
+        found = tables.at(stages, captured.microbatch_size(m), m)
+        return BlockTable.of(found[1], found[0]) if found is not None else None
 
     space = Space(
         schedules=(FSDP_SCHEDULES if o.fsdp else SYNC_SCHEDULES) if "schedule" in o.auto
@@ -199,36 +183,6 @@ def _split_point_stages(o: CompileOptions) -> tuple[int, ...] | None:
     if o.split_points is None:
         return None
     return ((len(o.split_points) + 1) // len(o.devices),)
-
-
-def coarsest(captured: CapturedModel, granularity: str | None, stages: int) -> LinearGraph:
-    """The coarsest linearization with a block for every stage (or the finest tried)."""
-    for level in [granularity] if granularity else list(GRANULARITIES):
-        linear = linearize(captured, granularity=level)
-        if linear.num_blocks >= stages:
-            break
-    return linear
-
-
-def enough_blocks(linear: LinearGraph, stages: int, granularity: str | None) -> None:
-    """Raise a `PartitionError` when `linear` has fewer blocks than `stages`."""
-    if linear.num_blocks < stages:
-        raise PartitionError(
-            f"the model has only {linear.num_blocks} blocks at granularity "
-            f"{linear.granularity!r}, fewer than the {stages} stages asked for; use at "
-            f"most {linear.num_blocks} devices"
-            + ("" if granularity is None else " or a finer granularity"))
-
-
-def cost_model(plan: Plan, example: Example) -> CostModel:
-    """How this plan's blocks are costed: the measured device model, the resolved micro-batch
-    size, profiling, the calibration so far, the compile cache."""
-    o = plan.options
-    return CostModel(device=plan.ready.device_model,
-                     microbatch_size=example_microbatch_size(example, o),
-                     microbatches=o.microbatches,
-                     optimizer_factor=optimizer_state_factor(o.optimizer), profile=o.profile,
-                     calibration=plan.calibration, cache=o.cache)
 
 
 def target(plan: Plan) -> Target:

@@ -12,13 +12,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .choices import Choices
-from .choose import coarsest, cost_model, enough_blocks
+from .block_tables import BlockTables, coarsest, enough_blocks
 from ..errors import ConfigError
-from ..ir.records import CapturedModel, CostTable, LinearGraph
+from ..ir.records import CapturedModel
 from ..ir.records import Example
 from ..passes.linearize import GRANULARITIES, linearize
 from .plan import Plan
-from .planning import cost
 from ..ir.devices import DeviceSpec
 from ..ir.formats import format_bytes, format_stages
 from .search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
@@ -48,29 +47,22 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
             f"data_parallel={fixed_d} replicas cannot share the global batch of "
             f"{example.batch} samples; use a batch that is a multiple of {fixed_d}, or "
             f"data_parallel='auto'")
-    linears: dict[int, LinearGraph | None] = {}
-    tables: dict[tuple[str, int], CostTable] = {}
+    tables = BlockTables(plan, example, plan.calibration)  # calibrated by the probe
     priced: dict[tuple[str, int], BlockTable] = {}
 
     def costs_for(layout: Layout, m: int, stages: int) -> BlockTable | None:
-        if stages not in linears:
-            found = coarsest(captured, o.granularity, stages)
-            linears[stages] = found if found.num_blocks >= stages else None
-        linear = linears[stages]
-        if linear is None:
-            return None
         size = captured.microbatch_size(m * layout.data_parallel)
+        found = tables.at(stages, size, m)
+        if found is None:
+            return None
+        linear, costs = found
         key = (linear.granularity, size)
-        if key not in tables:
-            model = replace(cost_model(plan, example), microbatch_size=size, microbatches=m,
-                            profile=False)  # calibrated by the probe (ranks of this machine)
-            like = next((t for (g, _), t in tables.items() if g == linear.granularity), None)
-            tables[key] = cost(linear, model, example, o.ranks, like)
-            priced[key] = BlockTable.of(tables[key], linear)
+        if key not in priced:
+            priced[key] = BlockTable.of(costs, linear)
         table = priced[key]
         if not layout.fsdp:
             return table
-        fsdp = BlockTable.of(tables[key], None, layout)
+        fsdp = BlockTable.of(costs, None, layout)
         return replace(table, static_bytes=fsdp.static_bytes)
 
     def run(layout: Layout):

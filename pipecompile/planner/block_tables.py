@@ -1,0 +1,86 @@
+"""The block costs a search prices its candidates with, each worked out once per search.
+
+A candidate with `stages` stages needs the captured model linearised coarsely enough to give
+every stage a block (`coarsest`), and the blocks costed at the candidate's micro-batch size
+(`cost_model`). Many candidates share both, so `BlockTables` keeps them: the schedule search
+(choose.py) and the layout search (search_layouts.py) ask it the same way.
+
+    tables = BlockTables(plan, example, calibration)
+    found = tables.at(stages=4, size=2, microbatches=8)   # (LinearGraph, CostTable) or None
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import PartitionError
+from ..ir.records import CapturedModel, CostTable, Example, LinearGraph
+from ..passes.annotate import optimizer_state_factor
+from ..passes.calibrate import Calibration
+from ..passes.linearize import GRANULARITIES, linearize
+from .options import example_microbatch_size
+from .plan import Plan
+from .planning import CostModel, cost
+
+__all__ = ["BlockTables", "coarsest", "enough_blocks", "cost_model"]
+
+
+def coarsest(captured: CapturedModel, granularity: str | None, stages: int) -> LinearGraph:
+    """The coarsest linearization with a block for every stage (or the finest tried)."""
+    for level in [granularity] if granularity else list(GRANULARITIES):
+        linear = linearize(captured, granularity=level)
+        if linear.num_blocks >= stages:
+            break
+    return linear
+
+
+def enough_blocks(linear: LinearGraph, stages: int, granularity: str | None) -> None:
+    """Raise a `PartitionError` when `linear` has fewer blocks than `stages`."""
+    if linear.num_blocks < stages:
+        raise PartitionError(
+            f"the model has only {linear.num_blocks} blocks at granularity "
+            f"{linear.granularity!r}, fewer than the {stages} stages asked for; use at "
+            f"most {linear.num_blocks} devices"
+            + ("" if granularity is None else " or a finer granularity"))
+
+
+def cost_model(plan: Plan, example: Example) -> CostModel:
+    """How this plan's blocks are costed: the measured device model, the resolved micro-batch
+    size, profiling, the calibration so far, the compile cache."""
+    o = plan.options
+    return CostModel(device=plan.ready.device_model,
+                     microbatch_size=example_microbatch_size(example, o),
+                     microbatches=o.microbatches,
+                     optimizer_factor=optimizer_state_factor(o.optimizer), profile=o.profile,
+                     calibration=plan.calibration, cache=o.cache)
+
+
+class BlockTables:
+    """The linearisation for each stage count and the cost table for each (granularity,
+    micro-batch size) of one search, computed on first use."""
+
+    def __init__(self, plan: Plan, example: Example, calibration: Calibration | None) -> None:
+        self.plan, self.example, self.calibration = plan, example, calibration
+        self._linears: dict[int, LinearGraph | None] = {}
+        self._tables: dict[tuple[str, int], CostTable] = {}
+
+    def at(self, stages: int, size: int, microbatches: int
+           ) -> tuple[LinearGraph, CostTable] | None:
+        """The linear graph for `stages` stages and its blocks' costs at micro-batch `size`
+        (`microbatches` of them), or None when no granularity gives `stages` blocks."""
+        captured, o = self.plan.ready.captured, self.plan.options
+        if stages not in self._linears:
+            found = coarsest(captured, o.granularity, stages)
+            self._linears[stages] = found if found.num_blocks >= stages else None
+        linear = self._linears[stages]
+        if linear is None:
+            return None
+        key = (linear.granularity, size)
+        if key not in self._tables:
+            model = replace(cost_model(self.plan, self.example), microbatch_size=size,
+                            microbatches=microbatches, profile=False,
+                            calibration=self.calibration)
+            like = next((t for (g, _), t in self._tables.items() if g == linear.granularity),
+                        None)  # the symbolic costs of a granularity are shared across sizes
+            self._tables[key] = cost(linear, model, self.example, o.ranks, like)
+        return linear, self._tables[key]
