@@ -35,7 +35,7 @@ from ..ir.records import Example
 from ..ir.devices import DeviceSpec
 from ..schedule.schedules import ASYNC_SCHEDULE_NAMES, TWO_STAGES_PER_DEVICE
 from .cluster import Cluster
-from .layout_ranks import rank_device, world_size
+from ..runtime.distributed import rank_device, world_size
 
 __all__ = ["job_options", "layout_options", "ranks_options", "layout_resolved"]
 

@@ -1,8 +1,6 @@
 """The ranks of a job under torch.distributed: validating compile's options joins nothing, two
 explicit passes do (the first alone where the layout is given: devices x data_parallel).
 
-    world_size()          the ranks torchrun launched (or an initialised group has), read
-                          without joining: what validating the options needs
     join_pass             before planning: join the process group; a given layout places
                           this rank at once, a searched one gives every rank a provisional
                           place (P = world, D = 1) so that what planning measures
@@ -22,7 +20,6 @@ Every rank searches with the same numbers, so every rank chooses the same layout
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -30,39 +27,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..measure.ranks import Ranks
-from ..runtime.distributed import Topology, topology_from_environment
+from ..runtime.distributed import Topology, topology_from_environment, world_size
 
 if TYPE_CHECKING:
     from .options import CompileOptions
     from ..ir.records import Example
     from .plan import Plan
 
-__all__ = ["world_size", "rank_device", "searched_here", "join_pass", "ranks_pass",
-           "fit_link"]
+__all__ = ["searched_here", "join_pass", "ranks_pass", "fit_link"]
 
-_ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # torchrun's
 _SIZES = (4, 1 << 20)  # bytes of the two timed all-reduces
 _REPEATS = 5
-
-
-def world_size() -> int:
-    """The ranks of this job: the initialised process group's, else torchrun's environment's
-    (nothing is joined), else 1."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    if all(k in os.environ for k in _ENVIRONMENT):
-        return int(os.environ["WORLD_SIZE"])
-    return 1
-
-
-def rank_device() -> str:
-    """The device this rank will run on once joined (`runtime.distributed.local_device`):
-    its CUDA device (torchrun's LOCAL_RANK) where CUDA is, else the CPU."""
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return "cpu"
 
 
 def searched_here(options: "CompileOptions") -> bool:

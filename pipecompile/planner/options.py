@@ -35,7 +35,7 @@ from ..errors import ConfigError, ScheduleError
 from ..ir.records import Example, microbatch_size
 from ..ir.devices import DeviceSpec
 from .cluster import Cluster
-from .layout_ranks import rank_device, world_size
+from ..runtime.distributed import rank_device, world_size
 from ..measure.ranks import Ranks
 from ..ir.rng import RNG_MODES
 from ..schedule.actions import Schedule

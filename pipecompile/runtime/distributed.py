@@ -35,9 +35,9 @@ if TYPE_CHECKING:
     from ..schedule.actions import Schedule
     from .p2p import ValueSpec
 
-__all__ = ["Topology", "topology_from_environment", "local_device", "check_same_plan",
-           "plan_digest", "GradientSync", "reduce_mean_loss", "value_specs", "forward_only",
-           "broadcast_outputs"]
+__all__ = ["Topology", "world_size", "rank_device", "topology_from_environment", "local_device",
+           "check_same_plan", "plan_digest", "GradientSync", "reduce_mean_loss", "value_specs",
+           "forward_only", "broadcast_outputs"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,27 @@ class Topology:
                      if schedule.stage_to_device[s] == self.position)
 
 
+_TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets
+
+
+def world_size() -> int:
+    """The ranks of this job: the initialised process group's, else torchrun's environment's
+    (nothing is joined), else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if all(k in os.environ for k in _TORCHRUN):
+        return int(os.environ["WORLD_SIZE"])
+    return 1
+
+
+def rank_device() -> str:
+    """The device this rank will run on once joined (`local_device`, read without joining):
+    its CUDA device (torchrun's LOCAL_RANK) where CUDA is, else the CPU."""
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return "cpu"
+
+
 def topology_from_environment(pipeline_size: int, data_parallel: int,
                               timeout: float) -> Topology | None:
     """The topology if this process is one rank of several (initialising the process group
@@ -73,7 +94,7 @@ def topology_from_environment(pipeline_size: int, data_parallel: int,
     if not dist.is_available():
         return None
     if not dist.is_initialized():
-        if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        if not all(k in os.environ for k in _TORCHRUN):
             return None
         if int(os.environ["WORLD_SIZE"]) == 1:
             return None
