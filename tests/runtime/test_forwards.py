@@ -4,26 +4,13 @@ the same backward, the same gradients; the recomputed one keeps only its inputs 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from pipecompile.runtime.backwards import FusedBackward
 from pipecompile.runtime.forwards import KeptForward, RecomputedForward
 from pipecompile.runtime.in_flight import InFlight, NoSync
 from pipecompile.runtime.stage_call import StageCall
 from pipecompile.runtime.stage_loss import StageLoss
-
-
-class _Dropped(nn.Module):
-    """Dropout between two layers: recomputation must draw the same mask."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(5, 16)
-        self.fc2 = nn.Linear(16, 5)
-
-    def forward(self, h):
-        return (self.fc2(F.dropout(torch.relu(self.fc1(h)), p=0.5, training=True)),)
+from tests.runtime.test_stage_worker import Dropped
 
 
 def _run(kind, module, inputs, grads):
@@ -44,7 +31,7 @@ def _run(kind, module, inputs, grads):
 
 def test_recomputed_forward_gives_the_kept_forwards_outputs_and_gradients():
     torch.manual_seed(0)
-    module = _Dropped().double()
+    module = Dropped().double()
     g = torch.Generator().manual_seed(1)
     inputs = [torch.randn(8, 5, generator=g, dtype=torch.float64) for _ in range(2)]
     grads = [torch.randn(8, 5, generator=g, dtype=torch.float64) for _ in range(2)]
@@ -61,7 +48,7 @@ def test_recomputed_forward_gives_the_kept_forwards_outputs_and_gradients():
 
 def test_restore_of_a_recomputed_forward_replaces_its_inputs_by_the_graph():
     torch.manual_seed(0)
-    module = _Dropped().double()
+    module = Dropped().double()
     call, held, loss, sync = (StageCall(0, module, ("h",), ("out",), frozenset({"h"})),
                               InFlight(), StageLoss(None), NoSync())
     forward = RecomputedForward(call, held, loss, FusedBackward(call, held, loss, sync), sync)
