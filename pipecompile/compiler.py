@@ -90,7 +90,7 @@ def compile(  # noqa: A001 - the public name of the design
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
     split_points: Sequence[str] | None = None,
     capture: str = "export",
-    symbolic_sizes: str = "all",
+    symbolic_sizes: str = "auto",
     capture_budget: float = 120.0,
     granularity: str | None = None,
     virtual_stages: int | str | None = "auto",
@@ -122,11 +122,12 @@ def compile(  # noqa: A001 - the public name of the design
     `example_target` (the target of the example batch) lets `profile=True` time `loss_fn` too.
     `rng="per-microbatch"` draws every random op from a stream of (`rng_seed`, step,
     micro-batch, op); `verbose=True` shows torch's output while capturing; `compile_stages`
-    runs each stage graph through `torch.compile`. `symbolic_sizes="all"` captures every size
-    of a batched input symbolic where the model allows; `"batch"` the batch alone (faster
-    torch.export on deep models, fixed-length training). `capture_budget` is the seconds a
-    torch.export attempt with symbolic sizes may take: past it capture tries fewer (batch only,
-    then static), noted in `explain()`; a static attempt past ten budgets is a `CaptureError`.
+    runs each stage graph through `torch.compile`. `symbolic_sizes="auto"` captures the batch
+    symbolic, and a lazy pipeline's new plan for a size its plans fixed every size (torch.compile's
+    automatic dynamic shapes); `"all"` every size of a batched input symbolic from the start
+    (one plan for any sequence length); `"batch"` the batch alone, always. `capture_budget` is
+    the seconds the attempt with every size symbolic may take (in a child process, killed then:
+    capture keeps the batch alone symbolic and `explain()` says so).
 
     `schedule`, `microbatches`, `virtual_stages` and `checkpoint` default to "auto": the search
     pass costs every combination (synchronous schedules, micro-batch counts dividing the batch,
@@ -172,6 +173,12 @@ def compile(  # noqa: A001 - the public name of the design
 # -- the passes ---------------------------------------------------------------------------------
 
 
+def _first_sizes(symbolic_sizes: str, example: Example) -> str:
+    """The sizes capture's first attempt makes symbolic: "all" or "batch"."""
+    grow = symbolic_sizes == "auto" and example.all_sizes
+    return "all" if symbolic_sizes == "all" or grow else "batch"
+
+
 def _capture(plan: Plan, example: Example) -> tuple[Plan, str]:
     o = plan.asked
     meta = is_meta_model(example.model)
@@ -181,7 +188,7 @@ def _capture(plan: Plan, example: Example) -> tuple[Plan, str]:
     def capture(args: tuple, kwargs: dict) -> CapturedModel:
         return capture_model(example.model, args, kwargs, method=o.capture,
                              static_batch_size=example_microbatch_size(example, o),
-                             verbose=o.verbose, batch_only=o.symbolic_sizes == "batch",
+                             verbose=o.verbose, sizes=_first_sizes(o.symbolic_sizes, example),
                              budget=o.capture_budget)
 
     if claim is not None:  # the model's code sees the device it will run on

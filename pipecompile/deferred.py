@@ -8,10 +8,14 @@ cannot run (`cannot_run`: another set of inputs, a size the capture fixed, a bat
 split into the plan's micro-batches) is planned again; plans are kept, and a call runs on the
 first kept plan that can run it:
 
-    pipe.step(x[8, 12])   -> no plan: capture + plan A (batch and length symbolic), run on A
-    pipe.step(x[8, 40])   -> A runs it (the length is a symbol)
-    pipe.step(x[3, 12])   -> A splits 8 into 4 micro-batches, not 3: plan B, run on B
-    pipe.step(x[8, 16])   -> A again
+    pipe.step(x[8, 12])   -> no plan: capture + plan A (the batch symbolic), run on A
+    pipe.step(x[8, 40])   -> A fixed the length at 12: plan B with every size symbolic, run on B
+    pipe.step(x[3, 12])   -> A splits 8 into 4 micro-batches, not 3: plan C, run on C
+    pipe.step(x[8, 16])   -> A cannot, B can (the length is a symbol): run on B
+
+With `symbolic_sizes="auto"` (the default) a plan made for a size an earlier plan fixed
+captures every size symbolic (`Example.all_sizes`), as torch.compile's automatic dynamic shapes
+recompile once with the changed size dynamic; `"batch"` never does, `"all"` always does.
 
 Every plan places the model's tensors through one shared `placed` table, so all plans train the
 same tensor objects: an optimizer over `pipe.parameters()` keeps working across plans.
@@ -22,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import sympy
 import torch
 
 from .capture.capture import batch_size_of
@@ -30,7 +35,7 @@ from .capture.inputs import check_inputs
 from .ir.records import Example
 from .planner.plan import Plan
 
-__all__ = ["Planner", "cannot_run", "check_same_tensors"]
+__all__ = ["Planner", "cannot_run", "check_same_tensors", "fixed_size_changed"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,10 @@ class Planner:
     plan_for: Callable[[Example], Plan]
     placed: dict = field(default_factory=dict)  # (id(tensor), device) -> the stages' copy
 
-    def plan(self, args: tuple, kwargs: Mapping[str, Any], target: Any, *, where: str) -> Plan:
-        """The plan compile makes for a call with these inputs (`where` names the call)."""
+    def plan(self, args: tuple, kwargs: Mapping[str, Any], target: Any, *, where: str,
+             all_sizes: bool = False) -> Plan:
+        """The plan compile makes for a call with these inputs (`where` names the call);
+        `all_sizes`: capture every size symbolic (see the module docstring)."""
         try:
             batch_size_of(args, kwargs)
         except ConfigError:
@@ -55,7 +62,7 @@ class Planner:
                 f"along dimension 0: pass at least one tensor whose first dimension is the batch "
                 f"size") from None
         return self.plan_for(Example(self.model, tuple(args), dict(kwargs), target,
-                                     placed=self.placed))
+                                     placed=self.placed, all_sizes=all_sizes))
 
 
 def cannot_run(plan: Plan, args: tuple, kwargs: Mapping[str, Any], *, where: str,
@@ -80,6 +87,25 @@ def cannot_run(plan: Plan, args: tuple, kwargs: Mapping[str, Any], *, where: str
         return (f"it was captured with static shapes for micro-batches of "
                 f"{captured.captured_batch_size}, not {size}")
     return None
+
+
+def fixed_size_changed(plan: Plan, args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Whether an input has another size than `plan`'s capture fixed, in a dimension past the
+    batch (a lazy pipeline then captures every size symbolic: `Planner.plan(all_sizes=True)`)."""
+    assert plan.program is not None, "a finished plan"
+    captured = plan.program.captured
+    try:
+        flat = captured.flatten_inputs(args, kwargs)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError):
+        return False  # another structure of inputs: not a size
+    for name, value in zip(captured.input_names, flat):
+        shape = captured.values[name].shape
+        if not isinstance(value, torch.Tensor) or value.dim() != len(shape):
+            continue
+        if any(isinstance(dim, (int, sympy.Integer)) and int(dim) != size
+               for dim, size in list(zip(shape, value.shape))[1:]):
+            return True
+    return False
 
 
 def check_same_tensors(before: Mapping[str, torch.Tensor],

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .planner.assembly import assemble_plan
-from .deferred import Planner, cannot_run
+from .deferred import Planner, cannot_run, fixed_size_changed
 from .errors import ConfigError
 from .capture.inputs import check_inputs
 from .planner.plan import Plan
@@ -54,7 +54,8 @@ class Plans:
                 return kept
         if reason is not None:  # a plan exists but cannot run these: may a new one be made?
             _check_can_replan(self.kept[-1][0], reason)
-        plan = self.planner.plan(args, kwargs, target, where=where)
+        grow = any(fixed_size_changed(p, args, kwargs) for p, _ in self.kept)
+        plan = self.planner.plan(args, kwargs, target, where=where, all_sizes=grow)
         self.kept.append((plan, assemble_plan(plan)))
         check_inputs(plan.ready.program.captured, args, kwargs, where=where)
         return self.kept[-1]

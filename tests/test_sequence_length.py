@@ -1,6 +1,8 @@
-"""Any sequence length: capture keeps the non-batch sizes of batched inputs symbolic where the
-model allows it, so one plan runs every length, in one process and over gloo ranks, with the
-unsplit model's loss and gradients; a size the model fixes gets an error naming the input."""
+"""Any sequence length: with symbolic_sizes="all" capture keeps the non-batch sizes of batched
+inputs symbolic where the model allows it, so one plan runs every length, in one process and
+over gloo ranks, with the unsplit model's loss and gradients; by default ("auto") a lazy
+pipeline captures the batch alone and, at the first call with another length, plans once more
+with every size symbolic; a size the model fixes gets an error naming the input."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def test_other_sequence_lengths_match_unsplit_model(name, schedule):
     torch.manual_seed(0)
     case = CASES[name]()  # example sequence length 8
     pipe = pc.compile(case.model, case.args, devices=2, microbatches=2, schedule=schedule,
-                      loss_fn=case.loss_fn)
+                      loss_fn=case.loss_fn, symbolic_sizes="all")
     captured = pipe.program.captured
     assert len(captured.example_sizes) == 2, "batch and sequence length are symbols"
     for seq in (5, 12):
@@ -35,6 +37,29 @@ def test_other_sequence_lengths_match_unsplit_model(name, schedule):
         out = pipe(x)
         assert out.logits.shape == (6, seq, 64)
         torch.testing.assert_close(out.logits, case.model(x).logits, rtol=1e-12, atol=1e-12)
+
+
+def test_a_lazy_pipeline_makes_the_length_symbolic_when_a_call_changes_it():
+    """torch.compile's automatic dynamic shapes: the first plan keeps the batch alone symbolic;
+    a call with another length plans once more with every size symbolic, and that plan runs
+    every later length; each step exact against the unsplit model."""
+    torch.manual_seed(0)
+    case = CASES["llama"]()
+    pipe = pc.compile(case.model, devices=2, microbatches=2, schedule="1f1b",
+                      loss_fn=case.loss_fn)
+    symbols = []
+    for seq in (8, 5, 12, 8):
+        x = torch.randint(0, 64, (4, seq))
+        y = torch.randint(0, 64, (4, seq))
+        loss = pipe.step(x, target=y)
+        symbols.append(len(pipe.program.captured.example_sizes))
+        ref_loss, ref_grads = reference_step(case.model, (x,), {}, y, case.loss_fn, 2)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+        assert_grads_equal(pipe, ref_grads)
+    # first plan: the batch alone; the length 5 made a plan with both; 12 ran on it; 8 on the
+    # first plan again
+    assert symbols == [1, 2, 2, 1]
+    assert len(pipe._plans.kept) == 2
 
 
 def test_other_sequence_lengths_on_two_ranks():
@@ -102,7 +127,7 @@ class Branchy(torch.nn.Module):
 def test_size_outside_the_range_export_assumed_is_refused_not_miscomputed():
     model = Branchy().double()
     x = torch.randn(4, 6, 4, dtype=torch.float64)
-    pipe = pc.compile(model, (x,), devices=2, microbatches=2,
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2, symbolic_sizes="all",
                       loss_fn=lambda out, y: (out - y).pow(2).mean())
     torch.testing.assert_close(pipe(x[:, :5]), model(x[:, :5]))  # in the range: symbolic
     with pytest.raises(pc.ConfigError, match=r"input 'x' has size 3 in dimension 1.*sizes 5\.\."):

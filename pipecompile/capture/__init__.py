@@ -7,6 +7,6 @@
     opaque.py          modules kept whole (one graph node) where export cannot trace them
     opaque_causes.py   what makes a module opaque: custom autograd Functions, `.data` writes
     claimed_device.py  a meta model traced on fakes that claim the device it will train on
-    deadline.py        a time budget for one call, in the calling thread
+    bounded.py         whether a call finishes within a budget, found in a child process
     inputs.py          a call's inputs checked against what the model was compiled with
 """

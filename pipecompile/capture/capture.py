@@ -63,7 +63,7 @@ def capture(
     static_batch_size: int | None = None,
     opaque: bool = True,
     verbose: bool = False,
-    batch_only: bool = False,
+    sizes: str = "batch",
     budget: float = 120.0,
 ) -> CapturedModel:
     """Capture `model(*args, **kwargs)` as a flat graph.
@@ -72,8 +72,9 @@ def capture(
     (the compiler passes the micro-batch size). With `opaque`, a submodule torch.export cannot
     trace is kept as one call (see `passes.opaque`). `verbose` lets torch print what it prints
     while capturing (on failure, a partial graph); otherwise it is kept off the terminal.
-    `batch_only` keeps every size but the batch fixed (torch.export traces faster). `budget`
-    is the seconds one torch.export attempt may take (then fewer sizes are symbolic).
+    `sizes="batch"` keeps every size but the batch fixed (torch.export traces fast);
+    `sizes="all"` first tries every size symbolic, for at most `budget` seconds in a child
+    process (then the batch alone).
     """
     kwargs = dict(kwargs or {})
     require_module(model)
@@ -81,7 +82,7 @@ def capture(
     if method == "export":
         captured = capture_export(model, tuple(args), kwargs, batch,
                                   static_batch_size=static_batch_size, opaque=opaque,
-                                  verbose=verbose, batch_only=batch_only, budget=budget)
+                                  verbose=verbose, sizes=sizes, budget=budget)
     elif method == "fx":
         captured = _capture_fx(model, tuple(args), kwargs, batch)
     else:

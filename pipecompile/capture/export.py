@@ -1,14 +1,19 @@
-"""The torch.export front end of capture: attempts, each bounded in time, and what each failure
-makes opaque.
+"""The torch.export front end of capture: attempts, and what each failure makes opaque.
 
-Attempts, in order: every size of a batched input symbolic (sequence lengths, image sizes),
-the batch alone (`batch_only` starts here), static shapes at the micro-batch size. Export
-specialises sizes 0 and 1, so a batch below 2 starts static. Each attempt with symbolic
-sizes runs at most `budget` seconds (`deadline.within`): a MaxViT-style model's block/grid
-partition reshapes keep sympy busy for over 15 minutes with every size symbolic, against
-seconds with the batch alone. Past the budget the next attempt runs, and a note says so
-(`explain()`). The static attempt, the last resort (no symbolic sizes: one trace of the
-model), may take `_STATIC_BUDGETS` budgets; past that, a `CaptureError` names the option.
+Attempts, in order (`sizes` says where to start):
+
+    "all":   every size of a batched input symbolic (sequence lengths, image sizes),
+             bounded: run first in a child process killed at `budget` seconds (`bounded.py`)
+    "batch": the batch alone symbolic
+    static:  no symbolic size, at the micro-batch size
+
+Export specialises sizes 0 and 1, so a batch below 2 starts static. Only the "all" attempt can
+run away (a MaxViT-style model's block/grid partition reshapes keep sympy busy for over 15
+minutes with every size symbolic, against seconds with the batch alone), so only it is bounded:
+its child is killed at the budget, the next attempt runs, and a note says so (`explain()`).
+When the child finished in time, this process exports itself (the same deterministic work).
+The batch-only and static attempts trace the model once each, with no sizes to reason about.
+No exception is ever raised into a thread from outside.
 
 Within an attempt, what makes capture keep a module opaque (`passes.opaque`) and export again:
 
@@ -41,7 +46,7 @@ from .blame import (
     opaque_reason,
 )
 from .graph import flat_graph, output_names, ranges, symbols, values_from_meta
-from .deadline import TimeUp, within
+from .bounded import Outcome, finishes_within
 from ..errors import CaptureError
 from ..ir.records import CapturedModel
 from . import opaque as opaque_modules
@@ -55,32 +60,43 @@ __all__ = ["capture_export"]
 
 log = logging.getLogger(__name__)
 
-_STATIC_BUDGETS = 10  # the static attempt's limit, in budgets
+SIZES = ("all", "batch")  # capture_export(sizes=...): the first attempt's symbolic sizes
+
+
+class TimeUp(Exception):
+    """A bounded export attempt did not finish within its budget (or its child died)."""
+
+    def __init__(self, seconds: float, outcome: Outcome) -> None:
+        super().__init__(f"did not finish within {seconds:g} s" if outcome is Outcome.TIMED_OUT
+                         else f"its bounded attempt {outcome.value} in the child process")
+        self.seconds, self.outcome = seconds, outcome
 
 
 def capture_export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], batch: int, *,
-                   static_batch_size: int | None, opaque: bool, verbose: bool, batch_only: bool,
+                   static_batch_size: int | None, opaque: bool, verbose: bool, sizes: str,
                    budget: float) -> CapturedModel:
-    """`model(*args, **kwargs)` captured by torch.export (see the module docstring)."""
+    """`model(*args, **kwargs)` captured by torch.export (see the module docstring); `sizes`
+    is "all" (every size symbolic first, bounded by `budget` seconds) or "batch"."""
     from torch.export import Dim
 
+    assert sizes in SIZES, sizes
     notes: list[str] = []
     specs: dict[str, OpaqueModule] = {}
-    attempts: list[tuple[str, Any]] = ([
-        (label, _dynamic_shapes(model, args, kwargs, batch, Dim("batch"), rest))
-        for label, rest in ((("only the batch symbolic", False),) if batch_only else
-                            (("every input size symbolic", True),
-                             ("only the batch symbolic", False)))] if batch >= 2 else [])
-    attempts.append(("static shapes", None))
+    firsts = ((("every input size symbolic", True),) if sizes == "all" else ()) + (
+        ("only the batch symbolic", False),)
+    attempts: list[tuple[str, Any, bool]] = ([
+        (label, _dynamic_shapes(model, args, kwargs, batch, Dim("batch"), rest), rest)
+        for label, rest in firsts] if batch >= 2 else [])
+    attempts.append(("static shapes", None, False))
     first_error: BaseException | None = None
     _warm_up()
     while True:
-        label, shapes = attempts[0]
+        label, shapes, bound = attempts[0]
         functions: dict[str, str] = {}  # module path -> the custom Function it applied
         error: BaseException | None = None
         try:
             ep, calls = _export(model, args, kwargs, shapes, specs, verbose,
-                                budget * (_STATIC_BUDGETS if shapes is None else 1), functions)
+                                budget if bound else None, functions)
         except Exception as exc:  # noqa: BLE001 - every export failure is examined below
             error = exc
         causes = functions or _causes(model, args, kwargs, error, opaque)
@@ -91,12 +107,6 @@ def capture_export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
         if error is None:
             break
         if shapes is None:
-            if isinstance(error, TimeUp):
-                raise CaptureError(
-                    f"torch.export did not capture {type(model).__name__} with static shapes "
-                    f"within {error.seconds:g} s ({_STATIC_BUDGETS} x capture_budget="
-                    f"{budget:g} s); compile(..., capture_budget=...) with more seconds"
-                ) from error
             raise capture_error(model, "torch.export", first_error or error,
                                 "capture='fx'" if _fx_traces(model) else "", specs) from error
         if not isinstance(error, TimeUp):
@@ -105,11 +115,12 @@ def capture_export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
         next_label = attempts[0][0]
         if isinstance(error, TimeUp):
             note = (f"export with {label} did not finish within capture_budget={budget:g} s; "
-                    f"captured with {next_label}")
+                    f"captured with {next_label}" if error.outcome is Outcome.TIMED_OUT else
+                    f"export with {label} was not tried: {error}; captured with {next_label}")
         else:
             note = (f"export with {label} failed ({first_line(error)}); captured with "
                     f"{next_label}")
-        log.info("pipecompile: %s", note)
+        log.info("%s", note)
         if isinstance(error, TimeUp) or attempts[0][1] is None:
             notes.append(note)
         if attempts[0][1] is None and static_batch_size is not None and static_batch_size != batch:
@@ -200,20 +211,26 @@ def _rerecord(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], shapes: Any,
-            specs: Mapping[str, OpaqueModule], verbose: bool, budget: float,
+            specs: Mapping[str, OpaqueModule], verbose: bool, budget: float | None,
             functions: dict[str, str]) -> tuple[ExportedProgram, dict]:
-    """torch.export within `budget` seconds, with the opaque modules swapped for custom-op
-    calls, recording in `functions` the modules applying a custom autograd Function; torch's
-    own output (a partial graph of up to thousands of lines on failure) kept off the terminal
-    unless `verbose`."""
+    """torch.export, with the opaque modules swapped for custom-op calls, recording in
+    `functions` the modules applying a custom autograd Function; torch's own output (a partial
+    graph of up to thousands of lines on failure) kept off the terminal unless `verbose`. With
+    a `budget`, the export is first run in a child process killed at the budget (`TimeUp`)."""
     from torch.export import export
 
     with opaque_modules.exporting(model, specs) as calls, _quiet(verbose) as out, \
             watching_functions(model, functions):
+        if budget is not None:
+            outcome = finishes_within(
+                budget, lambda: export(model, args, kwargs, dynamic_shapes=shapes))
+            if outcome in (Outcome.TIMED_OUT, Outcome.DIED):
+                raise TimeUp(budget, outcome)
+            if outcome is Outcome.UNBOUNDED:
+                log.warning("no child processes on this platform: export with every input "
+                            "size symbolic runs without capture_budget's bound")
         try:
-            ep = within(budget, lambda: export(model, args, kwargs, dynamic_shapes=shapes))
-        except TimeUp:
-            raise
+            ep = export(model, args, kwargs, dynamic_shapes=shapes)
         except Exception as exc:
             exc.pipecompile_details = out.getvalue()  # type: ignore[attr-defined]
             raise
@@ -224,9 +241,9 @@ _warm = False  # whether this process has exported once (imports done: see _warm
 
 
 def _warm_up() -> None:
-    """Export a one-layer module once per process, outside any budget: torch imports much of
-    itself on the first export, and an import cut short by the deadline can leave a module
-    half-initialised for every later export."""
+    """Export a one-layer module once per process: torch imports much of itself on the first
+    export, which a bounded attempt's child would otherwise do again (inside its budget) every
+    time."""
     global _warm
     if not _warm:
         from torch.export import Dim, export

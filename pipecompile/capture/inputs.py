@@ -98,9 +98,10 @@ def _check_sizes(captured: CapturedModel, flat: list[Any], where: str) -> None:
                     f"{where}: input {name!r} has size {size} in dimension {axis}, but the "
                     f"model was captured with that size fixed at {int(dim)} (shape "
                     f"{_shape_text(shape)}: the model's code makes it constant, capture fell "
-                    f"back to static shapes, or compile had symbolic_sizes='batch'); pass "
-                    f"inputs of size {int(dim)} there, or compile with an example of the size "
-                    f"you need")
+                    f"back to static shapes, or it kept only the batch symbolic: "
+                    f"symbolic_sizes='auto' or 'batch'); pass inputs of size {int(dim)} there, "
+                    f"or compile with symbolic_sizes='all' (every size symbolic) or without "
+                    f"example inputs (a new plan for new sizes)")
 
 
 def _shape_text(shape: tuple) -> str:

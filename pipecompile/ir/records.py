@@ -404,6 +404,9 @@ class Example:
     # the stages' device copies of the model's tensors by (id(tensor), device): one table for
     # every plan of a lazily compiled pipeline, so that all of them train the same tensors
     placed: dict | None = None
+    # capture every size of a batched input symbolic (a lazy pipeline's new plan for a size
+    # its earlier plans fixed: torch.compile's automatic dynamic shapes, one step further)
+    all_sizes: bool = False
 
     @property
     def batch(self) -> int:

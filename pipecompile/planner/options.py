@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["CompileOptions", "resolve_options", "example_microbatch_size",
            "check_async_ties", "compute_dtype", "device_present", "require_present", "AUTO"]
 
-SYMBOLIC_SIZES = ("all", "batch")  # compile(symbolic_sizes=...)
+SYMBOLIC_SIZES = ("auto", "all", "batch")  # compile(symbolic_sizes=...)
 AUTO = "auto"  # the value that lets the search pass choose an option
 
 _RANK_BANDWIDTH = 3e9  # bytes/s between ranks when not told: gloo on loopback
@@ -70,11 +70,12 @@ class CompileOptions:
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None
     split_points: tuple[str, ...] | None = None
     capture: str = "export"
-    # "all": every size of a batched input symbolic where the model allows (sequence lengths
-    # too); "batch": the batch alone (faster torch.export; other sizes fixed at the example's)
-    symbolic_sizes: str = "all"
-    # seconds a torch.export attempt with symbolic sizes may run before capture gives up on it
-    # and tries fewer (batch only, then static); the static attempt gets ten times that
+    # "auto": the batch symbolic, and every size of a batched input once a lazy pipeline meets
+    # a size its plans fixed; "all": every size symbolic where the model allows (sequence
+    # lengths too) from the start; "batch": the batch alone, always (other sizes fixed)
+    symbolic_sizes: str = "auto"
+    # seconds the torch.export attempt with every size symbolic may run (in a child process,
+    # killed then) before capture gives up on it and keeps the batch alone symbolic
     capture_budget: float = 120.0
     granularity: str | None = None
     virtual_stages: int = 1  # resolved: 2 for interleaved-1f1b, zb-v, interleaved-zb unless given
@@ -179,13 +180,15 @@ def resolve_options(
     name = "gpipe" if name == AUTO else name
     if not isinstance(virtual_stages, int):
         virtual_stages = 2 if name in TWO_STAGES_PER_DEVICE else 1
-    if rest.get("symbolic_sizes", "all") not in SYMBOLIC_SIZES:
+    if rest.get("symbolic_sizes", "auto") not in SYMBOLIC_SIZES:
         raise ConfigError(f"symbolic_sizes={rest['symbolic_sizes']!r} is not supported; use "
-                          f"'all' (every size of a batched input) or 'batch' (the batch alone)")
+                          f"'auto' (the batch, then more sizes as calls change them), 'all' "
+                          f"(every size of a batched input) or 'batch' (the batch alone)")
     budget = rest.get("capture_budget", 120.0)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-        raise ConfigError(f"capture_budget must be a positive number of seconds (each "
-                          f"torch.export attempt gives up after it), got {budget!r}")
+        raise ConfigError(f"capture_budget must be a positive number of seconds (the "
+                          f"torch.export attempt with every size symbolic gives up after it), "
+                          f"got {budget!r}")
     if rest.get("rng", "global") not in RNG_MODES:
         raise ConfigError(f"rng={rest['rng']!r} is not a random-stream mode; use one of "
                           f"{', '.join(RNG_MODES)}")

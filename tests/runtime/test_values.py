@@ -29,7 +29,7 @@ class _Skip(nn.Module):
 def _program():
     torch.manual_seed(0)
     x = torch.randn(8, 5, 4)  # batch 8, sequence 5: both symbolic
-    linear = linearize(capture(_Skip(), (x,)), granularity="layer")
+    linear = linearize(capture(_Skip(), (x,), sizes="all"), granularity="layer")
     return split(linear, (0, 1, 2, 3), ["cpu"] * 3), x
 
 
