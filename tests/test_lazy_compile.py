@@ -84,7 +84,8 @@ def test_a_size_outside_the_captured_range_gets_its_own_plan():
     torch.manual_seed(0)
     model = Branchy().double()
     reference = copy.deepcopy(model)
-    pipe = pc.compile(model, devices=2, microbatches=2, schedule="1f1b", loss_fn=_mse)
+    pipe = pc.compile(model, devices=2, microbatches=2, schedule="1f1b", loss_fn=_mse,
+                      symbolic_sizes="all")
     for seq, plans in ((6, 1), (3, 2), (7, 2)):  # 6 and 7 take the branch of lengths > 4
         x = torch.randn(4, seq, 4, dtype=torch.float64)
         y = torch.randn(4, seq, 4, dtype=torch.float64)

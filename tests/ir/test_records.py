@@ -62,7 +62,7 @@ def test_captured_model_sizes_and_structures():
     torch.manual_seed(0)
     model = _Masked()
     x, mask = torch.randn(6, 5, 4), torch.ones(6, 5)
-    captured = capture(model, (x,), {"mask": mask})
+    captured = capture(model, (x,), {"mask": mask}, sizes="all")
     assert captured.input_names == ("x", "mask")
     assert captured.dynamic_batch and captured.captured_batch_size == 6
     batch = captured.batch_symbol
