@@ -56,15 +56,17 @@ def action_overhead(device: str, repeats: int = 7, *, cache: CompileCache | None
     from ..runtime.microbatch import split_microbatches
 
     m = 8
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
-    x = torch.randn(2 * m, 4)
+    # on `device`: split keeps the tensors where they are (placing them is the compiler's pass)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 4)).to(device)
+    x = torch.randn(2 * m, 4, device=device)
     linear = linearize(capture(model, (x,), method="fx"), granularity="layer")
     devices = [torch.device(device)] * 2
     program = split(linear, (0, 1, linear.num_blocks), devices)
     schedule = make_schedule("gpipe", 2, m)
     spec = RuntimeSpec(microbatches=m, loss_fn=lambda out, y: (out - y).pow(2).mean())
     runtime = LocalRuntime(program, schedule, spec)
-    mbs = split_microbatches((x.to(device),), {}, torch.zeros(2 * m, 4, device=device), m)
+    mbs = split_microbatches((x,), {}, torch.zeros(2 * m, 4, device=device), m)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
