@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
@@ -181,31 +182,48 @@ def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0,
     compiling one model several ways (schedules, devices, a benchmark grid) reuses them, since
     the fake passes over symbolic shapes take seconds on a transformer."""
     if cache is None:
-        return _symbolic_block_costs(linear, optimizer_factor, fused)
-    return cache.get(("symbolic costs", _cost_key(linear, optimizer_factor), fused),
-                     lambda: _symbolic_block_costs(linear, optimizer_factor, fused))
+        costs, estimated = _symbolic_block_costs(linear, optimizer_factor, fused)
+    else:
+        costs, estimated = cache.get(
+            ("symbolic costs", _cost_key(linear, optimizer_factor), fused),
+            lambda: _symbolic_block_costs(linear, optimizer_factor, fused))
+    if estimated:  # every compile that uses such costs says so, from the cache too
+        shown = "; ".join(estimated[:3]) + ("; ..." if len(estimated) > 3 else "")
+        warnings.warn(
+            f"pipecompile: {len(estimated)} of {len(linear.blocks)} blocks could not be costed "
+            f"on fake tensors ({shown}); their FLOPs are taken as 0 and their activation memory "
+            f"as their output bytes, so the partition and schedule may be chosen on too little "
+            f"compute: use profile=True to measure the blocks, or report the failing op",
+            RuntimeWarning, stacklevel=3)
+    return costs
 
 
 def _cost_key(linear: LinearGraph, optimizer_factor: float) -> str:
     """A hash of everything the symbolic costs depend on: the graph's code, every value's
     symbolic shape and dtype (which also names the size symbols), the blocks, and the
-    parameters' and buffers' shapes, dtypes and whether they train."""
+    parameters' and buffers' shapes, dtypes, devices and whether they train, and the device a
+    meta model's tensors claimed while traced (the fake passes run there)."""
     gm = linear.captured.module
     values = tuple((name, str(info.shape), str(info.dtype))
                    for name, info in linear.captured.values.items())
-    state = tuple((name, tuple(t.shape), str(t.dtype), t.requires_grad)
+    state = tuple((name, tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad)
                   for name, t in (*gm.named_parameters(), *gm.named_buffers()))
     return digest(gm.code, values, state, tuple(tuple(b.nodes) for b in linear.blocks),
-                  tuple(sorted(linear.roles.items())), optimizer_factor)
+                  tuple(sorted(linear.roles.items())), optimizer_factor,
+                  str(linear.captured.traced_device))
 
 
-def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float,
-                          fused: bool = False) -> tuple[BlockCost, ...]:
+def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float, fused: bool = False
+                          ) -> tuple[tuple[BlockCost, ...], tuple[str, ...]]:
+    """The blocks' costs, and for each block that could not run on fake tensors its name and
+    the reason (its FLOPs are then 0: the caller warns)."""
     gm = linear.captured.module
     nodes = {n.name: n for n in gm.graph.nodes}
     fake_mode = _fake_mode(gm.graph)
     costs = []
     measured: dict[tuple, tuple] = {}  # repeated layers have one signature: run them once
+    claimed = _Claimed(fake_mode, linear.captured.traced_device)
+    estimated: list[str] = []
     saved_inputs = []
     for block in linear.blocks:
         tensors = _block_state(block.nodes, nodes, linear.roles, gm)
@@ -215,8 +233,10 @@ def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float,
         param_bytes = sum(t.numel() * t.element_size() for t in unique)
         signature = _signature(block.nodes, nodes, linear)
         if signature not in measured:
-            measured[signature] = _fake_costs(block, nodes, linear, gm, fake_mode, fused)
-        flops, act, own_saved, inputs_saved, kernels = measured[signature]
+            measured[signature] = _fake_costs(block, nodes, linear, gm, claimed, fused)
+        flops, act, own_saved, inputs_saved, kernels, failure = measured[signature]
+        if failure is not None:
+            estimated.append(f"block {block.name}: {failure}")
         external = _external_inputs(block.nodes, nodes)
         saved_inputs.append(([block.nodes[i] for i in own_saved],
                              [external[i] for i in inputs_saved]))
@@ -238,7 +258,7 @@ def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float,
         )
     charged = _charge_inputs(linear, saved_inputs)
     return tuple(replace(c, activation_bytes=c.activation_bytes + extra)
-                 for c, extra in zip(costs, charged))
+                 for c, extra in zip(costs, charged)), tuple(estimated)
 
 
 def _external_inputs(block_nodes, nodes) -> list[str]:
@@ -275,19 +295,22 @@ def _charge_inputs(linear: LinearGraph, saved: list[tuple[list[str], list[str]]]
     return extra
 
 
-def _fake_costs(block, nodes, linear: LinearGraph, gm, fake_mode, fused: bool = False
-                ) -> tuple[tuple, sympy.Expr, tuple[int, ...], tuple[int, ...], Kernels]:
-    """FLOPs, own saved bytes, which values and inputs the block saves, and its kernels (see
-    `_run_block_fake`); from output sizes where the block cannot run on fake tensors."""
+def _fake_costs(block, nodes, linear: LinearGraph, gm, claimed: "_Claimed", fused: bool = False
+                ) -> tuple[tuple, sympy.Expr, tuple[int, ...], tuple[int, ...], Kernels,
+                           str | None]:
+    """FLOPs, own saved bytes, which values and inputs the block saves, its kernels (see
+    `_run_block_fake`) and None; from output sizes where the block cannot run on fake tensors,
+    with the reason last."""
     try:
         with preserve_buffers(gm):
-            return _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode, fused)
+            return (*_run_block_fake(block.nodes, nodes, linear.roles, gm, claimed, fused), None)
     except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: estimate instead
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.info("pipecompile: block %s could not run on fake tensors (%s); "
                  "estimating its cost from output sizes", block.name, exc)
         written = _output_bytes(block.nodes, linear)
-        return (sympy.Integer(0),) * 3, written, (), (), Kernels(memory=2 * written,
-                                                                  launches=len(block.nodes))
+        return ((sympy.Integer(0),) * 3, written, (), (),
+                Kernels(memory=2 * written, launches=len(block.nodes)), reason)
 
 
 def _signature(block_nodes, nodes, linear: LinearGraph) -> tuple:
@@ -352,11 +375,12 @@ def _output_bytes(block_nodes, linear: LinearGraph) -> sympy.Expr:
     return sympy.Add(*[values[n].nbytes for n in block_nodes if values[n].is_tensor])
 
 
-def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode, fused: bool = False):
+def _run_block_fake(block_nodes, nodes, roles, gm, claimed: "_Claimed", fused: bool = False):
     """(fwd, bwd-input, bwd-weight) FLOPs, the bytes of the block's own values autograd saves
     for backward, which of its values (positions in `block_nodes`) and of its external
     inputs (positions in `_external_inputs`) were saved (storages counted once), and its ops
     as kernels. `fused`: attention runs as FlashAttention (`planner.kernels`)."""
+    fake_mode = claimed.mode
     recorder = Recorder(_sym)
     block = set(block_nodes)
     env: dict[str, Any] = {}
@@ -388,7 +412,7 @@ def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode, fused: bool = Fals
                             params[id(p)] = p
                 for arg in node.all_input_nodes:
                     if arg.name not in env:
-                        env[arg.name] = _external(arg, roles, gm, fake_mode, inputs, params)
+                        env[arg.name] = _external(arg, roles, gm, claimed, inputs, params)
                 before = counter.get_total_flops()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     args = fx.node.map_arg(node.args, lambda n: env[n.name])
@@ -436,13 +460,35 @@ def _storage_of(value: Any) -> Any:
     return None
 
 
-def _external(arg: fx.Node, roles, gm, fake_mode, inputs, params):
+class _Claimed:
+    """Fakes of the module's tensors in one fake mode. A meta-built model's parameters and
+    buffers are meta tensors while the graph's values were traced on the device they claimed
+    (`capture.claimed_device`): their fakes claim that device too, else every op mixing a
+    parameter with an input fails ("found at least two devices, cpu and meta") and the block
+    is costed at no FLOPs."""
+
+    def __init__(self, mode: Any, device: torch.device | None) -> None:
+        self.mode = mode
+        self.device = device if device is not None and device.type != "meta" else None
+        self._made: dict[int, torch.Tensor] = {}  # id(own tensor) -> its fake (ties: one)
+
+    def fake(self, real: torch.Tensor) -> torch.Tensor:
+        if not (real.is_meta and self.device is not None):
+            return self.mode.from_tensor(real.detach())
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if id(real) not in self._made:
+            self._made[id(real)] = FakeTensor(self.mode, real.detach(), self.device)
+        return self._made[id(real)]
+
+
+def _external(arg: fx.Node, roles, gm, claimed: _Claimed, inputs, params):
     """A fake stand-in for a value the block reads from outside itself."""
     if roles[arg.name] == NodeRole.PARAM:
         real = _getattr_path(gm, node_target_str(arg))
         if not isinstance(real, torch.Tensor):
             return real
-        fake = fake_mode.from_tensor(real.detach())
+        fake = claimed.fake(real)
         if isinstance(real, torch.nn.Parameter) and real.requires_grad:
             fake.requires_grad_(True)
             params[id(fake)] = fake
