@@ -40,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir.compile_cache import CompileCache, digest
 from ..ir.records import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
+from .fake_values import FakeValues, fake_mode_of, run_on_fakes
 from .kernels import (
     ATTENTION_OPS,
     HardwareRates,
@@ -219,10 +220,9 @@ def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float, fused: b
     the reason (its FLOPs are then 0: the caller warns)."""
     gm = linear.captured.module
     nodes = {n.name: n for n in gm.graph.nodes}
-    fake_mode = _fake_mode(gm.graph)
     costs = []
     measured: dict[tuple, tuple] = {}  # repeated layers have one signature: run them once
-    claimed = _Claimed(fake_mode, linear.captured.traced_device)
+    fakes = FakeValues(fake_mode_of(gm.graph), linear.captured.traced_device)
     estimated: list[str] = []
     saved_inputs = []
     for block in linear.blocks:
@@ -233,7 +233,7 @@ def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float, fused: b
         param_bytes = sum(t.numel() * t.element_size() for t in unique)
         signature = _signature(block.nodes, nodes, linear)
         if signature not in measured:
-            measured[signature] = _fake_costs(block, nodes, linear, gm, claimed, fused)
+            measured[signature] = _fake_costs(block, nodes, linear, gm, fakes, fused)
         flops, act, own_saved, inputs_saved, kernels, failure = measured[signature]
         if failure is not None:
             estimated.append(f"block {block.name}: {failure}")
@@ -295,15 +295,22 @@ def _charge_inputs(linear: LinearGraph, saved: list[tuple[list[str], list[str]]]
     return extra
 
 
-def _fake_costs(block, nodes, linear: LinearGraph, gm, claimed: "_Claimed", fused: bool = False
+def _fake_costs(block, nodes, linear: LinearGraph, gm, fakes: FakeValues, fused: bool = False
                 ) -> tuple[tuple, sympy.Expr, tuple[int, ...], tuple[int, ...], Kernels,
                            str | None]:
     """FLOPs, own saved bytes, which values and inputs the block saves, its kernels (see
     `_run_block_fake`) and None; from output sizes where the block cannot run on fake tensors,
-    with the reason last."""
-    try:
+    with the reason last.
+
+    A block that fails with every size symbolic runs again with fewer (`run_on_fakes`)."""
+    def run(stand_ins: FakeValues) -> tuple:
         with preserve_buffers(gm):
-            return (*_run_block_fake(block.nodes, nodes, linear.roles, gm, claimed, fused), None)
+            return _run_block_fake(block.nodes, nodes, linear.roles, gm, stand_ins, fused)
+
+    captured = linear.captured
+    try:
+        return (*run_on_fakes(run, fakes, example_sizes=captured.example_sizes,
+                              batch=captured.batch_symbol, name=block.name), None)
     except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: estimate instead
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.info("pipecompile: block %s could not run on fake tensors (%s); "
@@ -344,16 +351,6 @@ def _signature(block_nodes, nodes, linear: LinearGraph) -> tuple:
     return tuple(out)
 
 
-def _fake_mode(graph: fx.Graph):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    for node in graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        if hasattr(val, "fake_mode"):
-            return val.fake_mode
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
 def _block_state(block_nodes, nodes, roles, gm) -> dict[str, Any]:
     """Original name -> tensor of what a block reads: get_attr targets, and for an fx
     call_module node its module's parameters."""
@@ -375,12 +372,12 @@ def _output_bytes(block_nodes, linear: LinearGraph) -> sympy.Expr:
     return sympy.Add(*[values[n].nbytes for n in block_nodes if values[n].is_tensor])
 
 
-def _run_block_fake(block_nodes, nodes, roles, gm, claimed: "_Claimed", fused: bool = False):
+def _run_block_fake(block_nodes, nodes, roles, gm, fakes: FakeValues, fused: bool = False):
     """(fwd, bwd-input, bwd-weight) FLOPs, the bytes of the block's own values autograd saves
     for backward, which of its values (positions in `block_nodes`) and of its external
     inputs (positions in `_external_inputs`) were saved (storages counted once), and its ops
     as kernels. `fused`: attention runs as FlashAttention (`planner.kernels`)."""
-    fake_mode = claimed.mode
+    fake_mode = fakes.mode
     recorder = Recorder(_sym)
     block = set(block_nodes)
     env: dict[str, Any] = {}
@@ -412,7 +409,7 @@ def _run_block_fake(block_nodes, nodes, roles, gm, claimed: "_Claimed", fused: b
                             params[id(p)] = p
                 for arg in node.all_input_nodes:
                     if arg.name not in env:
-                        env[arg.name] = _external(arg, roles, gm, claimed, inputs, params)
+                        env[arg.name] = _external(arg, roles, gm, fakes, inputs, params)
                 before = counter.get_total_flops()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     args = fx.node.map_arg(node.args, lambda n: env[n.name])
@@ -460,42 +457,19 @@ def _storage_of(value: Any) -> Any:
     return None
 
 
-class _Claimed:
-    """Fakes of the module's tensors in one fake mode. A meta-built model's parameters and
-    buffers are meta tensors while the graph's values were traced on the device they claimed
-    (`capture.claimed_device`): their fakes claim that device too, else every op mixing a
-    parameter with an input fails ("found at least two devices, cpu and meta") and the block
-    is costed at no FLOPs."""
-
-    def __init__(self, mode: Any, device: torch.device | None) -> None:
-        self.mode = mode
-        self.device = device if device is not None and device.type != "meta" else None
-        self._made: dict[int, torch.Tensor] = {}  # id(own tensor) -> its fake (ties: one)
-
-    def fake(self, real: torch.Tensor) -> torch.Tensor:
-        if not (real.is_meta and self.device is not None):
-            return self.mode.from_tensor(real.detach())
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        if id(real) not in self._made:
-            self._made[id(real)] = FakeTensor(self.mode, real.detach(), self.device)
-        return self._made[id(real)]
-
-
-def _external(arg: fx.Node, roles, gm, claimed: _Claimed, inputs, params):
+def _external(arg: fx.Node, roles, gm, fakes: FakeValues, inputs, params):
     """A fake stand-in for a value the block reads from outside itself."""
     if roles[arg.name] == NodeRole.PARAM:
         real = _getattr_path(gm, node_target_str(arg))
         if not isinstance(real, torch.Tensor):
             return real
-        fake = claimed.fake(real)
+        fake = fakes.module_tensor(real)
         if isinstance(real, torch.nn.Parameter) and real.requires_grad:
             fake.requires_grad_(True)
             params[id(fake)] = fake
         return fake
-    val = arg.meta.get("val")
+    val = fakes.graph_value(arg.meta.get("val"))
     if isinstance(val, torch.Tensor):
-        val = val.detach()
         if val.is_floating_point() and roles[arg.name] == NodeRole.COMPUTE:
             val.requires_grad_(True)
             inputs.append(val)

@@ -15,11 +15,13 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import pipecompile.passes.annotate as annotate_module
 from pipecompile.capture.capture import capture
 from pipecompile.ir.compile_cache import CompileCache
-from pipecompile.passes.annotate import symbolic_block_costs
+from pipecompile.passes.annotate import annotate, symbolic_block_costs
+from pipecompile.passes.fake_values import FakeValues, fake_mode_of
 from pipecompile.passes.linearize import linearize
 
 # Four blocks of Linear(32, 64) -> ReLU -> Linear(64, 32); batch 8 in 2 micro-batches of 4:
@@ -89,3 +91,66 @@ def test_the_cost_key_tells_a_meta_model_from_a_real_one():
         meta_model = _chain()
     meta = linearize(capture(meta_model, (x.to("meta"),), {}))
     assert (annotate_module._cost_key(real, 0.0) != annotate_module._cost_key(meta, 0.0))
+
+
+class Windows(nn.Module):
+    """Swin's window attention, reduced to its shapes: pad the image to whole windows of 4x4,
+    partition it into windows, a Linear per token, merge the windows, crop. With the image's
+    height and width symbolic the pad's amounts are symbolic, and its backward kernel takes
+    only concrete sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):  # (B, C, H, W)
+        x = x.permute(0, 2, 3, 1)
+        b, h, w, c = x.shape
+        x = F.pad(x, (0, 0, 0, (4 - w % 4) % 4, 0, (4 - h % 4) % 4))
+        hp, wp = x.shape[1], x.shape[2]
+        x = x.view(b, hp // 4, 4, wp // 4, 4, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, 16, c)
+        x = self.mix(x)
+        x = x.view(b, hp // 4, wp // 4, 4, 4, c).permute(0, 1, 3, 2, 4, 5).reshape(b, hp, wp, c)
+        return self.out(x[:, :h, :w, :]).permute(0, 3, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def windows():
+    """A 1x1 convolution, then the windows (so the windows' input needs a gradient and their
+    pad runs backward), captured with every size symbolic and with the batch alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 8, 1), Windows())
+    x = torch.randn(2, 8, 6, 6)  # 6 is not a whole number of windows: padded to 8
+    return {batch_only: capture(model, (x,), {}, batch_only=batch_only)
+            for batch_only in (False, True)}
+
+
+def test_costs_with_every_size_symbolic_equal_the_batch_only_costs_at_the_example(windows):
+    """The pad's backward fails on fake tensors with symbolic sizes (every size, or the batch
+    alone): the block is costed again with fewer symbols, down to two concrete batch sizes,
+    and both captures give the FLOPs counted by hand."""
+    every, batch = (annotate(linearize(windows[b]), microbatch_size=2) for b in (False, True))
+    assert len(every.symbolic[0].forward_flops.free_symbols) == 3  # batch, height, width
+    # the convolution: 2 * 8 * 8 FLOPs per pixel of 2 x 6 x 6; the windows: a Linear(8, 8) per
+    # token on 2 x 8 x 8 padded tokens, then another on the 2 x 6 x 6 cropped ones
+    conv, padded, cropped = 2 * 8 * 8 * 2 * 6 * 6, 2 * 8 * 8 * 2 * 8 * 8, 2 * 8 * 8 * 2 * 6 * 6
+    assert [b.forward_flops for b in batch.blocks] == [conv, padded + cropped]
+    assert [b.forward_flops for b in every.blocks] == [b.forward_flops for b in batch.blocks]
+    assert [b.backward_flops for b in every.blocks] == [b.backward_flops for b in batch.blocks]
+    # linear in the batch: the same at a micro-batch of 1
+    assert [b.forward_flops for b in annotate(linearize(windows[False]),
+                                              microbatch_size=1).blocks] == [
+        conv / 2, (padded + cropped) / 2]
+
+
+def test_specialized_fake_values_keep_the_batch_symbolic(windows):
+    captured = windows[False]
+    graph = captured.module.graph
+    placeholder = next(iter(graph.find_nodes(op="placeholder")))
+    others = {s: v for s, v in captured.example_sizes.items() if s != captured.batch_symbol}
+    fakes = FakeValues(fake_mode_of(graph), None).specialized(others, captured.example_sizes)
+    value = fakes.graph_value(placeholder.meta["val"])
+    assert isinstance(value.shape[0], torch.SymInt)
+    assert value.shape[0].node.expr == captured.batch_symbol
+    assert tuple(value.shape[1:]) == (8, 6, 6)
