@@ -473,6 +473,9 @@ def _external(arg: fx.Node, roles, gm, fakes: FakeValues, inputs, params):
         if val.is_floating_point() and roles[arg.name] == NodeRole.COMPUTE:
             val.requires_grad_(True)
             inputs.append(val)
+            # the block reads a view: a module hook (FlopCounterMode's module tracker) may not
+            # be handed a leaf while autograd.grad runs (fx capture's call_module blocks)
+            return val.view_as(val)
     return val
 
 

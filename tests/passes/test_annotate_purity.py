@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -154,3 +155,19 @@ def test_specialized_fake_values_keep_the_batch_symbolic(windows):
     assert isinstance(value.shape[0], torch.SymInt)
     assert value.shape[0].node.expr == captured.batch_symbol
     assert tuple(value.shape[1:]) == (8, 6, 6)
+
+
+def test_an_fx_capture_is_costed_like_an_export_capture():
+    """fx capture calls the layers as modules: FlopCounterMode's module hooks must not be given
+    a leaf tensor while the backward runs (every block after the first failed so, silently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.Linear(16, 8))
+    x = torch.randn(4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        costs = {method: annotate(linearize(capture(model, (x,), {}, method=method)),
+                                  microbatch_size=4).blocks
+                 for method in ("fx", "export")}
+    flops = {m: [(b.forward_flops, b.backward_flops) for b in c] for m, c in costs.items()}
+    assert flops["fx"] == flops["export"]
+    assert [f for f, _ in flops["fx"]] == [2 * 4 * 16 * 32, 0, 2 * 4 * 32 * 16, 2 * 4 * 16 * 8]
