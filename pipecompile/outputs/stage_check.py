@@ -185,10 +185,11 @@ class _Checker:
                 self.expression(item, local)
             return
         if isinstance(node, ast.Dict):
-            for item in [*node.keys, *node.values]:
-                if item is None:
+            for entry in [*node.keys, *node.values]:
+                if entry is None:
                     self.refuse(node, "a '**' in a dict")
-                self.expression(item, local)  # type: ignore[arg-type]
+                else:
+                    self.expression(entry, local)
             return
         if isinstance(node, ast.Slice):
             for part in (node.lower, node.upper, node.step):

@@ -10,7 +10,7 @@ tensor files DCP reads next hold raw bytes, read without pickle.
 
 from __future__ import annotations
 
-import pathlib
+import os
 import pickle
 from typing import Any
 
@@ -46,7 +46,7 @@ class _Unpickler(pickle.Unpickler):
             f"checkpoint with torch.distributed.checkpoint.save, or convert it to safetensors")
 
 
-def load_metadata(path: str | pathlib.Path) -> Metadata:
+def load_metadata(path: str | os.PathLike) -> Metadata:
     """The `Metadata` pickled in the file `path` (a DCP `.metadata`), built without running
     code."""
     with open(path, "rb") as stream:
@@ -63,7 +63,8 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         metadata = load_metadata(path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage = metadata.storage_meta
+        if storage is None:
+            storage = metadata.storage_meta = StorageMeta()
+        storage.load_id = self.load_id
         return metadata
