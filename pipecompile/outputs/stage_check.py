@@ -106,9 +106,11 @@ class _Checker:
             if statement.level != 0 or not allowed:
                 self.refuse(statement, f"'from {statement.module} import {alias.name}'")
             bound = alias.asname or alias.name
-            self.globals.add(bound)
             if alias.name == "seeded_call":
+                if bound in self.globals or bound.startswith("__"):
+                    self.refuse(statement, f"seeded_call imported as {bound!r}")
                 self.callables.add(bound)
+            self.globals.add(bound)
 
     def module_assign(self, statement: ast.Assign) -> None:
         target = statement.targets[0] if len(statement.targets) == 1 else None

@@ -116,3 +116,17 @@ def test_an_unknown_operator_and_a_subclass_of_something_else_are_refused():
             "return (x,)"), "s.py")
     check_stage_source(header + body.format("y = torch.ops.aten.__and__.Tensor(x, x)"), "s.py")
     assert issubclass(StageCodeError, pc.PipecompileError)
+
+
+def test_the_seeded_random_op_wrapper_is_allowed_under_its_own_name_only():
+    header = "import torch\nfrom pipecompile.ir.rng import seeded_call as {}\n"
+    body = ("class Stage0(torch.nn.Module):\n    def forward(self, x):\n"
+            "        y = {}(torch.ops.aten.dropout.default, 'y', 0, x, 0.5, True)\n"
+            "        return (y,)\n")
+    name = "pipecompile_ir_rng_seeded_call"
+    check_stage_source(header.format(name) + body.format(name), "s.py")
+    with pytest.raises(StageCodeError, match=r"s.py:2: seeded_call imported as 'torch'"):
+        check_stage_source(header.format("torch") + body.format("torch"), "s.py")
+    with pytest.raises(StageCodeError, match=r"s.py:5: a call of 'open'"):
+        check_stage_source(header.format(name) + body.format(name).replace(
+            "torch.ops.aten.dropout.default", "open"), "s.py")
