@@ -23,6 +23,7 @@ from .planner.hardware import preset
 from .weights.materialize import meta_parameters
 from .ir.devices import DeviceSpec
 from .passes.partition import PartitionMemoryError
+from .outputs.stage_check import StageCodeError
 from .planner.cluster import Cluster, cluster
 from .pipeline import Pipeline, load
 from .outputs.memory_report import DeviceMemory, format_memory
@@ -49,6 +50,7 @@ __all__ = [
     "OpaqueModuleError",
     "PartitionError",
     "PartitionMemoryError",
+    "StageCodeError",
     "ScheduleError",
     "StageExecutionError",
 ]

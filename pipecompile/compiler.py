@@ -117,7 +117,7 @@ def compile(  # noqa: A001 - the public name of the design
 
     `devices` is a count (CUDA devices if present, else that many CPU workers; 1 when not
     given), a list of device names, or a list of `DeviceSpec` (relative speed, memory) for
-    heterogeneous devices.
+    heterogeneous devices; one name (`devices="cpu"`) is a list of that one device.
     `memory_limit` (bytes, per device or one for all) caps each stage's predicted memory.
     `example_target` (the target of the example batch) lets `profile=True` time `loss_fn` too.
     `rng="per-microbatch"` draws every random op from a stream of (`rng_seed`, step,

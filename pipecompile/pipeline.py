@@ -339,10 +339,13 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
 def load(directory: str | os.PathLike, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
          devices: Sequence[str | torch.device] | None = None,
-         compile_stages: bool | None = None) -> Pipeline:
+         compile_stages: bool | None = None, trust_code: bool = False) -> Pipeline:
     """Rebuild the Pipeline `pipe.save` wrote to `directory` (or its plan.json path).
     `devices` overrides the saved placement (one per schedule device, e.g. `["cpu"] * 4` for a
-    CUDA-saved pipeline), `compile_stages` the saved setting (False without a C++ compiler)."""
+    CUDA-saved pipeline), `compile_stages` the saved setting (False without a C++ compiler).
+    Loading runs no code from the directory: each stage file must hold only what torch.fx
+    writes (else a `StageCodeError` names the file and line); `trust_code=True` runs the files
+    as Python, for directories you trust."""
     return Pipeline(load_plan(directory, loss_fn=loss_fn, optimizer=optimizer, devices=devices,
-                              compile_stages=compile_stages))
+                              compile_stages=compile_stages, trust_code=trust_code))
 

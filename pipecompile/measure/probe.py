@@ -73,18 +73,24 @@ def probe(linear: LinearGraph, costs: CostTable, example: Example, device: torch
     compute), and, when `threads` device threads share `cores` CPU cores, their efficiency
     running the second stage at once. Costs about 15 forward + backward passes of the model on
     one micro-batch; parameter gradients, buffers and the random state are left as they were.
-    Kept in `cache` (None: measured afresh) for a graph, input layout, loss function and
-    setting: compiling the same model again, with other options or weights, reuses the
-    numbers."""
+    Kept in `cache` (None: measured afresh) for a graph, its parameters' shapes, the analytic
+    prediction, input layout, loss function and setting: compiling the same model again, with
+    other options or weights, reuses the numbers."""
     def run() -> Probe:
         return _probe(linear, costs, example, device, microbatches=microbatches,
                       loss_fn=loss_fn, threads=threads, cores=cores)
 
     if cache is None:
         return run()
-    key = ("probe", digest(linear.captured.module.code), linear.granularity,
-           layout(example.args), layout(dict(example.kwargs)), layout(example.target),
-           microbatches, function_key(loss_fn), str(device), threads, cores)
+    # the calibration is measured time over `costs`' prediction: the key holds both what runs
+    # (code, parameter shapes) and the prediction, so no other compile's costs leak in
+    gm = linear.captured.module
+    state = tuple((name, tuple(t.shape), str(t.dtype), t.requires_grad)
+                  for name, t in (*gm.named_parameters(), *gm.named_buffers()))
+    key = ("probe", digest(gm.code, state, tuple(b.time for b in costs.blocks)),
+           linear.granularity, layout(example.args), layout(dict(example.kwargs)),
+           layout(example.target), microbatches, function_key(loss_fn), str(device), threads,
+           cores)
     return cache.get(key, run)
 
 

@@ -9,5 +9,6 @@
     onnx_run.py       run and check an exported ONNX pipeline
     persist.py        `pipe.save(directory)` and `pipecompile.load(directory)`
     graph_code.py     graph modules as Python source, and back (saved pipelines)
+    stage_check.py    a saved stage file checked to hold only what torch.fx writes
     treespec.py       pytree specs as text (a saved pipeline's input/output structures)
 """

@@ -20,8 +20,9 @@ only torch imports; parameters and buffers are not in the source, only their nam
 So the rebuilt graph has the same nodes, in the same order, with the same names: a loaded stage
 prints, and saves again, as the same code.
 
-Executing the source runs code from the directory: load only directories you trust, as you
-would import only modules you trust. Graphs that call `nn.Module`s (`call_module`, from a
+Before executing it, `build_module` checks the source statement by statement against the forms
+fx writes (`stage_check`): a file edited to do anything else is refused, naming its line, and
+nothing of it runs; `trust_code=True` skips the check (the file then runs as Python). Graphs that call `nn.Module`s (`call_module`, from a
 torch.fx capture) cannot be written this way: the module's code is not in the graph.
 """
 
@@ -37,6 +38,7 @@ import torch.fx as fx
 from torch.fx.graph import _custom_builtins
 
 from ..errors import ConfigError
+from .stage_check import check_stage_source
 
 __all__ = ["module_source", "build_module", "install"]
 
@@ -66,9 +68,13 @@ def module_source(gm: fx.GraphModule, *, class_name: str, doc: str = "") -> str:
 
 
 def build_module(
-    source: str, class_name: str, tensors: Mapping[str, torch.Tensor], *, filename: str = "<stage>"
+    source: str, class_name: str, tensors: Mapping[str, torch.Tensor], *, filename: str = "<stage>",
+    trust_code: bool = False,
 ) -> fx.GraphModule:
-    """The GraphModule `class_name` defined by `source`, holding `tensors` by dotted name."""
+    """The GraphModule `class_name` defined by `source`, holding `tensors` by dotted name.
+    The source is checked to hold only what fx writes (`stage_check`) unless `trust_code`."""
+    if not trust_code:
+        check_stage_source(source, filename)
     namespace: dict[str, Any] = {"__name__": f"pipecompile_stage_{class_name}"}
     tree = ast.parse(source, filename)
     exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - see the module docstring

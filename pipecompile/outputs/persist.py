@@ -13,8 +13,10 @@
 
 Nothing is pickled: weights are safetensors, everything else is JSON or Python source. `load`
 needs only torch, pipecompile and these files, not the model's code: each stage's GraphModule
-is rebuilt by executing its source and tracing it (`graph_code.build_module`; executing the
-source means: load only directories you trust). A tensor reached under several names (a tied
+is rebuilt by executing its source and tracing it (`graph_code.build_module`), after checking
+that the source holds only the statement forms torch.fx writes (`stage_check`: a file edited to
+do anything else is refused, naming its line, and nothing of it runs; `trust_code=True` skips
+the check). A tensor reached under several names (a tied
 weight) is stored once per stage file that reads it and becomes one tensor per device again on
 load, as `split` made it.
 
@@ -115,11 +117,13 @@ def load_plan(
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
     devices: Sequence[str | torch.device] | None = None,
     compile_stages: bool | None = None,
+    trust_code: bool = False,
 ) -> Plan:
     """The plan saved in `directory` (or from its plan.json path), with everything compile
     produced except the block costs; `devices` overrides the saved placement (one device per
     schedule device), `compile_stages` the saved setting. `loss_fn` and `optimizer` are code,
-    so they are given again here."""
+    so they are given again here. Stage files are checked to hold only what torch.fx writes,
+    and output types are imported only from packages already imported, unless `trust_code`."""
     start = time.perf_counter()
     root = Path(directory)
     if root.is_file():
@@ -132,7 +136,7 @@ def load_plan(
     schedule = _schedule_from_json(_read_json(root / data["schedule"]))
     stage_devices = _stage_devices(data, schedule, devices)
     stage_costs = tuple(StageCosts(**_floats(c)) for c in data.get("stage_costs", []))
-    program = _program_from_json(root, data, stage_devices, stage_costs)
+    program = _program_from_json(root, data, stage_devices, stage_costs, trust_code)
     options = CompileOptions(
         devices=tuple(DeviceSpec(name=str(stage_devices[schedule.stage_to_device.index(d)]))
                       for d in range(schedule.num_devices)),
@@ -230,17 +234,17 @@ def _cost_from_json(entry: dict[str, Any] | None, times: StageCosts | None) -> S
 
 
 def _program_from_json(root: Path, data: dict[str, Any], stage_devices: list[torch.device],
-                       times: Sequence[StageCosts]) -> StagedProgram:
+                       times: Sequence[StageCosts], trust_code: bool) -> StagedProgram:
     """The staged program: weights read, each stage's module rebuilt from its code."""
     state = _read_state(root, data)
-    captured = _captured_from_json(data["captured"], state)
+    captured = _captured_from_json(data["captured"], state, trust_code)
     placed = _Placement(stage_devices, {})
     stages = []
     for entry in data["stages"]:
         j = entry["index"]
         tensors = {n: placed.get(j, n, state[n]) for n in entry["attributes"]}
         module = build_module((root / entry["code"]).read_text(), entry["class"], tensors,
-                              filename=str(root / entry["code"]))
+                              filename=str(root / entry["code"]), trust_code=trust_code)
         cost = _cost_from_json(entry["cost"], times[j] if j < len(times) else None)
         stages.append(Stage(j, module, stage_devices[j], tuple(entry["inputs"]),
                             tuple(entry["outputs"]), tuple(entry["blocks"]),
@@ -350,7 +354,8 @@ def _captured_to_json(program: StagedProgram) -> dict[str, Any]:
     }
 
 
-def _captured_from_json(data: dict[str, Any], state: dict[str, torch.Tensor]) -> CapturedModel:
+def _captured_from_json(data: dict[str, Any], state: dict[str, torch.Tensor],
+                        trust_code: bool) -> CapturedModel:
     symbols = {name: sympy.Symbol(name, integer=True, positive=True)
                for name in data["example_sizes"]}
     if data["batch_symbol"]:
@@ -365,7 +370,8 @@ def _captured_from_json(data: dict[str, Any], state: dict[str, torch.Tensor]) ->
               for n, v in data["values"].items()}
     return CapturedModel(
         module=_state_holder(data["input_names"], state),
-        in_spec=load_spec(data["in_spec"]), out_spec=load_spec(data["out_spec"]),
+        in_spec=load_spec(data["in_spec"], import_new=trust_code),
+        out_spec=load_spec(data["out_spec"], import_new=trust_code),
         input_names=tuple(data["input_names"]), output_names=tuple(data["output_names"]),
         values=values, method=data["method"], dynamic_batch=data["dynamic_batch"],
         batch_symbol=symbols[data["batch_symbol"]] if data["batch_symbol"] else None,

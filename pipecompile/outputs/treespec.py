@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 from typing import Any
 
 from torch.utils import _pytree as pytree
@@ -38,8 +39,10 @@ def _spec_json(spec: pytree.TreeSpec) -> dict[str, Any]:
             "children_spec": [_spec_json(c) for c in spec.children_specs]}
 
 
-def load_spec(text: str) -> pytree.TreeSpec:
-    """The spec back; types that cannot be rebuilt here become dict (keyed) or tuple."""
+def load_spec(text: str, *, import_new: bool = True) -> pytree.TreeSpec:
+    """The spec back; types that cannot be rebuilt here become dict (keyed) or tuple. A type's
+    module is imported if needed; without `import_new` only where its top-level package is
+    already imported (importing runs the module's code: a saved file must not choose it)."""
     try:
         return pytree.treespec_loads(text)
     except Exception:  # noqa: BLE001 - perhaps the type's module is not imported yet
@@ -47,6 +50,8 @@ def load_spec(text: str) -> pytree.TreeSpec:
     protocol, root = json.loads(text)
     for type_name in _type_names(root):
         module = type_name.rpartition(".")[0]
+        if not import_new and module.partition(".")[0] not in sys.modules:
+            continue
         try:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001 - not available here: use the fallback

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
@@ -39,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir.compile_cache import CompileCache, digest
 from ..ir.records import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
+from .fake_values import FakeValues, fake_mode_of, run_on_fakes
 from .kernels import (
     ATTENTION_OPS,
     HardwareRates,
@@ -181,31 +183,47 @@ def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0,
     compiling one model several ways (schedules, devices, a benchmark grid) reuses them, since
     the fake passes over symbolic shapes take seconds on a transformer."""
     if cache is None:
-        return _symbolic_block_costs(linear, optimizer_factor, fused)
-    return cache.get(("symbolic costs", _cost_key(linear, optimizer_factor), fused),
-                     lambda: _symbolic_block_costs(linear, optimizer_factor, fused))
+        costs, estimated = _symbolic_block_costs(linear, optimizer_factor, fused)
+    else:
+        costs, estimated = cache.get(
+            ("symbolic costs", _cost_key(linear, optimizer_factor), fused),
+            lambda: _symbolic_block_costs(linear, optimizer_factor, fused))
+    if estimated:  # every compile that uses such costs says so, from the cache too
+        shown = "; ".join(estimated[:3]) + ("; ..." if len(estimated) > 3 else "")
+        warnings.warn(
+            f"pipecompile: {len(estimated)} of {len(linear.blocks)} blocks could not be costed "
+            f"on fake tensors ({shown}); their FLOPs are taken as 0 and their activation memory "
+            f"as their output bytes, so the partition and schedule may be chosen on too little "
+            f"compute: use profile=True to measure the blocks, or report the failing op",
+            RuntimeWarning, stacklevel=3)
+    return costs
 
 
 def _cost_key(linear: LinearGraph, optimizer_factor: float) -> str:
     """A hash of everything the symbolic costs depend on: the graph's code, every value's
     symbolic shape and dtype (which also names the size symbols), the blocks, and the
-    parameters' and buffers' shapes, dtypes and whether they train."""
+    parameters' and buffers' shapes, dtypes, devices and whether they train, and the device a
+    meta model's tensors claimed while traced (the fake passes run there)."""
     gm = linear.captured.module
     values = tuple((name, str(info.shape), str(info.dtype))
                    for name, info in linear.captured.values.items())
-    state = tuple((name, tuple(t.shape), str(t.dtype), t.requires_grad)
+    state = tuple((name, tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad)
                   for name, t in (*gm.named_parameters(), *gm.named_buffers()))
     return digest(gm.code, values, state, tuple(tuple(b.nodes) for b in linear.blocks),
-                  tuple(sorted(linear.roles.items())), optimizer_factor)
+                  tuple(sorted(linear.roles.items())), optimizer_factor,
+                  str(linear.captured.traced_device))
 
 
-def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float,
-                          fused: bool = False) -> tuple[BlockCost, ...]:
+def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float, fused: bool = False
+                          ) -> tuple[tuple[BlockCost, ...], tuple[str, ...]]:
+    """The blocks' costs, and for each block that could not run on fake tensors its name and
+    the reason (its FLOPs are then 0: the caller warns)."""
     gm = linear.captured.module
     nodes = {n.name: n for n in gm.graph.nodes}
-    fake_mode = _fake_mode(gm.graph)
     costs = []
     measured: dict[tuple, tuple] = {}  # repeated layers have one signature: run them once
+    fakes = FakeValues(fake_mode_of(gm.graph), linear.captured.traced_device)
+    estimated: list[str] = []
     saved_inputs = []
     for block in linear.blocks:
         tensors = _block_state(block.nodes, nodes, linear.roles, gm)
@@ -215,8 +233,10 @@ def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float,
         param_bytes = sum(t.numel() * t.element_size() for t in unique)
         signature = _signature(block.nodes, nodes, linear)
         if signature not in measured:
-            measured[signature] = _fake_costs(block, nodes, linear, gm, fake_mode, fused)
-        flops, act, own_saved, inputs_saved, kernels = measured[signature]
+            measured[signature] = _fake_costs(block, nodes, linear, gm, fakes, fused)
+        flops, act, own_saved, inputs_saved, kernels, failure = measured[signature]
+        if failure is not None:
+            estimated.append(f"block {block.name}: {failure}")
         external = _external_inputs(block.nodes, nodes)
         saved_inputs.append(([block.nodes[i] for i in own_saved],
                              [external[i] for i in inputs_saved]))
@@ -238,7 +258,7 @@ def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float,
         )
     charged = _charge_inputs(linear, saved_inputs)
     return tuple(replace(c, activation_bytes=c.activation_bytes + extra)
-                 for c, extra in zip(costs, charged))
+                 for c, extra in zip(costs, charged)), tuple(estimated)
 
 
 def _external_inputs(block_nodes, nodes) -> list[str]:
@@ -275,19 +295,29 @@ def _charge_inputs(linear: LinearGraph, saved: list[tuple[list[str], list[str]]]
     return extra
 
 
-def _fake_costs(block, nodes, linear: LinearGraph, gm, fake_mode, fused: bool = False
-                ) -> tuple[tuple, sympy.Expr, tuple[int, ...], tuple[int, ...], Kernels]:
-    """FLOPs, own saved bytes, which values and inputs the block saves, and its kernels (see
-    `_run_block_fake`); from output sizes where the block cannot run on fake tensors."""
-    try:
+def _fake_costs(block, nodes, linear: LinearGraph, gm, fakes: FakeValues, fused: bool = False
+                ) -> tuple[tuple, sympy.Expr, tuple[int, ...], tuple[int, ...], Kernels,
+                           str | None]:
+    """FLOPs, own saved bytes, which values and inputs the block saves, its kernels (see
+    `_run_block_fake`) and None; from output sizes where the block cannot run on fake tensors,
+    with the reason last.
+
+    A block that fails with every size symbolic runs again with fewer (`run_on_fakes`)."""
+    def run(stand_ins: FakeValues) -> tuple:
         with preserve_buffers(gm):
-            return _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode, fused)
+            return _run_block_fake(block.nodes, nodes, linear.roles, gm, stand_ins, fused)
+
+    captured = linear.captured
+    try:
+        return (*run_on_fakes(run, fakes, example_sizes=captured.example_sizes,
+                              batch=captured.batch_symbol, name=block.name), None)
     except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: estimate instead
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.info("pipecompile: block %s could not run on fake tensors (%s); "
                  "estimating its cost from output sizes", block.name, exc)
         written = _output_bytes(block.nodes, linear)
-        return (sympy.Integer(0),) * 3, written, (), (), Kernels(memory=2 * written,
-                                                                  launches=len(block.nodes))
+        return ((sympy.Integer(0),) * 3, written, (), (),
+                Kernels(memory=2 * written, launches=len(block.nodes)), reason)
 
 
 def _signature(block_nodes, nodes, linear: LinearGraph) -> tuple:
@@ -321,16 +351,6 @@ def _signature(block_nodes, nodes, linear: LinearGraph) -> tuple:
     return tuple(out)
 
 
-def _fake_mode(graph: fx.Graph):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    for node in graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        if hasattr(val, "fake_mode"):
-            return val.fake_mode
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
 def _block_state(block_nodes, nodes, roles, gm) -> dict[str, Any]:
     """Original name -> tensor of what a block reads: get_attr targets, and for an fx
     call_module node its module's parameters."""
@@ -352,11 +372,12 @@ def _output_bytes(block_nodes, linear: LinearGraph) -> sympy.Expr:
     return sympy.Add(*[values[n].nbytes for n in block_nodes if values[n].is_tensor])
 
 
-def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode, fused: bool = False):
+def _run_block_fake(block_nodes, nodes, roles, gm, fakes: FakeValues, fused: bool = False):
     """(fwd, bwd-input, bwd-weight) FLOPs, the bytes of the block's own values autograd saves
     for backward, which of its values (positions in `block_nodes`) and of its external
     inputs (positions in `_external_inputs`) were saved (storages counted once), and its ops
     as kernels. `fused`: attention runs as FlashAttention (`planner.kernels`)."""
+    fake_mode = fakes.mode
     recorder = Recorder(_sym)
     block = set(block_nodes)
     env: dict[str, Any] = {}
@@ -388,7 +409,7 @@ def _run_block_fake(block_nodes, nodes, roles, gm, fake_mode, fused: bool = Fals
                             params[id(p)] = p
                 for arg in node.all_input_nodes:
                     if arg.name not in env:
-                        env[arg.name] = _external(arg, roles, gm, fake_mode, inputs, params)
+                        env[arg.name] = _external(arg, roles, gm, fakes, inputs, params)
                 before = counter.get_total_flops()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     args = fx.node.map_arg(node.args, lambda n: env[n.name])
@@ -436,23 +457,25 @@ def _storage_of(value: Any) -> Any:
     return None
 
 
-def _external(arg: fx.Node, roles, gm, fake_mode, inputs, params):
+def _external(arg: fx.Node, roles, gm, fakes: FakeValues, inputs, params):
     """A fake stand-in for a value the block reads from outside itself."""
     if roles[arg.name] == NodeRole.PARAM:
         real = _getattr_path(gm, node_target_str(arg))
         if not isinstance(real, torch.Tensor):
             return real
-        fake = fake_mode.from_tensor(real.detach())
+        fake = fakes.module_tensor(real)
         if isinstance(real, torch.nn.Parameter) and real.requires_grad:
             fake.requires_grad_(True)
             params[id(fake)] = fake
         return fake
-    val = arg.meta.get("val")
+    val = fakes.graph_value(arg.meta.get("val"))
     if isinstance(val, torch.Tensor):
-        val = val.detach()
         if val.is_floating_point() and roles[arg.name] == NodeRole.COMPUTE:
             val.requires_grad_(True)
             inputs.append(val)
+            # the block reads a view: a module hook (FlopCounterMode's module tracker) may not
+            # be handed a leaf while autograd.grad runs (fx capture's call_module blocks)
+            return val.view_as(val)
     return val
 
 

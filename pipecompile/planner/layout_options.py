@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from ..errors import ConfigError
 from .options import (
     AUTO,
@@ -47,7 +49,10 @@ def job_options(example: Example | None, *, devices: Any, data_parallel: Any,
     """compile's options: over every device of the job when the layout is searched
     (`data_parallel="auto"`, a cluster, or under torchrun neither `devices` nor
     `data_parallel`), else `options.resolve_options` (the layout given). `devices` and
-    `data_parallel` None: not given (1 each outside that search)."""
+    `data_parallel` None: not given (1 each outside that search); one device name or spec
+    (`devices="cpu"`) is a list of that one device."""
+    if isinstance(devices, (str, torch.device, DeviceSpec)):
+        devices = [devices]
     world = world_size()
     fsdp = rest.get("fsdp", False)
     searched = data_parallel == AUTO or (devices is None and data_parallel is None)

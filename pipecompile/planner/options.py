@@ -346,6 +346,16 @@ def _device_names(devices: int | Sequence[Any]) -> list[Any]:
     return [f"cuda:{i}" for i in range(devices)]
 
 
+def _device_name(device: Any) -> str:
+    """The torch name of one entry of `devices` ("cuda:0"), or a ConfigError naming it."""
+    try:
+        return str(torch.device(device))
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"devices holds {device!r}, which is not a torch device; give a "
+                          f"count (devices=2), a device name (devices='cpu') or a list of "
+                          f"them (devices=['cuda:0', 'cuda:1'])") from None
+
+
 def _device_specs(devices, memory_limit, bandwidth, dtype: str | None) -> list[DeviceSpec]:
     names = _device_names(devices)
     if not names:
@@ -359,7 +369,7 @@ def _device_specs(devices, memory_limit, bandwidth, dtype: str | None) -> list[D
         if isinstance(d, DeviceSpec):
             spec = d
         else:
-            name = str(torch.device(d))
+            name = _device_name(d)
             spec = DeviceSpec(name=name, memory=_device_memory(name),
                               bandwidth=bandwidth or (math.inf if name == "cpu" else 10e9))
         if limit is not None:

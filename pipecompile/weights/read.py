@@ -38,6 +38,7 @@ from typing import Literal, Union
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
+from .dcp_metadata import SafeReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
@@ -197,7 +198,9 @@ def _dtype(name: str, key: str, file: Path) -> torch.dtype:
 def _dcp_tensor_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
     """The tensor entries of a DCP checkpoint's `.metadata` (global size and dtype of each key)."""
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = SafeReader(str(path)).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as exc:  # unpickling errors come in many types
         raise CheckpointError(
             f"cannot read {str(path / _DCP_METADATA)!r} as torch.distributed.checkpoint "
@@ -221,5 +224,5 @@ def _read_dcp(path: Path, wanted: set[str], device: torch.device) -> dict[str, t
     with warnings.catch_warnings():
         # dcp.load warns that it "assumes the intent is to load in a single process": it is.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
     return state

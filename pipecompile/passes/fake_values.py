@@ -1,0 +1,148 @@
+"""The fake stand-ins a block is costed on (`passes.annotate`): what it reads from outside itself.
+
+The annotate pass runs each block on fake tensors (shape, dtype and device, no data). A block
+reads two kinds of outside values, and `FakeValues` makes a stand-in for each:
+
+    module tensors   parameters and buffers: a fake of each (one fake per tensor object, so a
+                     tied weight stays one). A model built on the meta device keeps meta
+                     tensors, while the graph's values were traced on the device those tensors
+                     claimed (`capture.claimed_device`): their fakes claim that device too, or
+                     every op mixing a parameter and an input fails ("found at least two
+                     devices, cpu and meta") and the block would be costed at no FLOPs.
+    graph values     the captured value (`node.meta["val"]`), its sizes symbolic; or, with
+                     `specialize`, the same value with every size but the batch at its example
+                     value: some backward kernels take no symbolic sizes (a pad whose amounts
+                     are computed from the image's height: "SymIntArrayRef expected to contain
+                     only concrete integers"), and the planner only ever evaluates costs at the
+                     example sizes with another batch (`CapturedModel.sizes_at`), so a cost that
+                     is symbolic in the batch alone is exact for it.
+
+`run_on_fakes` runs a block's costing on these stand-ins, most symbolic first:
+
+    1. every captured size symbolic (costs are expressions of all of them);
+    2. sizes other than the batch at the example's (expressions of the batch);
+    3. every size concrete, at the example's batch b and at 2b: costs linear in the batch
+       through those two points (a backward kernel that takes no symbolic strides, such as a
+       pad's on a permuted input, fails even with the batch alone symbolic). FLOPs and bytes
+       of every op pipecompile prices are linear in the batch (each sample computed alike).
+
+`FakeValues` is made per costing (a pure function of the graph and the device): it keeps no
+state between compiles.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, TypeVar
+
+import sympy
+import torch
+import torch.fx as fx
+
+__all__ = ["FakeValues", "fake_mode_of", "run_on_fakes"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def fake_mode_of(graph: fx.Graph) -> Any:
+    """The fake mode the capture's values live in (a new one for a graph without fakes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for node in graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if hasattr(val, "fake_mode"):
+            return val.fake_mode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+class FakeValues:
+    """Fake stand-ins in `mode` for module tensors (claiming `device` where a tensor is on meta
+    and `device` is a real one) and for captured graph values (sizes other than the batch set
+    to their example values where `specialize` maps their symbols)."""
+
+    def __init__(self, mode: Any, device: torch.device | None, *,
+                 specialize: Mapping[sympy.Symbol, int] | None = None,
+                 hints: Mapping[sympy.Symbol, int] | None = None) -> None:
+        self.mode = mode
+        self.device = device if device is not None and device.type != "meta" else None
+        self.specialize = {s: sympy.Integer(v) for s, v in (specialize or {}).items()}
+        self.hints = {s: sympy.Integer(v) for s, v in (hints or {}).items()}
+        self._made: dict[int, torch.Tensor] = {}  # id(own tensor) -> its fake (ties: one)
+
+    def specialized(self, sizes: Mapping[sympy.Symbol, int],
+                    hints: Mapping[sympy.Symbol, int]) -> "FakeValues":
+        """The same stand-ins with the symbols of `sizes` set to those values; `hints` are
+        the example's value of every symbol (what a size left symbolic is traced at)."""
+        return FakeValues(self.mode, self.device, specialize=sizes, hints=hints)
+
+    def module_tensor(self, real: torch.Tensor) -> torch.Tensor:
+        """A fake of a parameter or buffer (not yet requiring grad)."""
+        if not (real.is_meta and self.device is not None):
+            return self.mode.from_tensor(real.detach())
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if id(real) not in self._made:
+            self._made[id(real)] = FakeTensor(self.mode, real.detach(), self.device)
+        return self._made[id(real)]
+
+    def graph_value(self, val: Any) -> Any:
+        """The captured value `val` (a fake tensor, SymInt or constant), detached, with its
+        sizes specialized if asked."""
+        if not self.specialize:
+            return val.detach() if isinstance(val, torch.Tensor) else val
+        if isinstance(val, torch.SymInt):
+            return self._size(val)
+        if isinstance(val, torch.Tensor):
+            shape = [self._size(d) for d in val.shape]
+            with self.mode:
+                return torch.empty(shape, dtype=val.dtype, device=val.device)
+        return val
+
+    def _size(self, size: Any) -> Any:
+        if not isinstance(size, torch.SymInt):
+            return size
+        expr = size.node.expr.xreplace(self.specialize)
+        if expr.is_number:
+            return int(expr)
+        return size.node.shape_env.create_symintnode(expr, hint=int(expr.xreplace(self.hints)))
+
+
+def run_on_fakes(run: Callable[[FakeValues], T], fakes: FakeValues, *,
+                 example_sizes: Mapping[sympy.Symbol, int], batch: sympy.Symbol | None,
+                 name: str) -> T:
+    """`run(stand-ins)` with every size symbolic, else with only the batch symbolic, else fitted
+    through two concrete batch sizes (see the module docstring); the last failure is raised.
+    `name` names the block in the log."""
+    others = {s: v for s, v in example_sizes.items() if s != batch}
+    try:
+        return run(fakes)
+    except Exception as exc:  # noqa: BLE001 - tried again with fewer symbols below
+        failure = exc
+    if others:
+        log.info("pipecompile: block %s could not run on fake tensors with every size symbolic "
+                 "(%s); costing it with only the batch symbolic", name, failure)
+        try:
+            return run(fakes.specialized(others, example_sizes))
+        except Exception as exc:  # noqa: BLE001
+            failure = exc
+    if batch is None or batch not in example_sizes:
+        raise failure
+    log.info("pipecompile: block %s could not run on fake tensors with a symbolic batch (%s); "
+             "costing it at two batch sizes, linear in between", name, failure)
+    b1 = int(example_sizes[batch])
+    b2 = 2 * b1
+    first = run(fakes.specialized({**others, batch: b1}, example_sizes))
+    second = run(fakes.specialized({**others, batch: b2}, example_sizes))
+    return _linear(first, second, batch, b1, b2)
+
+
+def _linear(first: Any, second: Any, batch: sympy.Symbol, b1: int, b2: int) -> Any:
+    """Every sympy number of `first` (at batch `b1`) as the line through it and `second`'s
+    (at `b2`), in `batch`; tuples element by element; anything else as in `first`."""
+    if isinstance(first, sympy.Basic) and first.is_number:
+        slope = (sympy.sympify(second) - first) / (b2 - b1)
+        return sympy.expand(first + slope * (batch - b1))
+    if isinstance(first, tuple) and isinstance(second, tuple) and len(first) == len(second):
+        return tuple(_linear(a, b, batch, b1, b2) for a, b in zip(first, second))
+    return first
