@@ -4,8 +4,9 @@ tests/test_real_models.py.
 Each `Family` builds a tiny config with random weights (nothing is downloaded: hidden 16,
 1 or 2 layers per stack, vocab 96, sequence 8, batch 4) in float64, dropout 0, `use_cache=False`,
 and gives the batch its users train on: the inputs plus `labels=` (or `return_loss=True`), so
-that the model computes its own loss (`own_loss`: `out.loss`). Wav2Vec2's CTC loss is the one
-exception: transformers' own `ForCTCLoss` runs as `loss_fn` (see `ctc_loss`).
+that the model computes its own loss (`own_loss`: `out.loss`). The CTC models are the
+exception: their loss cannot be captured, and transformers' own `ForCTCLoss` runs as `loss_fn`
+(see `ctc_loss`, `parakeet_ctc_loss`).
 
 `meta=True` families (the language models, causal and masked) are trained the README's "Models
 bigger than one process" way: built under `torch.device("meta")`, loaded with
@@ -36,6 +37,7 @@ class Family:
     meta: bool = False  # built on meta and loaded from save_pretrained shards
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None  # None: the model's own loss
     target: Callable[[], Any] | None = None  # the target loss_fn is given (None: no target)
+    options: tuple[tuple[str, Any], ...] = ()  # more compile() options
 
 
 def own_loss(out: Any, _target: Any) -> torch.Tensor:
@@ -65,7 +67,8 @@ def _padding_mask() -> torch.Tensor:
 
 # -- language models: built on meta, loaded from shards -------------------------------------
 
-def _lm_batch() -> tuple[tuple, dict[str, Any]]:
+def lm_batch() -> tuple[tuple, dict[str, Any]]:
+    """Token ids and the same ids as labels (the model shifts them)."""
     ids = _ids()
     return (ids,), {"labels": ids}
 
@@ -232,6 +235,83 @@ def ctc_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
                       reduction="mean")
 
 
+def _parakeet_ctc() -> torch.nn.Module:
+    from transformers import ParakeetCTCConfig, ParakeetForCTC
+
+    encoder = dict(hidden_size=16, num_hidden_layers=LAYERS, num_attention_heads=2,
+                   intermediate_size=32, conv_kernel_size=3, subsampling_factor=4,
+                   subsampling_conv_channels=4, num_mel_bins=8, max_position_embeddings=64,
+                   dropout=0.0, dropout_positions=0.0, layerdrop=0.0, activation_dropout=0.0,
+                   attention_dropout=0.0)
+    return ParakeetForCTC(ParakeetCTCConfig(vocab_size=12, pad_token_id=11,
+                                            encoder_config=encoder))
+
+
+def _parakeet_batch() -> tuple[tuple, dict[str, Any]]:
+    # 32 frames of 8 log-mel bins -> 8 frames of logits; no padding (the attention mask the
+    # processor gives is all ones)
+    return (_float(BATCH, 32, 8),), {"attention_mask": torch.ones(BATCH, 32, dtype=torch.long)}
+
+
+def _parakeet_labels() -> torch.Tensor:
+    """3 or 4 tokens per clip (11, the pad id, is the blank), padded with -100."""
+    labels = torch.randint(0, 11, (BATCH, 4), generator=_gen(6))
+    labels[1, 3:] = -100
+    labels[3, 3:] = -100
+    return labels
+
+
+def parakeet_ctc_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """ParakeetForCTC's own loss (`ForCTCLoss` as its forward calls it, every frame valid),
+    computed outside the model: `F.ctc_loss` with tensor lengths cannot be exported."""
+    from transformers.loss.loss_ctc import ForCTCLoss
+
+    frames = torch.full((out.logits.shape[0],), out.logits.shape[1], dtype=torch.long)
+    return ForCTCLoss(logits=out.logits, labels=labels, logit_lengths=frames, blank_token_id=11,
+                      reduction="mean", zero_infinity=True)
+
+
+# -- models that capture keeps partly opaque or prices by estimate ---------------------------
+
+def _gemma3n() -> torch.nn.Module:
+    """Gemma3n's text model: its AltUp clamps a weight through `.data` in train mode, in a
+    method the decoder layer calls (capture keeps the decoder layers opaque)."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    cfg = Gemma3nTextConfig(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=16,
+                            intermediate_size=32, num_hidden_layers=LAYERS,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                            max_position_embeddings=16, hidden_size_per_layer_input=8,
+                            laurel_rank=4, num_kv_shared_layers=0, altup_num_inputs=2,
+                            sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                            use_cache=False)
+    return Gemma3nForCausalLM(cfg)
+
+
+def _jetmoe() -> torch.nn.Module:
+    """JetMoE: its experts split the tokens by `counts.tolist()` (data-dependent sizes)."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    cfg = JetMoeConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=LAYERS,
+                       num_key_value_heads=2, kv_channels=4, intermediate_size=16,
+                       max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
+                       use_cache=False, attention_dropout=0.0)
+    return JetMoeForCausalLM(cfg)
+
+
+def phimoe() -> torch.nn.Module:
+    """PhiMoE with its jitter on: random ops inside its routers (kept opaque: a custom
+    autograd.Function) and around them."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    cfg = PhimoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=16,
+                       num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=1,
+                       max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
+                       input_jitter_noise=0.01, router_jitter_noise=0.01, attention_dropout=0.0,
+                       use_cache=False, experts_implementation="batched_mm")
+    return PhimoeForCausalLM(cfg)
+
+
 def _clip() -> torch.nn.Module:
     from transformers import CLIPConfig, CLIPModel
 
@@ -250,12 +330,12 @@ def _clip_batch() -> tuple[tuple, dict[str, Any]]:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in [
-    Family("gpt2", _gpt2, _lm_batch, meta=True),
-    Family("llama", _llama, _lm_batch, meta=True),
-    Family("qwen2", _qwen2, _lm_batch, meta=True),
+    Family("gpt2", _gpt2, lm_batch, meta=True),
+    Family("llama", _llama, lm_batch, meta=True),
+    Family("qwen2", _qwen2, lm_batch, meta=True),
     # the router loss branches on `device.type` (histc's dtype): a meta build must be
     # captured on fakes claiming the stage device to take the CPU path
-    Family("mixtral", _mixtral, _lm_batch, meta=True),
+    Family("mixtral", _mixtral, lm_batch, meta=True),
     Family("bert_mlm", _bert_mlm, _bert_mlm_batch, meta=True),
     Family("roberta_cls", _roberta_cls, _cls_batch),
     Family("bart", _bart, _seq2seq_batch),
@@ -264,4 +344,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("wav2vec2_ctc", _wav2vec2_ctc, _wav2vec2_batch, loss_fn=ctc_loss,
            target=_wav2vec2_labels),
     Family("clip", _clip, _clip_batch),
+    # fixed-length batches: only the batch symbolic (a faster capture)
+    Family("gemma3n", _gemma3n, lm_batch, options=(("symbolic_sizes", "batch"),)),
+    Family("jetmoe", _jetmoe, lm_batch, options=(("symbolic_sizes", "batch"),)),
+    Family("parakeet_ctc", _parakeet_ctc, _parakeet_batch, loss_fn=parakeet_ctc_loss,
+           target=_parakeet_labels, options=(("symbolic_sizes", "batch"),)),
 ]}

@@ -6,6 +6,7 @@
     blame.py           why a capture failed: the module and line of the model's own code
     opaque.py          modules kept whole (one graph node) where export cannot trace them
     opaque_causes.py   what makes a module opaque: custom autograd Functions, `.data` writes
+    unbacked.py        an estimate for each data-dependent size (a split's: an even split)
     claimed_device.py  a meta model traced on fakes that claim the device it will train on
     bounded.py         whether a call finishes within a budget, found in a child process
     inputs.py          a call's inputs checked against what the model was compiled with

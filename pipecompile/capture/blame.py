@@ -146,7 +146,14 @@ def capture_error(model: torch.nn.Module, tool: str, exc: BaseException, alterna
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False) or "Cache" in text:
         hints.append("build the model with use_cache=False (a KV cache cannot be captured)")
-    if not hints:
+    loss = _loss_frame(exc)
+    if loss is not None:
+        hints.append(
+            f"the failing code is the model's own loss ({loss}): compile the model without the "
+            f"argument that makes it compute the loss (labels=) and compute that loss in "
+            f"compile(..., loss_fn=lambda out, target: ...) from the model's outputs; "
+            f"step(..., target=labels) passes the labels to it")
+    elif not hints:
         hints.append("make that code traceable by torch.export (no untraceable calls)")
     if opaque:
         hints.append(f"already kept opaque: {', '.join(opaque)}")
@@ -187,6 +194,21 @@ def _chain(exc: BaseException) -> list[BaseException]:
         chain.append(error)
         error = error.__cause__ or error.__context__
     return chain
+
+
+def _loss_frame(exc: BaseException) -> str | None:
+    """'function at file:line' of the innermost frame of the model's code (not torch's or
+    pipecompile's) computing a loss (a function or file named so: transformers' `ForCTCLoss`
+    in loss_ctc.py, a model's `loss_function`), if the failure came from one."""
+    for error in _chain(exc):
+        for frame, line in _traceback_frames(error):
+            code = frame.f_code
+            if _library(code.co_filename):
+                continue
+            if "loss" in code.co_name.lower() or "loss" in os.path.basename(
+                    code.co_filename).lower():
+                return f"{code.co_name} at {code.co_filename}:{line}"
+    return None
 
 
 def _traceback_frames(exc: BaseException) -> list[tuple[types.FrameType, int]]:

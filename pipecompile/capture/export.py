@@ -33,6 +33,7 @@ import io
 import logging
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
@@ -49,7 +50,7 @@ from .graph import flat_graph, output_names, ranges, symbols, values_from_meta
 from .bounded import Outcome, finishes_within
 from ..errors import CaptureError
 from ..ir.records import CapturedModel
-from . import opaque as opaque_modules
+from . import opaque as opaque_modules, unbacked
 from .opaque import OpaqueModule
 from .opaque_causes import data_writes, watching_functions
 
@@ -142,8 +143,11 @@ def _captured(model: torch.nn.Module, ep: ExportedProgram, calls: dict,
                          for s in specs.values()]
     values = values_from_meta(gm.graph)
     batch_symbol, sizes = symbols(gm.graph, values, batch) if dynamic else (None, {})
+    estimates, estimated = unbacked.estimate(  # data-dependent sizes
+        gm.graph, {batch_symbol: sympy.Symbol("batch")} if batch_symbol is not None else {})
     return CapturedModel(
         size_ranges=ranges(ep, sizes),
+        estimated_sizes=estimates,
         module=gm,
         in_spec=signature.in_spec,
         out_spec=signature.out_spec,
@@ -155,7 +159,7 @@ def _captured(model: torch.nn.Module, ep: ExportedProgram, calls: dict,
         batch_symbol=batch_symbol,
         example_sizes=sizes,
         captured_batch_size=batch,
-        notes=tuple(notes),
+        notes=tuple(notes) + estimated,
     )
 
 

@@ -17,6 +17,10 @@ of that class as an opaque call and exports the rest:
 
 On fake tensors (cost annotation) the module returns outputs of the recorded shapes and charges
 its measured forward FLOPs; its real cost is measured with `profile=True`.
+
+The recorded run also notes whether the module drew random numbers (`random`: PhiMoE's router
+jitter): with rng="per-microbatch", `ir.rng.seed_random_ops` then runs it on a per-micro-batch
+stream of its own, as it runs the captured random ops.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import OpaqueModuleError
 from ..ir.nodes import preserve_buffers
+from ..ir.rng import draws_random, module_seed, seeded_call
 from .opaque_causes import data_kept
 
 __all__ = ["OpaqueModule", "record", "exporting", "restore", "flat_outputs"]
@@ -51,6 +57,7 @@ class OpaqueModule:
     flops_per_sample: int
     out_spec: Any = None  # pytree spec of the module's result
     nones: tuple[int, ...] = ()  # positions of the result's leaves that are None (not tensors)
+    random: bool = False  # whether its recorded run drew random numbers
 
     def __repr__(self) -> str:
         return f"OpaqueModule({self.path!r}, {self.type_name}: {self.reason})"
@@ -63,17 +70,20 @@ def record(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any],
 
     seen: dict[str, tuple] = {}
     counter = FlopCounterMode(display=False)
-    start: dict[str, int] = {}
+    draws = _Draws()
+    start: dict[str, tuple[int, int]] = {}
 
     def pre(path):
         def hook(module, a, kw):
-            start[path] = counter.get_total_flops()
+            start[path] = (counter.get_total_flops(), draws.count)
         return hook
 
     def post(path):
         def hook(module, a, kw, out):
             if path not in seen:
-                seen[path] = ((a, kw), out, counter.get_total_flops() - start[path])
+                flops, drawn = start[path]
+                seen[path] = ((a, kw), out, counter.get_total_flops() - flops,
+                              draws.count > drawn)
         return hook
 
     handles = []
@@ -83,7 +93,7 @@ def record(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any],
         handles.append(sub.register_forward_hook(post(path), with_kwargs=True))
     try:
         with preserve_buffers(model), torch.random.fork_rng(devices=[]), torch.no_grad(), \
-                data_kept(model), counter:
+                data_kept(model), counter, draws:
             model(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001
         raise OpaqueModuleError(
@@ -96,14 +106,29 @@ def record(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any],
     for path in paths:
         if path not in seen:
             continue  # not called on this input: export will not reach it either
-        inputs, out, flops = seen[path]
+        inputs, out, flops, random = seen[path]
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
         flat, out_spec = pytree.tree_flatten(out)
         specs[path] = OpaqueModule(
             path, type(model.get_submodule(path)).__name__, reason,
             _output_rules(leaves, flat, path), _batch_dim(leaves, batch),
-            flops // max(batch, 1), out_spec, tuple(i for i, x in enumerate(flat) if x is None))
+            flops // max(batch, 1), out_spec, tuple(i for i, x in enumerate(flat) if x is None),
+            random)
     return specs
+
+
+class _Draws(TorchDispatchMode):
+    """Counts the ops that draw random numbers (`ir.rng.draws_random`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        self.count += draws_random(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 def _output_rules(leaves: list[torch.Tensor], flat: list, path: str) -> tuple:
@@ -269,6 +294,9 @@ def _opaque_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple:
         # type(self) is the opaque subclass: super() reaches the module's own forward, which
         # mypy cannot see from `self: Module`
         own = super(type(self), self).forward  # type: ignore[misc]
+        seed = module_seed(self)
+        if seed is not None:  # rng="per-microbatch": on this module's stream (ir.rng)
+            return flat_outputs(seeded_call(own, f"module:{spec.path}", seed, *args, **kwargs))
         return flat_outputs(own(*args, **kwargs))
     _charge(spec, tensors)
     return tuple(fake_outputs(spec, tensors))

@@ -14,7 +14,10 @@ not stop in it with a traceback through the model:
   tracing ("fake tensor in the exported program constant's list") with no frame of the model
   on the stack. `data_writes` runs the model once eagerly and records which module reads or
   sets a parameter's or buffer's `.data`, and where; `data_kept` runs the model with those
-  writes going to copies (analysis runs must not change the weights).
+  writes going to copies (analysis runs must not change the weights). The module recorded is
+  one that is *called* (its forward runs): code in another method (Gemma3n's
+  `self.altup.predict(x)`, called by the decoder layer's forward) is charged to the innermost
+  called module around it, since only a called module can be kept opaque.
 
     watching_functions(model, found)   while active: found[path] = why, per Function applied
     data_writes(model, args, kwargs)   {module path: why} for each `.data` use
@@ -96,6 +99,7 @@ class _DataUse(TorchFunctionMode):
         self.tensors = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
         self.paths = module_paths(model) if record else {}
         self.found: dict[str, str] = {}
+        self.calling: list[str] = []  # paths of the modules whose forward is running
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -109,10 +113,32 @@ class _DataUse(TorchFunctionMode):
 
     def _record(self, name: str) -> None:
         site = frame_site(self.paths, _stack(sys._getframe(2)))
-        if site is not None:
-            self.found.setdefault(site[0], (
-                f"uses the .data of {name!r} at {site[1]}:{site[2]} (torch.export cannot "
-                f"capture writes through .data)"))
+        if site is None:
+            return
+        path = next((c for c in reversed(self.calling)
+                     if c == site[0] or not c or site[0].startswith(c + ".")), site[0])
+        method = "" if path == site[0] else f" (in {site[0]!r}, not through its forward)"
+        self.found.setdefault(path, (
+            f"uses the .data of {name!r} at {site[1]}:{site[2]}{method} (torch.export cannot "
+            f"capture writes through .data)"))
+
+    @contextlib.contextmanager
+    def tracking_calls(self, model: torch.nn.Module) -> Iterator[None]:
+        """While active, `self.calling` is the stack of the model's modules being called."""
+        def pre(path: str) -> Any:
+            return lambda *_: self.calling.append(path)
+
+        def post(*_: Any) -> None:
+            self.calling.pop()
+
+        handles = [h for name, module in model.named_modules()
+                   for h in (module.register_forward_pre_hook(pre(name)),
+                             module.register_forward_hook(post))]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
 
 def data_writes(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]
@@ -122,7 +148,7 @@ def data_writes(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]
     mode = _DataUse(model, record=True)
     with preserve_buffers(model), torch.random.fork_rng(devices=[]), torch.no_grad():
         try:
-            with mode:
+            with mode, mode.tracking_calls(model):
                 model(*args, **kwargs)
         except Exception:  # noqa: BLE001 - what was found before the failure still counts
             pass

@@ -118,6 +118,8 @@ class CapturedModel:
     # a meta model's tensors claimed this device while traced (claimed_device.py): the graph's
     # device literals name it, and each stage points them at its own device
     traced_device: torch.device | None = None
+    # a data-dependent (unbacked) size's estimate in the other symbols (capture/unbacked.py)
+    estimated_sizes: Mapping[sympy.Symbol, Any] = field(default_factory=dict)
 
     def flatten_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
         from torch.fx._pytree import tree_flatten_spec
@@ -148,7 +150,7 @@ class CapturedModel:
                 for dim, size in zip(self.values[name].shape, value.shape):
                     if isinstance(dim, sympy.Symbol):
                         sizes[dim] = int(size)
-        return sizes
+        return _estimated(sizes, self.estimated_sizes)
 
     def size_names(self) -> dict[sympy.Symbol, sympy.Symbol]:
         """A readable name for every size symbol: `batch`, or the input dimension it first
@@ -166,7 +168,24 @@ class CapturedModel:
         sizes = dict(self.example_sizes)
         if self.batch_symbol is not None:
             sizes[self.batch_symbol] = batch
-        return sizes
+        return _estimated(sizes, self.estimated_sizes)
+
+
+def _estimated(sizes: dict[sympy.Symbol, int], estimates: Mapping[sympy.Symbol, Any]
+               ) -> dict[sympy.Symbol, int]:
+    """`sizes` with each estimated symbol's value at those sizes (rounded up; an estimate made
+    of other estimates included)."""
+    for _ in range(len(estimates)):
+        pending = False
+        for symbol, expr in estimates.items():
+            value = sympy.sympify(expr).subs(sizes)
+            if value.free_symbols:
+                pending = True
+            else:
+                sizes[symbol] = max(int(sympy.ceiling(value)), 0)
+        if not pending:
+            break
+    return sizes
 
 
 def batch_size_of(args: tuple, kwargs: Mapping[str, Any]) -> int:

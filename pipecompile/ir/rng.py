@@ -15,7 +15,11 @@ of the captured graph, the same for any split: the same seed gives the same step
 stages under any schedule. Outside a `microbatch` context (cost annotation, fake tensors) the
 op runs unchanged.
 
-Random ops inside an opaque module (kept as one eager call) still draw from the global stream.
+An opaque module (kept as one eager call, `capture.opaque`) whose recorded run drew random
+numbers (PhiMoE's router: jitter inside a custom autograd.Function) cannot have its ops wrapped:
+the pass installs a copy of it whose forward runs under `seeded_call` as a whole, on the stream
+derive_seed(seed, micro-batch, "module:<its path>", step). Its draws then do not depend on the
+cuts either (the path is the same for any split).
 
 Under rng="global" a checkpointed stage also seeds its graph's random ops, from one draw of the
 global generator per forward (runtime/forwards.py): its recomputation must redraw the
@@ -34,8 +38,10 @@ import torch.fx as fx
 
 from .nodes import recreate_as_call
 
-__all__ = ["RNG_MODES", "generator_lock", "derive_seed", "microbatch", "seed_random_ops", "seeded_call",
-           "unseed", "is_random"]
+__all__ = ["RNG_MODES", "generator_lock", "derive_seed", "microbatch", "seed_random_ops",
+           "seeded_call", "unseed", "is_random", "draws_random", "module_seed"]
+
+_SEED_ATTRIBUTE = "_pipecompile_seed"  # set on an opaque module's copy that runs seeded
 
 RNG_MODES = ("global", "per-microbatch")
 
@@ -91,25 +97,44 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def is_random(node: fx.Node) -> bool:
-    """An aten op that draws from a generator. Attention with a constant `dropout_p` of 0 is
-    tagged as random but draws nothing: seeding it would only cost a lock per call (and a graph
-    break under torch.compile)."""
-    if not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in node.target.tags):
+    """An aten op that draws from a generator (see `draws_random`)."""
+    return node.op == "call_function" and draws_random(node.target, node.args, node.kwargs)
+
+
+def draws_random(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether calling aten `op` on these arguments draws from a generator. Attention with a
+    constant `dropout_p` of 0 is tagged as random but draws nothing: seeding it would only cost
+    a lock per call (and a graph break under torch.compile)."""
+    if not (isinstance(op, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in op.tags):
         return False
-    for i, argument in enumerate(node.target._schema.arguments):
+    for i, argument in enumerate(op._schema.arguments):
         if argument.name == "dropout_p":
-            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+            p = args[i] if i < len(args) else kwargs.get("dropout_p", 0.0)
             return not (isinstance(p, (int, float)) and p == 0)
     return True
 
 
+def module_seed(module: torch.nn.Module) -> int | None:
+    """The seed an opaque module's copy runs its forward under (`seed_random_ops`), or None."""
+    return getattr(module, _SEED_ATTRIBUTE, None)
+
+
+def _draws(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node` calls an opaque module whose recorded run drew random numbers."""
+    if node.op != "call_module":
+        return False
+    spec = getattr(type(gm.get_submodule(str(node.target))), "_pipecompile_opaque", None)
+    return bool(getattr(spec, "random", False))
+
+
 def seed_random_ops(gm: fx.GraphModule, seed: int) -> tuple[fx.GraphModule, tuple[str, ...]]:
-    """A copy of `gm` whose random nodes call `seeded_call(op, node name, seed, ...)`; returns
-    it and the names of those nodes. Each keeps its name and metadata."""
+    """A copy of `gm` whose random nodes call `seeded_call(op, node name, seed, ...)`, and whose
+    opaque modules that draw random numbers run seeded as a whole; returns it and the names of
+    those nodes and modules. Each node keeps its name and metadata."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    seeded = []
+    seeded, modules = [], []
     graph._codegen = copy.deepcopy(gm.graph._codegen)  # e.g. pytree in/out handling
     for node in gm.graph.nodes:
         if is_random(node):
@@ -117,9 +142,32 @@ def seed_random_ops(gm: fx.GraphModule, seed: int) -> tuple[fx.GraphModule, tupl
                                          prefix=(node.target, node.name, int(seed)))
             seeded.append(node.name)
             continue
+        if _draws(gm, node) and node.target not in modules:
+            modules.append(node.target)
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.lint()
-    return fx.GraphModule(gm, graph), tuple(seeded)
+    out = fx.GraphModule(gm, graph)
+    for path in modules:
+        clone = copy.copy(gm.get_submodule(path))
+        object.__setattr__(clone, _SEED_ATTRIBUTE, int(seed))
+        _replace(out, gm, path, clone)
+    return out, tuple(seeded + modules)
+
+
+def _replace(out: torch.nn.Module, source: torch.nn.Module, path: str,
+             module: torch.nn.Module) -> None:
+    """Set `out`'s submodule at `path` to `module`, copying each parent `out` shares with
+    `source` first (the pass leaves its input as it was)."""
+    *parents, name = path.split(".")
+    parent = out
+    for part in parents:
+        child, original = getattr(parent, part), getattr(source, part)
+        if child is original:
+            child = copy.copy(child)
+            child._modules = dict(child._modules)
+            setattr(parent, part, child)
+        parent, source = child, original
+    setattr(parent, name, module)
 
 
 def unseed(graph: fx.Graph) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..ir.rng import seeded_call
+from ..ir.rng import module_seed, seeded_call
 from .direct_forward import DirectCalls
 from .memory import inputs_layout, storage_keys
 from .weight_store import WeightGradStore, defer_weight_grads
@@ -28,11 +28,12 @@ __all__ = ["StageCall"]
 
 
 def _is_seeded(module: torch.nn.Module) -> bool:
-    """Whether a graph in `module` has random ops seeded per micro-batch (`rng.seeded_call`):
-    only those read the `microbatch` context."""
-    return any(node.op == "call_function" and node.target is seeded_call
-               for m in module.modules() if isinstance(m, torch.fx.GraphModule)
-               for node in m.graph.nodes)
+    """Whether a graph in `module` has random ops seeded per micro-batch (`rng.seeded_call`, or
+    an opaque module run seeded): only those read the `microbatch` context."""
+    return any(module_seed(m) is not None for m in module.modules()) or any(
+        node.op == "call_function" and node.target is seeded_call
+        for m in module.modules() if isinstance(m, torch.fx.GraphModule)
+        for node in m.graph.nodes)
 
 
 class StageCall:

@@ -157,3 +157,22 @@ def test_a_check_in_a_decorated_root_forward_names_the_root_file_and_line():
     text = str(capture_error(model, "torch.export", exc, "capture='fx'"))
     assert f"in module '<root>' (Root) at {__file__}:{line}: Could not guard" in text
     assert "move that code into a submodule" in text and "capture='fx'" not in text
+
+
+def test_a_failure_in_the_models_own_loss_says_to_compute_it_in_loss_fn():
+    """A loss the model computes from `labels=` (transformers' ForCTCLoss) that export cannot
+    capture: the error says to compute it in loss_fn, not to make that code traceable."""
+    def ForCTCLoss(logits):  # noqa: N802 - named as transformers names it
+        raise RuntimeError("aten._ctc_loss.Tensor")
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return ForCTCLoss(x)
+
+    exc = _failure(Model(), torch.ones(2, 3))
+    text = str(capture_error(Model(), "torch.export", exc, ""))
+    line = inspect.getsourcelines(ForCTCLoss)[1] + 1
+    assert f"the failing code is the model's own loss (ForCTCLoss at {__file__}:{line})" in text
+    assert "loss_fn" in text and "make that code traceable" not in text
+    other = str(capture_error(_Outer(), "torch.export", RuntimeError("untraceable"), ""))
+    assert "make that code traceable" in other and "loss_fn" not in other

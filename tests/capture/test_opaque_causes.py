@@ -10,6 +10,7 @@ import inspect
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import Function
 
@@ -120,3 +121,49 @@ def test_reformer_reversible_encoder_is_kept_whole_and_trains_exactly():
     ref_loss, ref_grads = reference_step(reference, (ids,), {}, labels, loss_fn, 2)
     assert torch.equal(loss, ref_loss), (loss, ref_loss)
     assert len(assert_grads_equal(pipe, ref_grads, rtol=1e-12)) == len(ref_grads)
+
+
+class _Coefficients(nn.Module):
+    """Gemma3n's AltUp in small: a method other than forward (called by its parent's forward)
+    clamps the weight through `.data` in train mode."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim) * 0.2)
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.weight.data.clamp_(-0.3, 0.3)
+        return x @ self.weight
+
+
+class _PredictingLayer(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.coefficients = _Coefficients(dim)
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(self.coefficients.predict(x)))
+
+
+def test_a_data_write_outside_forward_keeps_the_calling_module_opaque_and_trains_exactly():
+    """The module whose method writes `.data` is never called (its forward hooks never run), so
+    it cannot be kept opaque: the innermost module being called around it is."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _PredictingLayer(4), _PredictingLayer(4),
+                          nn.Linear(4, 2)).double()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    line = inspect.getsourcelines(_Coefficients.predict)[1] + 2
+    found = data_writes(model, (x,), {})
+    assert found == {f"{i}": (
+        f"uses the .data of '{i}.coefficients.weight' at {__file__}:{line} (in "
+        f"'{i}.coefficients', not through its forward) (torch.export cannot capture writes "
+        f"through .data)") for i in (1, 2)}
+    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), {}, y, F.mse_loss, 2)
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2, schedule="1f1b",
+                      loss_fn=F.mse_loss, symbolic_sizes="batch")
+    assert sum("opaque module" in line for line in pipe.explain().splitlines()) == 2
+    loss = pipe.step(x, target=y)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    assert sorted(assert_grads_equal(pipe, ref_grads)) == sorted(ref_grads)

@@ -52,6 +52,26 @@ def test_record_measures_shapes_batch_and_flops_per_sample():
     assert spec.flops_per_sample == 2 * 6 * 4
     # the module's result structure: a 2-tuple
     assert torch.utils._pytree.tree_unflatten([1, 2], spec.out_spec) == (1, 2)
+    assert not spec.random  # it draws no random numbers
+
+
+def test_record_notes_a_module_drawing_random_numbers():
+    """Dropout inside the module (not attention with dropout_p=0) makes it `random`: with
+    rng="per-microbatch" it then runs on a stream of its own (ir/rng.py)."""
+    class Noisy(torch.nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.p = p
+
+        def forward(self, x):
+            q = x[:, None, :, None].expand(-1, 1, -1, 2)
+            attended = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
+            return torch.nn.functional.dropout(x, self.p) + attended.sum(-1)[:, 0]
+
+    x = torch.randn(4, 3)
+    for p, random in ((0.5, True), (0.0, False)):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), Noisy(p))
+        assert opaque.record(model, (x,), {}, ["1"], "why", batch=4)["1"].random is random
 
 
 def test_fake_outputs_follow_the_batch_of_the_inputs():

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import pipecompile as pc
 from pipecompile.errors import ConfigError
-from pipecompile.ir.rng import derive_seed, microbatch, seed_random_ops, seeded_call
+from pipecompile.capture.capture import capture
+from pipecompile.ir.rng import derive_seed, microbatch, module_seed, seed_random_ops, seeded_call
 from tests.capture_models import NoisyMLP
 
 MICROBATCHES = 4
@@ -179,3 +180,64 @@ def test_attention_without_dropout_is_not_seeded():
     names = [seed_random_ops(torch.export.export(Attention(p), (q,)).module(), 0)[1]
              for p in (0.0, 0.1)]
     assert names == [(), ("scaled_dot_product_attention",)]
+
+
+class _Jitter(torch.autograd.Function):
+    """PhiMoE's router in small: random numbers drawn inside a custom autograd Function (so
+    capture keeps the module applying it opaque)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        noise = 1 + 0.5 * torch.rand_like(x)
+        ctx.save_for_backward(noise)
+        return x * noise
+
+    @staticmethod
+    def backward(ctx, grad):
+        (noise,) = ctx.saved_tensors
+        return grad * noise
+
+
+class _JitterLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.tanh(_Jitter.apply(self.linear(x)))
+
+
+def _jitter_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[_JitterLayer() for _ in range(4)]).double()
+
+
+@pytest.mark.parametrize("devices,schedule", [(2, "1f1b"), (4, "gpipe")])
+def test_random_ops_inside_an_opaque_module_draw_the_microbatch_stream(devices, schedule):
+    """The opaque modules (a custom Function applied) run seeded as a whole: one step on 1, 2
+    and 4 stages gives the same loss and gradients, and explain() lists them as seeded."""
+    model, x = _jitter_net(), torch.randn(16, 6, dtype=torch.float64)
+    y = torch.randn(16, 6, dtype=torch.float64)
+    ref_loss, ref_grads, pipe = _step(model, x, y, devices=1)
+    seeded = next(line for line in pipe.explain().splitlines() if "random ops seeded" in line)
+    assert "4 random ops seeded per micro-batch (0, 1, 2, ...)" in seeded, seeded
+    loss, grads, _ = _step(model, x, y, devices=devices, schedule=schedule)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-10, atol=1e-14, msg=name)
+    again, _, _ = _step(model, x, y, devices=devices, schedule=schedule, seed=1)
+    assert not torch.equal(again, loss)  # another seed, other draws: the draws are random
+
+
+def test_seeding_an_opaque_module_leaves_the_input_graph_alone():
+    model, x = _jitter_net(), torch.randn(4, 6, dtype=torch.float64)
+    gm = capture(model, (x,), {}).module
+    seeded, names = seed_random_ops(gm, 7)
+    assert names == ("0", "1", "2", "3")
+    assert all(module_seed(gm.get_submodule(n)) is None for n in names)
+    assert all(module_seed(seeded.get_submodule(n)) == 7 for n in names)
+    a, b = gm.get_submodule("0"), seeded.get_submodule("0")
+    assert a is not b and a.linear.weight is b.linear.weight
+    with microbatch(0):
+        first, second = seeded(x), seeded(x)
+    assert torch.equal(first[0], second[0])  # the same micro-batch: the same draws
