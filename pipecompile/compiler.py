@@ -1,15 +1,15 @@
 """`compile`: a list of passes over one frozen `Plan`, then a `Pipeline` that runs it.
 
-    options   job_options: the keyword arguments checked once (options.py, or
+    options   job_options: the keyword arguments checked once (planner/options.py, or
               planner/layout_options.py when the layout is searched) -> plan.asked
     join      the layout of torchrun's ranks searched: the process group joined, the
               link between ranks measured (planner/layout_ranks.py)  (updates asked)
     capture   the model as a flat fx graph                              -> plan.captured
     probe     this machine's rates, and the planning probe when a searched option
-              depends on time (choose.py)                             -> plan.probe, ...
+              depends on time (planner/choose.py)                             -> plan.probe, ...
     search    the "auto" options: schedule, micro-batches, virtual stages,
               recomputation per stage, by predicted step time; measures
-              nothing (search.py, choose.py)                  -> plan.choices, plan.search
+              nothing (planner/search.py, planner/choose.py)                  -> plan.choices, plan.search
     ranks     the layout of torchrun's ranks searched: this process's place in the
               chosen P x D (planner/layout_ranks.py)                   (updates asked)
     schedule  the action lists per device and peak in-flight counts      -> plan.schedule
@@ -24,8 +24,8 @@
     agree     under torch.distributed: every rank planned the same       (checked)
     shard     fsdp=True: this rank's stages fully_shard-ed over "dp"      (updates program)
 
-Each pass is a `Pass` (plan.py) that declares the plan fields it requires, produces and
-updates; `run_passes` checks them. The decisions are the pure functions of planning.py.
+Each pass is a `Pass` (planner/plan.py) that declares the plan fields it requires, produces and
+updates; `run_passes` checks them. The decisions are the pure functions of planner/planning.py.
 `pipe.explain()` prints the pass records. What compile measures or derives is kept in the
 `CompileCache` it is given (`compile_cache.default_cache` unless told otherwise).
 """

@@ -24,7 +24,7 @@ from .capture.inputs import batch_parts, check_inputs
 from .lazy import NOT_PLANNED, Plans
 from .outputs.memory_report import DeviceMemory, device_memory
 from . import module_state
-from .passes.split import Stage, StagedProgram
+from .ir.records import Stage, StagedProgram
 from .outputs.persist import load_plan, save_plan
 from .pipeline_compat import DeprecatedNames, is_model_name, model_attribute
 from .planner.plan import PassRecord, Plan

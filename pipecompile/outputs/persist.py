@@ -51,7 +51,8 @@ from ..planner.choices import Choices
 from ..planner.layout import Layout
 from ..planner.options import CompileOptions
 from ..ir.devices import DeviceSpec
-from ..passes.split import Stage, StagedProgram, _Placement, _tensor_copies
+from ..ir.records import Stage, StagedProgram
+from ..passes.split import TensorPlacement, tensor_copies
 from ..planner.plan import PassRecord, Plan
 from ..schedule.actions import Action, Schedule
 from ..schedule.simulate import StageCosts, Timeline
@@ -234,7 +235,7 @@ def _program_from_json(root: Path, data: dict[str, Any], stage_devices: list[tor
     """The staged program: weights read, each stage's module rebuilt from its code."""
     state = _read_state(root, data)
     captured = _captured_from_json(data["captured"], state)
-    placed = _Placement(stage_devices, {})
+    placed = TensorPlacement(stage_devices, {})
     stages = []
     for entry in data["stages"]:
         j = entry["index"]
@@ -245,7 +246,7 @@ def _program_from_json(root: Path, data: dict[str, Any], stage_devices: list[tor
         stages.append(Stage(j, module, stage_devices[j], tuple(entry["inputs"]),
                             tuple(entry["outputs"]), tuple(entry["blocks"]),
                             tuple(n for n, _ in module.named_parameters()), cost))
-    tensors, ties = _tensor_copies(captured.module, stages)
+    tensors, ties = tensor_copies(captured.module, stages)
     return StagedProgram(captured, _linear_from_json(data["linear"], captured),
                          tuple(data["bounds"]), tuple(stages), dict(data["producer"]),
                          {k: tuple(v) for k, v in data["consumers"].items()}, ties, tensors)

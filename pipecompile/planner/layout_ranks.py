@@ -5,7 +5,7 @@ explicit passes do (the first alone where the layout is given: devices x data_pa
                           this rank at once, a searched one gives every rank a provisional
                           place (P = world, D = 1) so that what planning measures
                           (matmul rate, action cost, the planning probe) is rank 0's
-                          (ranks.py); the link between ranks, unless `bandwidth=` was given
+                          (measure/ranks.py); the link between ranks, unless `bandwidth=` was given
                           (the devices' bandwidth is infinite until then), is measured: an
                           all-reduce over every rank timed at two sizes, fitted to the ring's
                           alpha-beta model (planner/collectives.py), rank 0's fit everywhere

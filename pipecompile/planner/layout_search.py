@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import PartitionError
-from ..passes.partition import PartitionMemoryError
+from ..errors import PartitionMemoryError
 from ..ir.formats import format_bytes
 from .layout import Layout
 

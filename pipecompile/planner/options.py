@@ -48,7 +48,7 @@ from ..schedule.schedules import (
 )
 
 if TYPE_CHECKING:
-    from ..passes.split import StagedProgram
+    from ..ir.records import StagedProgram
 
 __all__ = ["CompileOptions", "resolve_options", "example_microbatch_size",
            "check_async_ties", "compute_dtype", "device_present", "require_present", "AUTO"]

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ..measure.probe import Probe
     from ..ir.devices import DeviceSpec
     from ..passes.partition import Partition
-    from ..passes.split import StagedProgram
+    from ..ir.records import StagedProgram
     from ..schedule.actions import Schedule
     from ..schedule.simulate import StageCosts, Timeline
     from .search import SearchResult
