@@ -306,7 +306,9 @@ def _state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     )
 
 
-def tensor_copies(gm: fx.GraphModule, stages: list[Stage]):
+def tensor_copies(gm: fx.GraphModule, stages: list[Stage]
+                  ) -> tuple[dict[str, tuple[tuple[int, torch.Tensor], ...]],
+                             tuple[TiedParameter, ...]]:
     """Every state tensor's copies by original name, and the tied-parameter groups."""
     names_of: dict[int, list[str]] = {}
     for name, t in _state(gm):
@@ -319,7 +321,7 @@ def tensor_copies(gm: fx.GraphModule, stages: list[Stage]):
             if key is not None:  # one entry per stage (stages on one device share the object)
                 copies_of.setdefault(key, {}).setdefault(stage.index, (stage.index, t, name))
     tensors: dict[str, tuple[tuple[int, torch.Tensor], ...]] = {}
-    ties = []
+    ties: list[TiedParameter] = []
     for key, names in names_of.items():
         copies = copies_of.get(key)
         if not copies:  # unused by the graph: keep the original so state_dict stays complete
