@@ -3,15 +3,15 @@
     options   job_options: the keyword arguments checked once (planner/options.py, or
               planner/layout_options.py when the layout is searched) -> plan.asked
     join      the layout of torchrun's ranks searched: the process group joined, the
-              link between ranks measured (planner/layout_ranks.py)  (updates asked)
+              link between ranks measured (planner/ranks_passes.py)  (updates asked)
     capture   the model as a flat fx graph                              -> plan.captured
     probe     this machine's rates, and the planning probe when a searched option
-              depends on time (planner/choose.py)                             -> plan.probe, ...
+              depends on time (planner/shape_passes.py)                             -> plan.probe, ...
     search    the "auto" options: schedule, micro-batches, virtual stages,
               recomputation per stage, by predicted step time; measures
-              nothing (planner/search.py, planner/choose.py)                  -> plan.choices, plan.search
+              nothing (planner/schedule_search.py, planner/shape_passes.py)                  -> plan.choices, plan.search
     ranks     the layout of torchrun's ranks searched: this process's place in the
-              chosen P x D (planner/layout_ranks.py)                   (updates asked)
+              chosen P x D (planner/ranks_passes.py)                   (updates asked)
     schedule  the action lists per device and peak in-flight counts      -> plan.schedule
     linearize blocks in order, as coarse as still gives every stage one  -> plan.linear
     annotate  block costs (analytic, or measured with profile=True)      -> plan.costs
@@ -25,7 +25,7 @@
     shard     fsdp=True: this rank's stages fully_shard-ed over "dp"      (updates program)
 
 Each pass is a `Pass` (planner/plan.py) that declares the plan fields it requires, produces and
-updates; `run_passes` checks them. The decisions are the pure functions of planner/planning.py.
+updates; `run_passes` checks them. The decisions are the pure functions of planner/decisions.py.
 `pipe.explain()` prints the pass records. What compile measures or derives is kept in the
 `CompileCache` it is given (`compile_cache.default_cache` unless told otherwise).
 """
@@ -39,7 +39,7 @@ import torch
 
 from .capture.capture import capture as capture_model, require_module, seed_captured
 from .planner.block_tables import coarsest, cost_model, enough_blocks
-from .planner.choose import collectives, probe_pass, schedule_pass, search_pass, target
+from .planner.shape_passes import collectives, probe_pass, schedule_pass, search_pass, target
 from .capture.claimed_device import claimable, claiming, restore_tensors
 from .ir.compile_cache import CompileCache, default_cache
 from .deferred import Planner
@@ -50,11 +50,11 @@ from .planner.options import check_async_ties, device_present, example_microbatc
 from .passes.calibrate import calibrate_blocks, fit_calibration
 from .ir.devices import DeviceSpec
 from .planner.layout_options import job_options
-from .planner.layout_ranks import join_pass, ranks_pass
+from .planner.ranks_passes import join_pass, ranks_pass
 from .passes.split import split
 from .pipeline import Pipeline
 from .planner.plan import Pass, Plan, run_passes
-from .planner.planning import Choice, cost, place, refine
+from .planner.decisions import Choice, cost, place, refine
 from .ir.formats import format_count
 from .runtime.data_parallel import data_parallel_mesh, shard_stages
 from .runtime.distributed import local_device

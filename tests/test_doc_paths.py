@@ -1,7 +1,7 @@
 """Every `*.py` path that docs/ and the package's docstrings name is a file that exists.
 
 A path resolves against the repository root, `pipecompile/`, or the folder of the file that names
-it (a docstring in `pipecompile/planner/` may say `search.py`); docs/ may also name a module by its
+it (a docstring in `pipecompile/planner/` may say `plan.py`); docs/ may also name a module by its
 bare name when exactly one module of the package or one test file has it. Names that are not this project's files
 (a user's script in an example, a file the library writes, torch's own modules) are listed in
 `NOT_OURS` with where they come from.

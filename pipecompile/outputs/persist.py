@@ -47,7 +47,7 @@ import torch.fx as fx
 from ..errors import ConfigError
 from .graph_code import build_module, install, module_source
 from ..ir.records import Block, CapturedModel, LinearGraph, NodeRole, StageCost, ValueInfo
-from ..planner.choices import Choices
+from ..planner.resolved import Choices
 from ..planner.layout import Layout
 from ..planner.options import CompileOptions
 from ..ir.devices import DeviceSpec
@@ -56,7 +56,7 @@ from ..passes.split import TensorPlacement, tensor_copies
 from ..planner.plan import PassRecord, Plan
 from ..schedule.actions import Action, Schedule
 from ..schedule.simulate import StageCosts, Timeline
-from ..planner.search import SearchResult
+from ..planner.schedule_search import SearchResult
 from .treespec import dump_spec, load_spec
 
 __all__ = ["save_plan", "load_plan"]

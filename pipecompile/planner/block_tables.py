@@ -3,7 +3,7 @@
 A candidate with `stages` stages needs the captured model linearised coarsely enough to give
 every stage a block (`coarsest`), and the blocks costed at the candidate's micro-batch size
 (`cost_model`). Many candidates share both, so `BlockTables` keeps them: the schedule search
-(choose.py) and the layout search (search_layouts.py) ask it the same way.
+(shape_passes.py) and the layout search (layout_passes.py) ask it the same way.
 
     tables = BlockTables(plan, example, calibration)
     found = tables.at(stages=4, size=2, microbatches=8)   # (LinearGraph, CostTable) or None
@@ -20,7 +20,7 @@ from ..passes.calibrate import Calibration
 from ..passes.linearize import GRANULARITIES, linearize
 from .options import example_microbatch_size
 from .plan import Plan
-from .planning import CostModel, cost
+from .decisions import CostModel, cost
 
 __all__ = ["BlockTables", "coarsest", "enough_blocks", "cost_model"]
 

@@ -4,7 +4,7 @@
                     as `DeviceSpec`s, the virtual stage count, the ranks of a distributed run;
                     what the user asked: the options given as "auto" are named in `auto` and
                     hold only a starting value (the micro-batch count a static capture is made
-                    at); the search pass records what it chose in a `Choices` (choices.py), and
+                    at); the search pass records what it chose in a `Choices` (resolved.py), and
                     `Plan.options` applies them
 
 Devices given by their figures (absolute `DeviceSpec`s: `flops=`, or `pipecompile.preset("h100")`)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from .choices import Choices
+from .resolved import Choices
 from .options import CompileOptions
 from ..ir.records import Example
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from ..ir.records import StagedProgram
     from ..schedule.actions import Schedule
     from ..schedule.simulate import StageCosts, Timeline
-    from .search import SearchResult
+    from .schedule_search import SearchResult
 
 __all__ = ["PassRecord", "Plan", "Pass", "PassContractError", "Ready", "check_contracts",
            "run_passes"]

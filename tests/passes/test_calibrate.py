@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pipecompile as pc
-from pipecompile.planner import planning
+from pipecompile.planner import decisions
 from pipecompile import zoo
 from pipecompile.ir.records import StageTimes
 from pipecompile.passes.calibrate import Calibration, calibrate_blocks, fit_calibration

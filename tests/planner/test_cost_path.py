@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.planner.hardware import preset
-from pipecompile.planner.search import SYNC_SCHEDULES
+from pipecompile.planner.schedule_search import SYNC_SCHEDULES
 
 
 def _gpt():
@@ -68,7 +68,7 @@ def test_a_split_backward_is_priced_at_least_as_the_fused_one(monkeypatch):
     """A planning probe that measured (I + W) / B = 0.13 (timing noise on a loaded machine)
     must not make zero-bubble's I + W cheaper than B: every stage's I + W is B, and the
     stage table's times are the simulator's."""
-    import pipecompile.planner.choose as choose
+    import pipecompile.planner.shape_passes as choose
     from pipecompile.measure.probe import Probe
     from pipecompile.passes.calibrate import Calibration
 

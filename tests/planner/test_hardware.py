@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import pipecompile as pc
-from pipecompile.planner import choose, planning
+from pipecompile.planner import shape_passes, decisions
 from pipecompile import cli, compiler, zoo
 from pipecompile.errors import ConfigError
 from pipecompile.planner.hardware import preset

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import pipecompile as pc
-import pipecompile.planner.choose as choose
-import pipecompile.planner.planning as planning
-from pipecompile.planner.choices import Choices
+import pipecompile.planner.shape_passes as choose
+import pipecompile.planner.decisions as planning
+from pipecompile.planner.resolved import Choices
 from pipecompile.ir.compile_cache import CompileCache
 from pipecompile.compiler import PASSES
 from pipecompile.ir.records import Example

@@ -4,7 +4,7 @@ derive from the plan.
     probe     this machine measured: the matmul rate, the cost of one action and, when a
               searched option depends on time, the planning probe  -> plan.probe, device_model,
                                                                      overhead, calibration, ...
-    search    the "auto" options by predicted step time (search.py), over the analytic costs
+    search    the "auto" options by predicted step time (schedule_search.py), over the analytic costs
               and the probe's numbers; measures nothing                   -> plan.choices
     schedule  the action lists per device and peak in-flight counts      -> plan.schedule
 
@@ -19,14 +19,14 @@ from dataclasses import replace
 import torch
 
 from .block_tables import BlockTables, coarsest, cost_model, enough_blocks
-from .choices import Choices
+from .resolved import Choices
 from ..weights.materialize import is_meta_model
 from ..measure.probe import Probe, probe
 from .options import CompileOptions, compute_dtype
 from ..ir.records import Example
 from .plan import Plan
 from .layout import Collectives
-from .planning import (
+from .decisions import (
     Target,
     action_cost,
     analytic as all_described,
@@ -40,8 +40,8 @@ from ..ir.formats import format_count, format_stages
 from ..runtime.distributed import local_device
 from ..schedule.actions import Schedule
 from ..schedule.schedules import make_schedule
-from .search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
-from .search import search as search_plans
+from .schedule_search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
+from .schedule_search import search as search_plans
 from .stage_costs import placement_ratio, shared_cores
 
 __all__ = ["probe_pass", "search_pass", "schedule_pass", "cost_model", "target", "coarsest",
@@ -99,7 +99,7 @@ def _probe(plan: Plan, example: Example) -> tuple[Probe | None, str]:
 
 
 def search_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
-    """Choose the "auto" options by predicted step time (search.py), over the analytic costs
+    """Choose the "auto" options by predicted step time (schedule_search.py), over the analytic costs
     calibrated by the probe; record the candidates. Given options are kept as given."""
     o = plan.asked
     captured = plan.ready.captured
@@ -110,7 +110,7 @@ def search_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
         return replace(plan, choices=given), (
             "nothing searched: schedule, micro-batches, virtual stages and checkpoint were given")
     if "layout" in o.auto:  # P x D too (planner/layout_search.py)
-        from .search_layouts import layout_search_pass
+        from .layout_passes import layout_search_pass
 
         return layout_search_pass(plan, example, profile)
     if o.given_schedule is not None:  # it fixes all but recomputation

@@ -10,7 +10,7 @@ import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.errors import ConfigError
 from pipecompile.ir.formats import format_bytes
-from pipecompile.planner import layout_options, search_layouts, throughput
+from pipecompile.planner import layout_options, layout_passes, throughput
 from pipecompile.planner.layout import Layout, layout_static
 from pipecompile.schedule.actions import Schedule
 
@@ -32,7 +32,7 @@ def auto():
 def test_the_search_chooses_a_layout_and_predicts_the_whole_job(auto):
     layout = auto.layout
     assert layout.pipeline * layout.data_parallel == 4 and layout.pipeline_rank is None
-    assert search_layouts.layout_search_pass is not None
+    assert layout_passes.layout_search_pass is not None
     tried = auto.plan.search.layouts
     assert tried[0].layout == layout and len(tried) >= 4
     assert all(c.step >= tried[0].step for c in tried if c.fits)

@@ -1,4 +1,4 @@
-"""The planning search (pipecompile/planner/search.py) on synthetic cost tables, and compile's "auto"
+"""The planning search (pipecompile/planner/schedule_search.py) on synthetic cost tables, and compile's "auto"
 defaults end to end: exact training, per-stage recomputation, explain(), the CLI, save/load."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pipecompile.cli import main
 from pipecompile.ir.devices import DeviceSpec
 from pipecompile.passes.partition import PartitionMemoryError
 from pipecompile.pipeline import Pipeline
-from pipecompile.planner.search import SYNC_SCHEDULES, BlockTable, Space, microbatch_choices, search
+from pipecompile.planner.schedule_search import SYNC_SCHEDULES, BlockTable, Space, microbatch_choices, search
 from tests.models import gpt
 from tests.reference import assert_grads_equal, reference_step
 from tests.test_cli import FACTORIES
@@ -226,7 +226,7 @@ def test_calibration_scales_the_loss_time_with_the_microbatch_size():
 def _probed(monkeypatch, found, microbatches, **options):
     """Compiled with the probe's result `found`; micro-batches "auto" with one choice, since
     the probe only runs when a searched option depends on time."""
-    import pipecompile.planner.choose as choose
+    import pipecompile.planner.shape_passes as choose
 
     monkeypatch.setattr(choose, "probe", lambda *args, **kwargs: found)
     monkeypatch.setattr(choose, "microbatch_choices", lambda batch: (microbatches,))
@@ -268,7 +268,7 @@ def test_the_search_prices_candidates_with_the_probed_measurements(monkeypatch):
 def test_no_probe_when_only_recomputation_is_searched(monkeypatch):
     """Schedule and micro-batches given: memory alone decides recomputation, so compile runs
     no probe (its passes would only cost time) and predicts analytically."""
-    import pipecompile.planner.choose as choose
+    import pipecompile.planner.shape_passes as choose
 
     def fail(*args, **kwargs):
         raise AssertionError("the probe ran")
