@@ -80,8 +80,8 @@ def check_runnable(pipe: torch.nn.Module, plan: Plan, where: str) -> None:
     """Raise a `ConfigError` naming the call `where` unless `plan`'s devices are present, none
     of `pipe`'s tensors is on meta (given no memory yet) and every tensor `to_empty` gave
     memory has been written since (loaded, initialised or recomputed)."""
-    require_present(plan.options.devices, where=where)
-    o = plan.options
+    require_present(plan.resolved.devices, where=where)
+    o = plan.resolved
     if o.data_parallel > 1 and o.ranks.topology is None:  # a loaded (or absent) layout
         raise ConfigError(
             f"{where}: this plan is for {o.data_parallel} data-parallel replicas of a "

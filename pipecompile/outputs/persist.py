@@ -67,7 +67,7 @@ VERSION = 1
 
 def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
     """Write the finished `plan` to `directory` (created if needed); returns plan.json's path."""
-    program, options = plan.program, plan.options
+    program, options = plan.program, plan.resolved
     assert program is not None and plan.schedule is not None, "only a finished plan is saved"
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +171,7 @@ def _layout_to_json(plan: Plan) -> dict[str, Any] | None:
     """The layout the plan was made for (P x D, FSDP, the dimension inside a node), without this
     process's ranks (each process finds its own place again); None for a pipeline alone."""
     chosen = plan.choices.layout if plan.choices is not None else None
-    o = plan.options
+    o = plan.resolved
     if chosen is None and o.data_parallel <= 1:
         return None
     layout = chosen or Layout(len(o.devices), o.data_parallel, o.fsdp)
@@ -180,7 +180,7 @@ def _layout_to_json(plan: Plan) -> dict[str, Any] | None:
 
 
 def _choices_from_json(entry: dict[str, Any] | None, options: CompileOptions) -> Choices | None:
-    """The saved layout as the plan's choices (what `Plan.options` applies), or None."""
+    """The saved layout as the plan's choices (what `resolved.resolve` applies), or None."""
     if entry is None:
         return None
     checkpoint = options.checkpoint

@@ -47,7 +47,7 @@ def enough_blocks(linear: LinearGraph, stages: int, granularity: str | None) -> 
 def cost_model(plan: Plan, example: Example) -> CostModel:
     """How this plan's blocks are costed: the measured device model, the resolved micro-batch
     size, profiling, the calibration so far, the compile cache."""
-    o = plan.options
+    o = plan.resolved
     return CostModel(device=plan.ready.device_model,
                      microbatch_size=example_microbatch_size(example, o),
                      microbatches=o.microbatches,
@@ -68,7 +68,7 @@ class BlockTables:
            ) -> tuple[LinearGraph, CostTable] | None:
         """The linear graph for `stages` stages and its blocks' costs at micro-batch `size`
         (`microbatches` of them), or None when no granularity gives `stages` blocks."""
-        captured, o = self.plan.ready.captured, self.plan.options
+        captured, o = self.plan.ready.captured, self.plan.resolved
         if stages not in self._linears:
             found = coarsest(captured, o.granularity, stages)
             self._linears[stages] = found if found.num_blocks >= stages else None

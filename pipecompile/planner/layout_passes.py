@@ -30,7 +30,7 @@ __all__ = ["layout_search_pass"]
 
 def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Plan, str]:
     """Choose P x D, FSDP, placement and, per layout, the "auto" options (schedule_search.py)."""
-    o = plan.asked
+    o = plan.resolved
     captured = plan.ready.captured
     world = len(o.devices)
     finest = linearize(captured, granularity=o.granularity or GRANULARITIES[-1])

@@ -1,10 +1,15 @@
-"""What compile resolved of its options: the record the search pass produces.
+"""What compile resolved of its options: the search pass's `Choices`, and `resolve`, the one
+place they become the options compile runs with.
 
-`CompileOptions` keeps what the user asked (an option given as "auto" is named in its `auto`
-and holds only a starting value there, e.g. the micro-batch count a static capture is made
-at). The search pass decides those options and records the result here; the plan's
-`options` view (`Plan.options`) is the asked options with these choices applied, which is what
-the runtime, persist and the reports read.
+The `Request` (request.py) keeps what the user asked, "auto" as "auto"; `plan.asked` holds the
+starting values the passes begin from (the micro-batch count a static capture is made at).
+Three passes resolve the rest, each writing `plan.resolved` (the options as compile runs
+them: the layout, the devices and their links, this process's topology, the schedule, the
+micro-batch and virtual stage counts, recomputation per stage) and nothing else rewrites it:
+
+    join    the process group joined, the link between ranks measured    (ranks_passes.py)
+    search  the "auto" options chosen: `Choices`, then `resolve`           (shape_passes.py)
+    ranks   this process's place in the chosen P x D                      (ranks_passes.py)
 
     Choices(schedule="1f1b", microbatches=4, virtual_stages=1, checkpoint=(True, False))
 """
@@ -14,11 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dataclasses import replace
+
 if TYPE_CHECKING:
     from ..ir.devices import DeviceSpec
     from .layout import Layout
+    from .options import CompileOptions
 
-__all__ = ["Choices"]
+__all__ = ["Choices", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -45,3 +53,15 @@ class Choices:
         return (f"{self.schedule}, {self.microbatches} micro-batches, {self.virtual_stages} "
                 f"virtual stage(s), recompute stages {recomputed}"
                 + (f", layout {self.layout}" if self.layout is not None else ""))
+
+
+def resolve(options: "CompileOptions", choices: Choices) -> "CompileOptions":
+    """`options` with what the search chose: the schedule, counts, recomputation per stage and,
+    for a searched layout, its P pipeline devices, D and FSDP."""
+    resolved = replace(options, schedule=choices.schedule, microbatches=choices.microbatches,
+                       virtual_stages=choices.virtual_stages, checkpoint=choices.checkpoint,
+                       profile=choices.profile)
+    if choices.layout is None or choices.devices is None:
+        return resolved
+    return replace(resolved, devices=choices.devices,
+                   data_parallel=choices.layout.data_parallel, fsdp=choices.layout.fsdp)

@@ -40,7 +40,7 @@ def test_the_search_predicts_the_step_the_compiled_plan_predicts(build, tmp_path
     torch.manual_seed(0)
     model, args, loss_fn = build()
     pipe = pc.compile(model, args, devices=2, loss_fn=loss_fn, granularity="layer")
-    assert pipe.plan.options.schedule in SYNC_SCHEDULES  # "auto": searched
+    assert pipe.plan.resolved.schedule in SYNC_SCHEDULES  # "auto": searched
     step = _assert_one_prediction(pipe)
     loaded = pc.load(pipe.save(tmp_path / "saved"), loss_fn=loss_fn)
     assert loaded.plan.overhead == pipe.plan.overhead > 0
