@@ -95,7 +95,7 @@ def main() -> None:
     print(f"{'layout':<22} {'schedule':<18} {'predicted ms':>12} {'measured ms':>12} "
           f"{'spread':>8} {'vs best':>8}")
     for name, pipe in pipes.items():
-        o = pipe.plan.options
+        o = pipe.plan.resolved
         label = f"{pipe.layout.pipeline} x {pipe.layout.data_parallel}" + (
             " FSDP" if pipe.layout.fsdp else "") + (" (chosen)" if name == "chosen" else "")
         t = sorted(times[name])

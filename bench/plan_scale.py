@@ -88,7 +88,7 @@ def one(layers: int, devices: int) -> dict:
             received=costs.cut_bytes[a], inflight=plan.inflight[j],
             plain=stage_memory(plain, j, a, b), chosen=placement.stage_memory[j],
             recompute=bool(placement.recompute and placement.recompute[j])))
-    o = plan.options
+    o = plan.resolved
     return dict(layers=layers, devices=devices, compile_s=compile_s,
                 process_s=time.perf_counter() - start,
                 rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

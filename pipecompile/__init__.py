@@ -15,6 +15,7 @@ from .errors import (
     LossError,
     OpaqueModuleError,
     PartitionError,
+    PartitionMemoryError,
     PipecompileError,
     ScheduleError,
     StageExecutionError,
@@ -22,7 +23,6 @@ from .errors import (
 from .planner.hardware import preset
 from .weights.materialize import meta_parameters
 from .ir.devices import DeviceSpec
-from .passes.partition import PartitionMemoryError
 from .outputs.stage_check import StageCodeError
 from .planner.cluster import Cluster, cluster
 from .pipeline import Pipeline, load

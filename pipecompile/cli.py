@@ -82,7 +82,7 @@ def _inspect(args: argparse.Namespace) -> tuple[dict, str]:
 
     pipe = _compile(args)
     program = pipe.program
-    boundary = cuts(program, microbatches=pipe.plan.options.microbatches)
+    boundary = cuts(program, microbatches=pipe.plan.resolved.microbatches)
     result: dict[str, Any] = {
         "stages": [_stage_json(s, program) for s in program.stages],
         "cuts": [{"index": c.index, "after_block": c.block_name, "bytes": c.nbytes,
@@ -136,7 +136,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict, str]:
     if args.device:  # hardware that is not here: the stage table and the pass log
         result["devices"] = [dict(name=d.name, hardware=d.hardware, flops=d.flops,
                                   memory=d.memory, bandwidth=d.bandwidth, latency=d.latency)
-                             for d in pipe.plan.options.devices]
+                             for d in pipe.plan.resolved.devices]
         layout = pipe.layout
         result["layout"] = {"pipeline": layout.pipeline, "data_parallel": layout.data_parallel,
                             "fsdp": layout.fsdp, "inner": layout.inner}

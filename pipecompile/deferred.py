@@ -79,7 +79,7 @@ def cannot_run(plan: Plan, args: tuple, kwargs: Mapping[str, Any], *, where: str
         return str(exc)
     if not microbatched:
         return None
-    m = plan.options.microbatches
+    m = plan.resolved.microbatches
     size = -(-batch // m)  # torch.chunk's piece size; it makes ceil(batch / size) pieces
     if batch < m or -(-batch // size) != m:
         return f"a batch of {batch} does not split into its {m} micro-batches"

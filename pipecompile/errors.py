@@ -13,6 +13,7 @@ __all__ = [
     "InPlaceError",
     "OpaqueModuleError",
     "PartitionError",
+    "PartitionMemoryError",
     "ScheduleError",
     "ConfigError",
     "LossError",
@@ -43,6 +44,15 @@ class OpaqueModuleError(CaptureError):
 
 class PartitionError(PipecompileError, ValueError):
     """No placement of the blocks on the devices satisfies the constraints."""
+
+
+class PartitionMemoryError(PartitionError):
+    """No placement fits in memory; `memory_needed` and `devices_needed` say what would."""
+
+    def __init__(self, message: str, *, memory_needed: float, devices_needed: int | None) -> None:
+        super().__init__(message)
+        self.memory_needed = memory_needed  # smallest per-device memory that fits (bytes)
+        self.devices_needed = devices_needed  # fewest devices that fit, if known and any does
 
 
 class ScheduleError(PipecompileError, ValueError):

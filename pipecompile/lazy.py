@@ -62,7 +62,7 @@ class Plans:
 
 
 def _check_can_replan(plan: Plan, reason: str) -> None:
-    options = plan.options
+    options = plan.resolved
     if options.ranks.distributed:
         raise ConfigError(
             f"these inputs need a new plan ({reason}), but under torch.distributed every "

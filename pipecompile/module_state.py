@@ -8,9 +8,9 @@
     load_state(pipe, program, ...)      `load_state_dict` into every copy of every tensor
     to_empty / init_weights / load_weights
                                         a meta model's tensors given memory, then values
-                                        (materialize.py, checkpoint_load.py), this
+                                        (weights/materialize.py, weights/load.py), this
                                         process's only; what to_empty allocated is tracked
-                                        (unwritten.py) until check_runnable finds it written
+                                        (weights/unwritten.py) until check_runnable finds it written
 
 A lazily compiled pipeline adopts each plan it switches to; every plan places the model's
 tensors through one shared table, so the names keep pointing at the same objects.
@@ -31,7 +31,7 @@ from .weights import materialize
 from .weights.materialize import check_materialised, copy_to_ties
 from .mirror import copy_state_dict_hooks, mirror
 from .planner.options import require_present
-from .passes.split import StagedProgram
+from .ir.records import StagedProgram
 from .planner.plan import Plan
 from .runtime.assemble import Runtime
 from .weights.unwritten import Unwritten, refuse
@@ -80,8 +80,8 @@ def check_runnable(pipe: torch.nn.Module, plan: Plan, where: str) -> None:
     """Raise a `ConfigError` naming the call `where` unless `plan`'s devices are present, none
     of `pipe`'s tensors is on meta (given no memory yet) and every tensor `to_empty` gave
     memory has been written since (loaded, initialised or recomputed)."""
-    require_present(plan.options.devices, where=where)
-    o = plan.options
+    require_present(plan.resolved.devices, where=where)
+    o = plan.resolved
     if o.data_parallel > 1 and o.ranks.topology is None:  # a loaded (or absent) layout
         raise ConfigError(
             f"{where}: this plan is for {o.data_parallel} data-parallel replicas of a "

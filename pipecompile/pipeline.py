@@ -24,7 +24,7 @@ from .capture.inputs import batch_parts, check_inputs
 from .lazy import NOT_PLANNED, Plans
 from .outputs.memory_report import DeviceMemory, device_memory
 from . import module_state
-from .passes.split import Stage, StagedProgram
+from .ir.records import Stage, StagedProgram
 from .outputs.persist import load_plan, save_plan
 from .pipeline_compat import DeprecatedNames, is_model_name, model_attribute
 from .planner.plan import PassRecord, Plan
@@ -131,7 +131,7 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
     @property
     def topology(self) -> Topology | None:
         """This rank's place under torch.distributed; None in a single process."""
-        return self.plan.options.ranks.topology
+        return self.plan.resolved.ranks.topology
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True
@@ -161,7 +161,7 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         its rows; the loss is the global batch's (`runtime.data_parallel.replica_microbatches`)."""
         self._ready(args, kwargs, target, where="pipe.step()")
         if num_items_in_batch is not None:
-            check_num_items(self.plan.options.loss_fn, num_items_in_batch)
+            check_num_items(self.plan.resolved.loss_fn, num_items_in_batch)
         mbs = self._microbatches(args, kwargs, target)
         scale = loss_scale_value(loss_scale, self.runtime.wiring.devices[-1])
         self._last = self.runtime.run(self.schedule, mbs, batches=1, loss_scale=scale,
@@ -177,7 +177,7 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
     def _microbatches(self, args: tuple, kwargs: Mapping[str, Any], target: Any) -> list:
         """This process's micro-batches of a step's batch: of its replica's rows when every
         rank passes the global batch (data_parallel="auto" under torch.distributed)."""
-        o = self.plan.options
+        o = self.plan.resolved
         topology = o.ranks.topology
         if o.global_batch and topology is not None and topology.data_parallel > 1:
             return replica_microbatches(args, kwargs, target, microbatches=o.microbatches,

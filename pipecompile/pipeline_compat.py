@@ -34,7 +34,7 @@ def is_model_name(value: Any) -> bool:
 
 # old name -> (where it lives now, as the warning says it, how to read it from a Pipeline)
 MOVED: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "microbatches": ("pipe.plan.options.microbatches", lambda p: p.plan.options.microbatches),
+    "microbatches": ("pipe.plan.resolved.microbatches", lambda p: p.plan.resolved.microbatches),
     "stage_costs": ("pipe.plan.stage_costs", lambda p: p.plan.stage_costs),
     "cores": ("pipe.plan.cores", lambda p: p.plan.cores),
     "efficiency": ("pipe.plan.efficiency", lambda p: p.plan.efficiency),

@@ -6,7 +6,7 @@ from dataclasses import fields, replace
 
 import pytest
 
-from pipecompile.compiler import PASSES
+from pipecompile.planner.recipe import PASSES
 from pipecompile.planner.options import CompileOptions
 from pipecompile.ir.devices import DeviceSpec
 from pipecompile.planner.plan import Pass, PassContractError, Plan, check_contracts, run_passes
@@ -17,7 +17,7 @@ def _start() -> Plan:
 
 
 def test_the_compiler_passes_form_a_valid_order():
-    produced = {"asked"}
+    produced = {"asked", "resolved"}  # compile starts both; the resolver's passes update one
     for p in PASSES:
         needed = set(p.requires) | set(p.updates)
         assert needed <= produced, (p.name, needed - produced)
@@ -30,7 +30,8 @@ def test_every_plan_field_has_exactly_one_producing_pass():
     for p in PASSES:
         for name in p.produces:
             producers.setdefault(name, []).append(p.name)
-    settable = {f.name for f in fields(Plan)} - {"asked", "passes", "produced"}
+    settable = {f.name for f in fields(Plan)} - {"asked", "resolved", "request", "passes",
+                                                 "produced"}
     assert {name: len(by) for name, by in producers.items()} == dict.fromkeys(settable, 1)
 
 
@@ -74,6 +75,18 @@ def test_two_producers_of_one_field_are_refused():
     two = Pass("two", lambda plan, example: (replace(plan, cores=2), ""), produces=("cores",))
     with pytest.raises(PassContractError, match="produced by both the 'one' and the 'two'"):
         check_contracts((one, two))
+
+
+def test_a_pass_that_rewrites_what_was_asked_is_refused():
+    rewriter = Pass("rewriter", lambda plan, example: (
+        replace(plan, asked=replace(plan.asked, microbatches=4)), ""), updates=("resolved",))
+    with pytest.raises(PassContractError, match="'rewriter' rewrote what was asked"):
+        run_passes(_start(), (rewriter,), example=None)
+    resolver = Pass("resolver", lambda plan, example: (
+        replace(plan, resolved=replace(plan.resolved, microbatches=4)), "4"),
+        updates=("resolved",))
+    plan = run_passes(_start(), (resolver,), example=None)
+    assert (plan.asked.microbatches, plan.resolved.microbatches) == (2, 4)
 
 
 def test_an_update_needs_the_field_produced_first_and_may_then_change_it():

@@ -2,7 +2,7 @@
 
 Two front ends give the same IR:
 
-- ``method="export"`` (default, capture_export.py): `torch.export.export` with every size of a
+- ``method="export"`` (default, export.py): `torch.export.export` with every size of a
   batched input symbolic (dim 0, the batch, as `Dim("batch")`), so one graph serves every
   micro-batch size and sequence length; then the batch alone, then static shapes at the
   micro-batch size, each attempt bounded in time; untraceable submodules kept opaque.

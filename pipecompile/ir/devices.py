@@ -18,7 +18,7 @@ class DeviceSpec:
     device and a stage's time is divided by `speed`. Absolute: `flops` (sustained FLOP/s in the
     model's compute dtype) with `memory`, link `bandwidth` and `latency` describe hardware that
     need not be on this machine; a compile whose devices are all absolute plans analytically
-    and measures nothing (see `hardware.py`, whose `preset` names real devices:
+    and measures nothing (see `planner/hardware.py`, whose `preset` names real devices:
     `pipecompile.preset("h100")`). Then `speed` is derived: flops / the first device's flops.
 
         >>> DeviceSpec("cuda", memory=80e9, bandwidth=450e9, flops=495e12, latency=1e-5).absolute

@@ -14,7 +14,8 @@ from ..ir.compile_cache import CompileCache, digest, function_key, layout
 from ..ir.records import CostTable, LinearGraph, StageTimes
 from ..ir.records import Example
 from ..passes.calibrate import Calibration
-from ..passes.split import StagedProgram, split
+from ..passes.split import split
+from ..ir.records import StagedProgram
 from .ranks import Ranks
 from ..runtime.microbatch import split_microbatches
 from ..runtime.stage_worker import LossSpec

@@ -21,7 +21,7 @@ from ..runtime.distributed import Topology, check_same_plan, local_device, plan_
 
 if TYPE_CHECKING:
     from ..ir.records import CostTable
-    from ..passes.split import StagedProgram
+    from ..ir.records import StagedProgram
     from ..schedule.actions import Schedule
 
 __all__ = ["Ranks"]

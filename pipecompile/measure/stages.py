@@ -31,7 +31,7 @@ from ..ir.tensors import to_device as _to
 from .profile import sync_device
 
 if TYPE_CHECKING:
-    from ..passes.split import StagedProgram
+    from ..ir.records import StagedProgram
 
 __all__ = ["measure_stages", "thread_efficiency", "loss_runs"]
 

@@ -2,6 +2,7 @@
 
     report.py         the stage table of `print(pipe)`, the pass log of `explain()`, number formats
     presentation.py   what a pipeline shows its user, from its plan and its last step
+    resolution.py     the request beside what the passes resolved (`explain()` ends with it)
     draw.py           pictures of a partition: blocks coloured by stage, cuts and their values
     cuts.py           the cuts of a staged program and the tensors that cross each one
     memory_report.py  the last step's measured memory per device beside the prediction

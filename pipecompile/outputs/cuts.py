@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import sympy
 
 from ..ir.records import evaluate
-from ..passes.split import StagedProgram
+from ..ir.records import StagedProgram
 from ..ir.formats import format_bytes
 
 __all__ = ["BoundaryValue", "Cut", "cuts", "microbatch_size"]

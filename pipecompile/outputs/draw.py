@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .cuts import cuts
 from ..errors import ConfigError
-from ..passes.split import Stage, StagedProgram
+from ..ir.records import Stage, StagedProgram
 from ..ir.formats import format_bytes
 from ..ir.formats import format_count
 

@@ -39,7 +39,7 @@ import torch.fx as fx
 from ..errors import ConfigError
 from ..ir.records import evaluate
 from ..passes.eval_mode import eval_graph
-from ..passes.split import Stage, StagedProgram
+from ..ir.records import Stage, StagedProgram
 
 __all__ = ["export_onnx"]
 

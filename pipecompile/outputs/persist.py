@@ -49,15 +49,16 @@ import torch.fx as fx
 from ..errors import ConfigError
 from .graph_code import build_module, install, module_source
 from ..ir.records import Block, CapturedModel, LinearGraph, NodeRole, StageCost, ValueInfo
-from ..planner.choices import Choices
+from ..planner.resolved import Choices
 from ..planner.layout import Layout
 from ..planner.options import CompileOptions
 from ..ir.devices import DeviceSpec
-from ..passes.split import Stage, StagedProgram, _Placement, _tensor_copies
+from ..ir.records import Stage, StagedProgram
+from ..passes.split import TensorPlacement, tensor_copies
 from ..planner.plan import PassRecord, Plan
 from ..schedule.actions import Action, Schedule
 from ..schedule.simulate import StageCosts, Timeline
-from ..planner.search import SearchResult
+from ..planner.schedule_search import SearchResult
 from .treespec import dump_spec, load_spec
 
 __all__ = ["save_plan", "load_plan"]
@@ -68,7 +69,7 @@ VERSION = 1
 
 def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
     """Write the finished `plan` to `directory` (created if needed); returns plan.json's path."""
-    program, options = plan.program, plan.options
+    program, options = plan.program, plan.resolved
     assert program is not None and plan.schedule is not None, "only a finished plan is saved"
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,7 +175,7 @@ def _layout_to_json(plan: Plan) -> dict[str, Any] | None:
     """The layout the plan was made for (P x D, FSDP, the dimension inside a node), without this
     process's ranks (each process finds its own place again); None for a pipeline alone."""
     chosen = plan.choices.layout if plan.choices is not None else None
-    o = plan.options
+    o = plan.resolved
     if chosen is None and o.data_parallel <= 1:
         return None
     layout = chosen or Layout(len(o.devices), o.data_parallel, o.fsdp)
@@ -183,7 +184,7 @@ def _layout_to_json(plan: Plan) -> dict[str, Any] | None:
 
 
 def _choices_from_json(entry: dict[str, Any] | None, options: CompileOptions) -> Choices | None:
-    """The saved layout as the plan's choices (what `Plan.options` applies), or None."""
+    """The saved layout as the plan's choices (what `resolved.resolve` applies), or None."""
     if entry is None:
         return None
     checkpoint = options.checkpoint
@@ -238,7 +239,7 @@ def _program_from_json(root: Path, data: dict[str, Any], stage_devices: list[tor
     """The staged program: weights read, each stage's module rebuilt from its code."""
     state = _read_state(root, data)
     captured = _captured_from_json(data["captured"], state, trust_code)
-    placed = _Placement(stage_devices, {})
+    placed = TensorPlacement(stage_devices, {})
     stages = []
     for entry in data["stages"]:
         j = entry["index"]
@@ -249,7 +250,7 @@ def _program_from_json(root: Path, data: dict[str, Any], stage_devices: list[tor
         stages.append(Stage(j, module, stage_devices[j], tuple(entry["inputs"]),
                             tuple(entry["outputs"]), tuple(entry["blocks"]),
                             tuple(n for n, _ in module.named_parameters()), cost))
-    tensors, ties = _tensor_copies(captured.module, stages)
+    tensors, ties = tensor_copies(captured.module, stages)
     return StagedProgram(captured, _linear_from_json(data["linear"], captured),
                          tuple(data["bounds"]), tuple(stages), dict(data["producer"]),
                          {k: tuple(v) for k, v in data["consumers"].items()}, ties, tensors)

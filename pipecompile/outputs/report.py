@@ -14,7 +14,7 @@ from ..ir.formats import format_bytes, format_count, format_stages
 if TYPE_CHECKING:
     from ..ir.devices import DeviceSpec
     from ..ir.records import StagedProgram
-    from ..planner.search import SearchResult
+    from ..planner.schedule_search import SearchResult
     from ..planner.plan import PassRecord
     from ..schedule.actions import Schedule
     from ..schedule.simulate import Timeline

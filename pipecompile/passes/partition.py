@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
-from pipecompile.errors import ConfigError, PartitionError
+from pipecompile.errors import ConfigError, PartitionError, PartitionMemoryError
 from pipecompile.ir.devices import DeviceSpec
 from pipecompile.ir.formats import format_bytes
 
@@ -68,15 +68,6 @@ __all__ = [
 ]
 
 _REL_TOL = 1e-12  # bottlenecks within this relative distance count as equal
-
-
-class PartitionMemoryError(PartitionError):
-    """No placement fits in memory; `memory_needed` and `devices_needed` say what would."""
-
-    def __init__(self, message: str, *, memory_needed: float, devices_needed: int | None) -> None:
-        super().__init__(message)
-        self.memory_needed = memory_needed  # smallest per-device memory that fits (bytes)
-        self.devices_needed = devices_needed  # fewest devices that fit, if known and any does
 
 
 @dataclass(frozen=True)

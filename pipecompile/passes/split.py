@@ -15,8 +15,9 @@ A tensor reached under several names (a tied weight such as GPT-2's `wte`/`lm_he
 object per device: stages on the same device share it, so autograd sums its gradient; stages on
 different devices hold copies listed in `StagedProgram.ties`, whose gradients the runtime sums.
 
-The records (`Stage`, `TiedParameter`, `StagedProgram`) live in `ir.py`, beside the other IR
-every floor reads; they are named here too.
+The records (`Stage`, `TiedParameter`, `StagedProgram`) live in `ir/records.py`, beside the other
+IR every floor reads. `TensorPlacement` and `tensor_copies` are how a stage's tensors are placed
+and their copies found; outputs/persist.py places a loaded program's stages with them too.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .inplace import cross_stage_writes, mutated_inputs
 from .linearize import compute_inputs
 from ..ir.nodes import getattr_path as _getattr_path
 
-__all__ = ["Stage", "StagedProgram", "TiedParameter", "BlockWiring", "block_wiring", "split"]
+__all__ = ["BlockWiring", "block_wiring", "split", "TensorPlacement", "tensor_copies"]
 
 
 def split(
@@ -63,7 +64,7 @@ def split(
 
     _check_writes(graph, stage_of, output_node, last)
     producer, consumers = wiring.at(bounds)
-    placement = _Placement([torch.device(d) for d in devices],
+    placement = TensorPlacement([torch.device(d) for d in devices],
                            {} if placed is None else placed)
     stages = []
     for j in range(len(bounds) - 1):
@@ -84,7 +85,7 @@ def split(
         stages.append(Stage(j, module, placement.devices[j], inputs, outputs,
                             tuple(range(bounds[j], bounds[j + 1])), names))
 
-    tensors, ties = _tensor_copies(gm, stages)
+    tensors, ties = tensor_copies(gm, stages)
     return StagedProgram(linear.captured, linear, bounds, tuple(stages), producer,
                          consumers, ties, tensors)
 
@@ -208,7 +209,7 @@ def _meta_to(module: fx.GraphModule, device: torch.device,
     """Point the device literals of a model captured from the meta device (a position table
     made on its embedding's device) at the stage's device, in the stage graph and the graphs of
     its higher-order ops (`wrap_with_set_grad_enabled` bodies): `device=meta`, or the device
-    its tensors claimed while traced (`traced`, see claimed_device.py)."""
+    its tensors claimed while traced (`traced`, see capture/claimed_device.py)."""
     meta = torch.device("meta")
     if device == meta:
         return
@@ -251,7 +252,7 @@ def _check_writes(graph: fx.Graph, stage_of: Mapping[str, int], output_node, las
         )
 
 
-class _Placement:
+class TensorPlacement:
     """The tensor each stage uses for an attribute: the original, or one copy per device."""
 
     def __init__(self, devices: list[torch.device],
@@ -305,7 +306,9 @@ def _state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     )
 
 
-def _tensor_copies(gm: fx.GraphModule, stages: list[Stage]):
+def tensor_copies(gm: fx.GraphModule, stages: list[Stage]
+                  ) -> tuple[dict[str, tuple[tuple[int, torch.Tensor], ...]],
+                             tuple[TiedParameter, ...]]:
     """Every state tensor's copies by original name, and the tied-parameter groups."""
     names_of: dict[int, list[str]] = {}
     for name, t in _state(gm):
@@ -318,7 +321,7 @@ def _tensor_copies(gm: fx.GraphModule, stages: list[Stage]):
             if key is not None:  # one entry per stage (stages on one device share the object)
                 copies_of.setdefault(key, {}).setdefault(stage.index, (stage.index, t, name))
     tensors: dict[str, tuple[tuple[int, torch.Tensor], ...]] = {}
-    ties = []
+    ties: list[TiedParameter] = []
     for key, names in names_of.items():
         copies = copies_of.get(key)
         if not copies:  # unused by the graph: keep the original so state_dict stays complete

@@ -1,24 +1,29 @@
-"""The planner: compile's options, the searches that choose the plan, and what it costs.
+"""The planner: what the user asked, the passes that resolve and plan it, and what a plan costs.
 
-    options.py        compile's inputs validated once: the model, its example batch, the options
-    plan.py           the plan record the passes advance, their contracts, the pass runner
-    choose.py         the passes that choose the plan's shape before the model is cut
-    block_tables.py   the block costs a search prices candidates with, each made once
-    choices.py        what compile resolved of its options (the search pass's record)
-    planning.py       cost, place, refine: the planner's decisions as pure functions
-    search.py         which schedule, micro-batch count, virtual stages and recomputation
-    device_share.py   virtual stages placed so that together they fit their device
-    stage_costs.py    block costs -> what the simulator needs (one path for search and split)
-    hardware.py       named accelerators: datasheet figures and sustained fractions
-    assembly.py       a finished plan -> its RuntimeSpec
-  at scale (pipeline x data parallel, absent clusters):
-    cluster.py        `cluster("h100", nodes=8, per_node=8)`: devices and link levels
-    collectives.py    alpha-beta prices of reduce-scatter, all-gather, all-reduce per link level
-    kernels.py        an op as a GPU runs it: matmul roofline, fused attention, bytes at HBM speed
-    layout.py         a layout (P x D, FSDP, which dimension stays inside a node) and its costs
-    layout_options.py compile's options for a searched or given layout
-    layout_ranks.py   the ranks of a job whose layout is searched under torchrun
-    layout_search.py  every layout searched with the schedule search, the best kept
-    search_layouts.py the layout search's candidates and their plans
-    throughput.py     tokens (samples) per second per device and MFU of a plan
+  the request and its resolution:
+    request.py         compile's options as one frozen, grouped `Request`, each value checked
+    options.py         the options checked against each other, the example and the ranks
+    layout_options.py  the starting options when the layout (P x D, FSDP) is searched
+    resolved.py        the search's `Choices`, and `resolve`: the options as compile runs them
+  the recipe and its passes:
+    recipe.py          the passes as one flat list (`PASSES`) and `plan_for`
+    plan.py            the plan record the passes advance, their contracts, the pass runner
+    ranks_passes.py    join and ranks: the job's process group, link and this rank's place
+    shape_passes.py    probe, search, schedule: the plan's shape before the model is cut
+    layout_passes.py   the search pass when the layout is searched
+    model_passes.py    capture, linearize, annotate, partition, calibrate, refine, split,
+                       threads, simulate, plan check, shard
+  the decisions and their prices:
+    decisions.py       cost, place, refine: the planner's decisions as pure functions
+    schedule_search.py which schedule, micro-batch count, virtual stages and recomputation
+    layout_search.py   every layout searched with the schedule search, the best kept
+    layout.py          a layout (P x D, FSDP, which dimension stays inside a node), its costs
+    block_tables.py    the block costs a search prices candidates with, each made once
+    device_share.py    virtual stages placed so that together they fit their device
+    stage_costs.py     block costs -> what the simulator needs (one path for search and split)
+    hardware.py        named accelerators: datasheet figures and sustained fractions
+    cluster.py         `cluster("h100", nodes=8, per_node=8)`: devices and link levels
+    collectives.py     alpha-beta prices of reduce-scatter, all-gather, all-reduce per level
+    throughput.py      tokens (samples) per second per device and MFU of a plan
+    assembly.py        a finished plan -> its RuntimeSpec
 """

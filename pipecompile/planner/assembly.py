@@ -19,7 +19,7 @@ __all__ = ["runtime_spec", "assemble_plan"]
 
 def runtime_spec(plan: Plan) -> RuntimeSpec:
     """What the runtime needs of `plan`'s options."""
-    options, program = plan.options, plan.program
+    options, program = plan.resolved, plan.program
     assert program is not None, "a finished plan has its program"
     stages = range(program.num_stages)
     return RuntimeSpec(

@@ -3,7 +3,7 @@
 A candidate with `stages` stages needs the captured model linearised coarsely enough to give
 every stage a block (`coarsest`), and the blocks costed at the candidate's micro-batch size
 (`cost_model`). Many candidates share both, so `BlockTables` keeps them: the schedule search
-(choose.py) and the layout search (search_layouts.py) ask it the same way.
+(shape_passes.py) and the layout search (layout_passes.py) ask it the same way.
 
     tables = BlockTables(plan, example, calibration)
     found = tables.at(stages=4, size=2, microbatches=8)   # (LinearGraph, CostTable) or None
@@ -20,7 +20,7 @@ from ..passes.calibrate import Calibration
 from ..passes.linearize import GRANULARITIES, linearize
 from .options import example_microbatch_size
 from .plan import Plan
-from .planning import CostModel, cost
+from .decisions import CostModel, cost
 
 __all__ = ["BlockTables", "coarsest", "enough_blocks", "cost_model"]
 
@@ -47,7 +47,7 @@ def enough_blocks(linear: LinearGraph, stages: int, granularity: str | None) -> 
 def cost_model(plan: Plan, example: Example) -> CostModel:
     """How this plan's blocks are costed: the measured device model, the resolved micro-batch
     size, profiling, the calibration so far, the compile cache."""
-    o = plan.options
+    o = plan.resolved
     return CostModel(device=plan.ready.device_model,
                      microbatch_size=example_microbatch_size(example, o),
                      microbatches=o.microbatches,
@@ -68,7 +68,7 @@ class BlockTables:
            ) -> tuple[LinearGraph, CostTable] | None:
         """The linear graph for `stages` stages and its blocks' costs at micro-batch `size`
         (`microbatches` of them), or None when no granularity gives `stages` blocks."""
-        captured, o = self.plan.ready.captured, self.plan.options
+        captured, o = self.plan.ready.captured, self.plan.resolved
         if stages not in self._linears:
             found = coarsest(captured, o.granularity, stages)
             self._linears[stages] = found if found.num_blocks >= stages else None

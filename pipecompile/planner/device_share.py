@@ -9,7 +9,7 @@ where that stage alone needs it. With several stages on a device (interleaved sc
 each may fit while together they overflow it. `fit_devices` places once; where a device's
 stages overflow it together, it makes that device's stages recompute, those that save the most
 first, until the device's sum fits by the placement's own figures, and places again with those
-stages recomputing (a few rounds, since the new cut may move blocks). The search (search.py)
+stages recomputing (a few rounds, since the new cut may move blocks). The search (schedule_search.py)
 and the compiler's placement (planning.place) both place through it, so the compiled plan is
 the one searched.
 """

@@ -16,7 +16,7 @@ table and the reasoning):
                 2.039 TB/s. NVLink per direction: H100 450 GB/s (900 both ways), A100 300 GB/s
                 (600). InfiniBand per GPU: H100 NDR 400 Gb/s = 50 GB/s (ConnectX-7), A100 HDR
                 200 Gb/s = 25 GB/s (ConnectX-6), as in DGX H100 / DGX A100.
-    sustained   per op, as the device runs it (planner/kernels.py): a matmul at the
+    sustained   per op, as the device runs it (passes/kernels.py): a matmul at the
                 accelerator's `matmul` fraction of peak (large BF16 GEMMs: 0.75 on the H100,
                 0.8 on the A100; an assumption from public cuBLAS measurements) or by its bytes,
                 whichever is slower (a roofline of its shape); attention as one fused kernel at

@@ -151,7 +151,7 @@ class Collectives:
     def of(cls, layout: Layout, cluster: Cluster | None, device: DeviceSpec
            ) -> "Collectives | None":
         """The pricing of `layout`: over the cluster's links, or the link `device` sends
-        over (the ranks of this machine: measured, planner/layout_ranks.py). None for an
+        over (the ranks of this machine: measured, planner/ranks_passes.py). None for an
         absolute device without memory bandwidth."""
         if device.absolute and device.memory_bandwidth is None:
             return None

@@ -12,7 +12,7 @@ takes its slice), and the search pass chooses P x D, FSDP and where each dimensi
 (planner/layout.py). Under torchrun (WORLD_SIZE > 1) `data_parallel="auto"`, or neither
 `devices` nor `data_parallel` given, searches the layout of the ranks: `devices=P` then fixes
 the pipeline degree (D = world / P). Validating joins no process group: compile's "join"
-pass does (planner/layout_ranks.py). Bad values are `ConfigError`s saying what to pass.
+pass does (planner/ranks_passes.py). Bad values are `ConfigError`s saying what to pass.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .request import Request
 from .options import (
     AUTO,
     CompileOptions,
@@ -32,31 +33,35 @@ from .options import (
     _schedule_option,
     compute_dtype,
     resolve_options,
+    starting_values,
 )
 from ..ir.records import Example
 from ..ir.devices import DeviceSpec
-from ..schedule.schedules import ASYNC_SCHEDULE_NAMES, TWO_STAGES_PER_DEVICE
+from ..schedule.schedules import ASYNC_SCHEDULE_NAMES
 from .cluster import Cluster
 from ..runtime.distributed import rank_device, world_size
 
 __all__ = ["job_options", "layout_options", "ranks_options", "layout_resolved"]
 
 
-def job_options(example: Example | None, *, devices: Any, data_parallel: Any,
-                microbatches: Any, schedule: Any, virtual_stages: Any, checkpoint: Any,
-                memory_limit: Any, bandwidth: Any, timeout: float, split_points: Any,
-                **rest: Any) -> CompileOptions:
-    """compile's options: over every device of the job when the layout is searched
-    (`data_parallel="auto"`, a cluster, or under torchrun neither `devices` nor
+def job_options(example: Example | None, request: Request) -> CompileOptions:
+    """The starting options of `request`: over every device of the job when the layout is
+    searched (`data_parallel="auto"`, a cluster, or under torchrun neither `devices` nor
     `data_parallel`), else `options.resolve_options` (the layout given). `devices` and
     `data_parallel` None: not given (1 each outside that search); one device name or spec
     (`devices="cpu"`) is a list of that one device."""
+    world = world_size()
+    given = request.keywords()
+    devices, data_parallel, fsdp = (given.pop(name) for name in ("devices", "data_parallel",
+                                                                "fsdp"))
     if isinstance(devices, (str, torch.device, DeviceSpec)):
         devices = [devices]
-    world = world_size()
-    fsdp = rest.get("fsdp", False)
-    searched = data_parallel == AUTO or (devices is None and data_parallel is None)
-    if world > 1 and searched and not isinstance(devices, Cluster):
+    microbatches, schedule, virtual_stages, checkpoint, memory_limit, bandwidth, timeout, \
+        split_points = (given.pop(name) for name in (
+            "microbatches", "schedule", "virtual_stages", "checkpoint", "memory_limit",
+            "bandwidth", "timeout", "split_points"))
+    rest = {**given, "fsdp": fsdp}
+    if world > 1 and request.layout.searched and not isinstance(devices, Cluster):
         names, ranks = ranks_options(world, devices, fsdp, example)
         return layout_resolved(example, names, ranks, microbatches, schedule, virtual_stages,
                                checkpoint, memory_limit,
@@ -80,8 +85,6 @@ def ranks_options(world: int, devices: Any, fsdp: Any, example: Example | None
                   ) -> tuple[list[str], tuple[Cluster | None, int | None, bool | None]]:
     """The devices (one per rank, this rank's kind) and what the search may choose of the
     layout of `world` ranks: P x D, or D = world / P where `devices=P` fixes the pipeline."""
-    if fsdp not in (True, False, AUTO):
-        raise ConfigError(f"fsdp must be True, False or 'auto', got {fsdp!r}")
     divisors = [p for p in range(1, world + 1) if world % p == 0]
     fixed = None
     if devices is not None:
@@ -115,12 +118,6 @@ def layout_options(devices: Any, data_parallel: Any, fsdp: Any, example: Example
     cluster = devices if isinstance(devices, Cluster) else None
     if cluster is None and data_parallel != AUTO:
         return None
-    if data_parallel != AUTO and (isinstance(data_parallel, bool) or not isinstance(
-            data_parallel, int) or data_parallel < 1):
-        raise ConfigError(f"data_parallel must be a positive int or 'auto', got "
-                          f"{data_parallel!r}")
-    if fsdp not in (True, False, AUTO):
-        raise ConfigError(f"fsdp must be True, False or 'auto', got {fsdp!r}")
     if world_size() > 1:  # ranks: job_options searched them; a cluster is planned, not run
         raise ConfigError(
             "a cluster of devices that are not here is planned in one process, not under "
@@ -172,13 +169,8 @@ def layout_resolved(example: Example | None, devices: Any,
                           f"schedule with data_parallel='auto' or a cluster")
     auto = _auto(name, microbatches, virtual_stages, checkpoint) | {"layout"} | (
         {"fsdp"} if fsdp is None else set()) | ({"data_parallel"} if fixed is None else set())
-    start = max(m for m in range(1, 5) if example is None or example.batch % m == 0) if (
-        "microbatches" in auto) else microbatches
-    name = "gpipe" if name == AUTO else name
-    if not isinstance(virtual_stages, int):
-        virtual_stages = 2 if name in TWO_STAGES_PER_DEVICE else 1
-    if checkpoint not in (True, False, AUTO):
-        raise ConfigError(f"checkpoint must be True, False or 'auto', got {checkpoint!r}")
+    start, name, virtual_stages = starting_values(auto, example, name, microbatches,
+                                                  virtual_stages)
     dtype = compute_dtype(example.model) if example is not None else None
     specs = _device_specs(list(devices), memory_limit, bandwidth, dtype)
     return CompileOptions(

@@ -3,7 +3,7 @@ fastest predicted step kept.
 
     search_layouts(layouts, run) -> (the winner's SearchResult, every LayoutCandidate)
 
-`run(layout)` is the schedule search (search.py) of one layout: its P pipeline devices, the
+`run(layout)` is the schedule search (schedule_search.py) of one layout: its P pipeline devices, the
 replica's slice of the global batch, the bytes a device holds under it and its collectives
 (layout.py). A layout where nothing fits records why; ties (within `search.TIE`) go to the
 earlier layout in `layouts.layouts`' order (fewer pipeline stages first). When no layout fits,
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import PartitionError
-from ..passes.partition import PartitionMemoryError
+from ..errors import PartitionMemoryError
 from ..ir.formats import format_bytes
 from .layout import Layout
 

@@ -1,11 +1,12 @@
 """compile's inputs, validated once: the model with its example batch, and the options.
 
-    CompileOptions  every keyword option of `pipecompile.compile`, checked and resolved: devices
-                    as `DeviceSpec`s, the virtual stage count, the ranks of a distributed run;
-                    what the user asked: the options given as "auto" are named in `auto` and
-                    hold only a starting value (the micro-batch count a static capture is made
-                    at); the search pass records what it chose in a `Choices` (choices.py), and
-                    `Plan.options` applies them
+    CompileOptions  compile's options checked against each other, the example batch and the
+                    job's ranks: devices as `DeviceSpec`s, the virtual stage count, the ranks
+                    of a distributed run. The options given as "auto" are named in `auto` and
+                    hold only a starting value (`starting_values`: the micro-batch count a
+                    static capture is made at); a plan's `asked` is this record, its
+                    `resolved` the same once the join, search and ranks passes resolved it
+                    (resolved.py). One option's own value is checked in request.py.
 
 Devices given by their figures (absolute `DeviceSpec`s: `flops=`, or `pipecompile.preset("h100")`)
 get their relative `speed` here, at the model's compute dtype (`compute_dtype`); they need not be
@@ -35,9 +36,9 @@ from ..errors import ConfigError, ScheduleError
 from ..ir.records import Example, microbatch_size
 from ..ir.devices import DeviceSpec
 from .cluster import Cluster
+from .request import AUTO
 from ..runtime.distributed import rank_device, world_size
 from ..measure.ranks import Ranks
-from ..ir.rng import RNG_MODES
 from ..schedule.actions import Schedule
 from ..schedule.schedules import (
     ASYNC_SCHEDULE_NAMES,
@@ -48,13 +49,12 @@ from ..schedule.schedules import (
 )
 
 if TYPE_CHECKING:
-    from ..passes.split import StagedProgram
+    from ..ir.records import StagedProgram
 
 __all__ = ["CompileOptions", "resolve_options", "example_microbatch_size",
-           "check_async_ties", "compute_dtype", "device_present", "require_present", "AUTO"]
+           "check_async_ties", "compute_dtype", "device_present", "require_present", "AUTO",
+           "starting_values"]
 
-SYMBOLIC_SIZES = ("auto", "all", "batch")  # compile(symbolic_sizes=...)
-AUTO = "auto"  # the value that lets the search pass choose an option
 
 _RANK_BANDWIDTH = 3e9  # bytes/s between ranks when not told: gloo on loopback
 
@@ -132,21 +132,16 @@ def resolve_options(
     microbatches: int | str, schedule: str | Schedule, virtual_stages: int | str | None,
     checkpoint: bool | str,
     memory_limit: float | Sequence[float] | None, bandwidth: float | None,
-    data_parallel: int | str, timeout: float, split_points: Sequence[str] | None, **rest: Any,
+    data_parallel: int, timeout: float, split_points: Sequence[str] | None, **rest: Any,
 ) -> CompileOptions:
     """Check compile's options against each other and the example batch (None: lazy compile,
     checked again at the first call); resolve devices and ranks. `rest` are the options taken
-    as given (loss_fn, optimizer, capture, ...)."""
+    as given (loss_fn, optimizer, capture, ...). Each option's own value was checked by the
+    `Request` (request.py)."""
     count = devices if isinstance(devices, int) else len(devices)
-    if not isinstance(data_parallel, int) or data_parallel < 1:
-        raise ConfigError(f"data_parallel must be a positive int or 'auto', got "
-                          f"{data_parallel!r}")
     if rest.get("fsdp", False) not in (True, False):
         raise ConfigError(f"fsdp must be True, False or 'auto' (with data_parallel='auto' or a "
                           f"cluster), got {rest['fsdp']!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigError(f"timeout must be a positive number of seconds (every blocking wait "
-                          f"gives up after it), got {timeout!r}")
     world = world_size()  # torchrun's ranks, read without joining: compile's "join" pass joins
     if world <= 1 and data_parallel > 1:
         raise ConfigError(
@@ -164,34 +159,8 @@ def resolve_options(
     if given is not None:  # its counts stand for "auto" and must equal those given
         microbatches, virtual_stages = _fit_given(given, count, microbatches, virtual_stages)
     auto = _auto(name, microbatches, virtual_stages, checkpoint)
-    if microbatches != AUTO and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
-                                 or microbatches < 1):
-        raise ConfigError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
-    if virtual_stages not in (None, AUTO) and (isinstance(virtual_stages, bool) or not isinstance(
-            virtual_stages, int) or virtual_stages < 1):
-        raise ConfigError(
-            f"virtual_stages must be a positive int or 'auto', got {virtual_stages!r}")
-    if checkpoint not in (True, False, AUTO):
-        raise ConfigError(f"checkpoint must be True, False or 'auto', got {checkpoint!r}")
-    if "microbatches" in auto:  # a starting value: a static capture is made at batch / it
-        batch = example.batch if example is not None else 4
-        microbatches = max(m for m in range(1, min(4, batch) + 1) if batch % m == 0)
-    assert isinstance(microbatches, int)
-    name = "gpipe" if name == AUTO else name
-    if not isinstance(virtual_stages, int):
-        virtual_stages = 2 if name in TWO_STAGES_PER_DEVICE else 1
-    if rest.get("symbolic_sizes", "auto") not in SYMBOLIC_SIZES:
-        raise ConfigError(f"symbolic_sizes={rest['symbolic_sizes']!r} is not supported; use "
-                          f"'auto' (the batch, then more sizes as calls change them), 'all' "
-                          f"(every size of a batched input) or 'batch' (the batch alone)")
-    budget = rest.get("capture_budget", 120.0)
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-        raise ConfigError(f"capture_budget must be a positive number of seconds (the "
-                          f"torch.export attempt with every size symbolic gives up after it), "
-                          f"got {budget!r}")
-    if rest.get("rng", "global") not in RNG_MODES:
-        raise ConfigError(f"rng={rest['rng']!r} is not a random-stream mode; use one of "
-                          f"{', '.join(RNG_MODES)}")
+    microbatches, name, virtual_stages = starting_values(auto, example, name, microbatches,
+                                                         virtual_stages)
     dtype = compute_dtype(example.model) if example is not None else None
     options = CompileOptions(
         devices=tuple(_device_specs(devices, memory_limit, bandwidth, dtype)),
@@ -285,6 +254,22 @@ def _auto(schedule: Any, microbatches: Any, virtual_stages: Any, checkpoint: Any
     if schedule == AUTO and virtual_stages in (None, AUTO):
         auto.add("virtual_stages")
     return frozenset(auto)
+
+
+def starting_values(auto: frozenset[str], example: Example | None, name: str,
+                    microbatches: Any, virtual_stages: Any) -> tuple[int, str, int]:
+    """The micro-batch count, schedule name and virtual stage count the passes start from
+    (the values a static capture is made at) where they are "auto": the largest divisor of the
+    example batch up to 4 micro-batches (4 for a lazy compile), "gpipe", and 2 virtual stages
+    for a schedule that runs two per device (else 1)."""
+    if "microbatches" in auto:
+        batch = example.batch if example is not None else 4
+        microbatches = max(m for m in range(1, min(4, batch) + 1) if batch % m == 0)
+    assert isinstance(microbatches, int)
+    name = "gpipe" if name == AUTO else name
+    if not isinstance(virtual_stages, int):
+        virtual_stages = 2 if name in TWO_STAGES_PER_DEVICE else 1
+    return microbatches, name, virtual_stages
 
 
 def example_microbatch_size(example: Example, options: CompileOptions) -> int:

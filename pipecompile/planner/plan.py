@@ -22,11 +22,11 @@ The finished plan is what a `Pipeline` runs and what `pipe.save` writes:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
-from functools import cached_property
+import warnings
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from .choices import Choices
+from .resolved import Choices, resolve
 from .options import CompileOptions
 from ..ir.records import Example
 
@@ -38,10 +38,11 @@ if TYPE_CHECKING:
     from ..measure.probe import Probe
     from ..ir.devices import DeviceSpec
     from ..passes.partition import Partition
-    from ..passes.split import StagedProgram
+    from ..ir.records import StagedProgram
     from ..schedule.actions import Schedule
     from ..schedule.simulate import StageCosts, Timeline
-    from .search import SearchResult
+    from .request import Request
+    from .schedule_search import SearchResult
 
 __all__ = ["PassRecord", "Plan", "Pass", "PassContractError", "Ready", "check_contracts",
            "run_passes"]
@@ -75,6 +76,10 @@ class Plan:
     """
 
     asked: CompileOptions
+    # the options as compile runs them: `asked` until the join, search and ranks passes
+    # resolve them (resolved.py); never None once built
+    resolved: CompileOptions = None  # type: ignore[assignment]
+    request: "Request | None" = field(default=None, compare=False)  # what the user asked
     captured: "CapturedModel | None" = None
     probe: "Probe | None" = None  # the planning probe's measurements (None: not probed)
     search: "SearchResult | None" = None  # the candidates the search pass costed (None: none)
@@ -98,20 +103,17 @@ class Plan:
     passes: tuple[PassRecord, ...] = ()
     produced: frozenset[str] = frozenset()
 
-    @cached_property
+    def __post_init__(self) -> None:
+        if self.resolved is None:  # nothing resolved yet (or a loaded plan: its choices)
+            start = self.asked if self.choices is None else resolve(self.asked, self.choices)
+            object.__setattr__(self, "resolved", start)
+
+    @property
     def options(self) -> CompileOptions:
-        """The options as compile runs them: those asked, with the `choices` applied (before
-        the search, or for a loaded plan, those asked)."""
-        c = self.choices
-        if c is None:
-            return self.asked
-        options = replace(self.asked, schedule=c.schedule, microbatches=c.microbatches,
-                          virtual_stages=c.virtual_stages, checkpoint=c.checkpoint,
-                          profile=c.profile)
-        if c.layout is None or c.devices is None:
-            return options
-        return replace(options, devices=c.devices, data_parallel=c.layout.data_parallel,
-                       fsdp=c.layout.fsdp)
+        """Deprecated: `plan.resolved` (the options as compile runs them)."""
+        warnings.warn("Plan.options is deprecated; read plan.resolved (the options as "
+                      "resolved) or plan.request (as asked)", DeprecationWarning, stacklevel=2)
+        return self.resolved
 
     @property
     def ready(self) -> "Ready":
@@ -121,7 +123,7 @@ class Plan:
     @property
     def stage_specs(self) -> "tuple[DeviceSpec, ...]":
         """The device of every stage (several per device with virtual stages)."""
-        return tuple(self.options.devices[d] for d in self.ready.schedule.stage_to_device)
+        return tuple(self.resolved.devices[d] for d in self.ready.schedule.stage_to_device)
 
 
 # fields for which None is a result a pass may produce (not measured, nothing searched, ...)
@@ -192,7 +194,10 @@ class Pass:
     updates: tuple[str, ...] = ()
 
 
-_BOOKKEEPING = ("asked", "passes", "produced")  # set by compile and run_passes, not by a pass
+# set by compile and run_passes, not by a pass ("resolved" starts as "asked"; the resolver's
+# passes update it)
+_BOOKKEEPING = ("asked", "request", "passes", "produced")
+_STARTED = ("asked", "resolved")
 
 
 def check_contracts(passes: Sequence[Pass], produced: frozenset[str] = frozenset()) -> None:
@@ -208,7 +213,7 @@ def check_contracts(passes: Sequence[Pass], produced: frozenset[str] = frozenset
                 raise PassContractError(f"pass {p.name!r} declares {name!r}, which is not a "
                                         f"field a pass can read or set on Plan")
         for name in (*p.requires, *p.updates):
-            if name != "asked" and name not in producer:
+            if name not in _STARTED and name not in producer:
                 later = next((q.name for q in passes if name in q.produces), None)
                 raise PassContractError(
                     f"pass {p.name!r} requires plan.{name}, which "
@@ -228,7 +233,7 @@ def run_passes(plan: Plan, passes: Sequence[Pass], example: Example) -> Plan:
     producer = {name: p.name for p in passes for name in p.produces}
     for p in passes:
         for name in (*p.requires, *p.updates):
-            if name != "asked" and name not in plan.produced:
+            if name not in _STARTED and name not in plan.produced:
                 raise PassContractError(
                     f"pass {p.name!r} requires plan.{name}, which the "
                     f"{producer.get(name, '(none)')!r} pass produces, but it has not run")
@@ -251,6 +256,9 @@ def _check_outputs(p: Pass, before: Plan, after: Plan) -> None:
             raise PassContractError(f"pass {p.name!r} declares it produces plan.{name} but "
                                     f"left it None")
     declared = {*p.produces, *p.updates, "passes", "produced"}
+    if after.asked is not before.asked or after.request is not before.request:
+        raise PassContractError(f"pass {p.name!r} rewrote what was asked; a pass resolves an "
+                                f"option into plan.resolved")
     for f in fields(Plan):
         if f.name not in declared and getattr(after, f.name) is not getattr(before, f.name):
             raise PassContractError(f"pass {p.name!r} changed plan.{f.name}, which it does "

@@ -24,7 +24,8 @@ from ..errors import PipecompileError
 from ..ir.records import CostTable, LinearGraph, StageCost, StageTimes
 from ..ir.devices import DeviceSpec
 from ..passes.partition import Partition, PartitionProblem
-from ..passes.split import BlockWiring, StagedProgram, block_wiring
+from ..passes.split import BlockWiring, block_wiring
+from ..ir.records import StagedProgram
 from .layout import Collectives, Layout, layout_static
 from ..measure.ranks import Ranks
 from ..schedule.actions import Schedule

@@ -60,7 +60,7 @@ def throughput(plan: Plan) -> Throughput | None:
     """The predicted throughput of a compiled plan (None: no prediction or block costs)."""
     if plan.predicted is None or plan.costs is None or plan.captured is None:
         return None
-    o = plan.options
+    o = plan.resolved
     captured = plan.captured
     replicas = o.data_parallel
     local = (captured.captured_batch_size // replicas if o.global_batch

@@ -252,11 +252,6 @@ class Runtime:
         """A fresh transport for one step over `mbs`."""
         raise NotImplementedError
 
-    def finish(self, losses: list[list[torch.Tensor]], *, summed: bool) -> list[torch.Tensor]:
-        """After the backward passes: complete the gradients; each batch's mean loss (with
-        `summed`, gradients and losses are sums over micro-batches and replicas)."""
-        raise NotImplementedError
-
     def mean_loss(self, losses: list[torch.Tensor], *, summed: bool = False) -> torch.Tensor:
         """The mean (`summed`: the sum) of one batch's micro-batch losses, of every
         replica's, on every rank."""

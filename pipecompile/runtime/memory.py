@@ -1,4 +1,5 @@
-"""Counting a step's saved activations as it runs (the report over them is `memory_report.py`).
+"""Counting a step's saved activations as it runs (the report over them is
+`outputs/memory_report.py`).
 
 Saved activations are counted by a `torch.autograd.graph.saved_tensors_hooks` pack hook around
 each stage's forward (`SavedActivations`): it records the byte span of every tensor autograd

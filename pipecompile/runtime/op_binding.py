@@ -14,9 +14,10 @@ So a binding stands for an overload only with every argument of the schema passe
 name, an omitted one as the schema's own default value), and only where its parse reaches this
 overload first (`binding`: the function's other overloads are `out=` forms, or the overload is
 one of `_RESOLVED`). Everything else calls the overload's own C++ entry point (what
-`OpOverload.__call__` calls) with the graph's arguments as recorded. tests/runtime/
-test_op_binding.py checks every such pair against the signatures torch generated the binding
-from; test_direct_forward_opdb.py runs torch's op database through both, bit for bit.
+`OpOverload.__call__` calls) with the graph's arguments as recorded.
+tests/runtime/test_op_binding.py checks every such pair against the signatures torch generated
+the binding from; tests/runtime/test_direct_forward_opdb.py runs torch's op database through
+both, bit for bit.
 """
 
 from __future__ import annotations

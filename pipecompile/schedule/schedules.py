@@ -35,8 +35,8 @@ case ``a``), ``.`` is idle::
       dev0  01012.aa3bb2aa3bb.cc.ddccdd
       dev1  .010aa1bb2aa3bb2cc3ddccdd..
 
-`tests/test_schedules.py` pins the exact action lists and `tests/test_simulate.py` the bubble
-formulas.
+`tests/schedule/test_schedules.py` pins the exact action lists and
+`tests/schedule/test_simulate.py` the bubble formulas.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ runtime keeps.
     interleaved-zb: interleaved 1F1B's placement (stage s on s % D, v stages per device) and
     its memory: device d holds at most 2(D-d-1) + (v-1)·D + 1 chunks, Megatron's warm-up + 1.
 
-The bubble fractions `tests/test_zero_bubble_schedules.py` checks with F=I=W=1 are below
+The bubble fractions `tests/schedule/test_zero_bubble_schedules.py` checks with F=I=W=1 are below
 1F1B's and interleaved 1F1B's.
 """
 

@@ -4,10 +4,10 @@
         -> _IncompatibleKeys(missing, unexpected)
 
 Every key of `module`'s state dict (a Pipeline: this process's tensors under the model's keys)
-is made by a recipe (hf_checkpoint.py): the checkpoint's tensor of that key, or, for a
+is made by a recipe (hf_keys.py): the checkpoint's tensor of that key, or, for a
 transformers model, what its model type's conversion makes from the saved keys (a Mixtral's
 fused experts from the N per-expert tensors). Only the recipes of this process's keys are read,
-and only their source tensors (weights.py opens only the files holding them), a few at a time.
+and only their source tensors (read.py opens only the files holding them), a few at a time.
 
     checkpoint --keys--> recipes --this process's keys--> read sources --convert--> copy in
 

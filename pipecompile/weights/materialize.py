@@ -19,7 +19,7 @@ gives real memory to the tensors of *its* stages and nothing else:
 
 Megatron and torchtitan seed initialisation per pipeline rank, so their weights change with the
 layout; DeepSpeed seeds per layer index. Seeding by name is what makes a meta model's weights a
-function of the model alone. Loading a checkpoint is checkpoint_load.py.
+function of the model alone. Loading a checkpoint is load.py.
 """
 
 from __future__ import annotations

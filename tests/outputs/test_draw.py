@@ -32,7 +32,7 @@ def test_matplotlib_svg_and_png(unet_pipe, tmp_path):
 
 
 def test_graphviz_source_has_a_cluster_per_stage_and_labelled_cuts(unet_pipe):
-    dot = partition_dot(unet_pipe.program, microbatches=unet_pipe.plan.options.microbatches)
+    dot = partition_dot(unet_pipe.program, microbatches=unet_pipe.plan.resolved.microbatches)
     assert dot.startswith("digraph partition {") and dot.rstrip().endswith("}")
     assert len(re.findall(r"subgraph cluster_\d+", dot)) == 3
     cut_edges = [line for line in dot.splitlines() if "color=red" in line]

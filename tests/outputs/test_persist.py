@@ -35,7 +35,7 @@ def test_a_saved_plan_loads_back_equal(tmp_path):
 
     loaded = load_plan(tmp_path / "saved", loss_fn=torch.nn.functional.mse_loss)
     assert loaded.schedule == plan.schedule
-    assert loaded.options.microbatches == 4 and loaded.options.schedule == "1f1b"
+    assert loaded.resolved.microbatches == 4 and loaded.resolved.schedule == "1f1b"
     old, new = plan.program, loaded.program
     assert new.bounds == old.bounds
     assert [(s.inputs, s.outputs, s.blocks) for s in new.stages] == [

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pipecompile as pc
-from pipecompile.planner import planning
+from pipecompile.planner import decisions
 from pipecompile import zoo
 from pipecompile.ir.records import StageTimes
 from pipecompile.passes.calibrate import Calibration, calibrate_blocks, fit_calibration
@@ -91,7 +91,7 @@ def test_profile_restores_batchnorm_statistics():
 def test_refines_the_granularity_when_layers_cannot_balance(monkeypatch):
     # The analytic costs depend on the matmul rate compile measures; pin it so that the head
     # is ~1.5 layers (at 100 GFLOP/s the layer-level optimum is ~25 % above the lower bound).
-    monkeypatch.setattr(planning, "matmul_rate", lambda *args, **kwargs: 100e9)
+    monkeypatch.setattr(decisions, "matmul_rate", lambda *args, **kwargs: 100e9)
     model, x, y = _heavy_head_gpt(layers=2, vocab=2048)
     reference = copy.deepcopy(model)
     coarse = pc.compile(copy.deepcopy(model), (x,), devices=2, microbatches=2,

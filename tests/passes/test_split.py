@@ -157,7 +157,7 @@ def test_split_leaves_its_input_unchanged():
 def test_a_shared_tensor_is_owned_by_its_first_stage():
     """One rule of ownership: the first stage holding a tensor owns it; a process's copies
     are listed owner (or the copy its others follow) first."""
-    from pipecompile.passes.split import StagedProgram
+    from pipecompile.ir.records import StagedProgram
 
     a, b, c = torch.zeros(1), torch.zeros(1), torch.zeros(1)
 

@@ -38,7 +38,7 @@ def test_the_spec_holds_what_the_runtime_reads_of_the_options():
 def test_per_stage_recomputation_reaches_the_workers():
     plan = _plan(schedule="1f1b")
     assert plan.choices is not None
-    mixed = replace(plan, choices=replace(plan.choices, checkpoint=(True, False)))
+    mixed = replace(plan, resolved=replace(plan.resolved, checkpoint=(True, False)))
     assert runtime_spec(mixed).checkpoint == frozenset({0})
     runtime = assemble_plan(mixed)
     assert isinstance(runtime, LocalRuntime)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.planner.hardware import preset
-from pipecompile.planner.search import SYNC_SCHEDULES
+from pipecompile.planner.schedule_search import SYNC_SCHEDULES
 
 
 def _gpt():
@@ -40,7 +40,7 @@ def test_the_search_predicts_the_step_the_compiled_plan_predicts(build, tmp_path
     torch.manual_seed(0)
     model, args, loss_fn = build()
     pipe = pc.compile(model, args, devices=2, loss_fn=loss_fn, granularity="layer")
-    assert pipe.plan.options.schedule in SYNC_SCHEDULES  # "auto": searched
+    assert pipe.plan.resolved.schedule in SYNC_SCHEDULES  # "auto": searched
     step = _assert_one_prediction(pipe)
     loaded = pc.load(pipe.save(tmp_path / "saved"), loss_fn=loss_fn)
     assert loaded.plan.overhead == pipe.plan.overhead > 0
@@ -68,7 +68,7 @@ def test_a_split_backward_is_priced_at_least_as_the_fused_one(monkeypatch):
     """A planning probe that measured (I + W) / B = 0.13 (timing noise on a loaded machine)
     must not make zero-bubble's I + W cheaper than B: every stage's I + W is B, and the
     stage table's times are the simulator's."""
-    import pipecompile.planner.choose as choose
+    import pipecompile.planner.shape_passes as choose
     from pipecompile.measure.probe import Probe
     from pipecompile.passes.calibrate import Calibration
 

@@ -11,8 +11,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import pipecompile as pc
-from pipecompile.planner import choose, planning
-from pipecompile import cli, compiler, zoo
+from pipecompile.planner import decisions, model_passes, shape_passes
+from pipecompile import cli, zoo
 from pipecompile.errors import ConfigError
 from pipecompile.planner.hardware import preset
 from pipecompile.planner.options import device_present, require_present
@@ -87,8 +87,9 @@ def nothing_measured(monkeypatch):
     def measured(*args, **kwargs):
         raise AssertionError("an analytic compile measured this machine")
 
-    for module, name in ((planning, "matmul_rate"), (planning, "action_overhead"),
-                         (choose, "probe"), (compiler, "measure"), (compiler, "efficiency")):
+    for module, name in ((decisions, "matmul_rate"), (decisions, "action_overhead"),
+                         (shape_passes, "probe"), (model_passes, "measure"),
+                         (model_passes, "efficiency")):
         monkeypatch.setattr(module, name, measured)
 
 
@@ -120,7 +121,7 @@ def test_two_presets_plan_without_measuring_and_say_so(nothing_measured):
     h100 = preset("h100")
     pipe = pc.compile(model, (x,), devices=[h100, h100], loss_fn=lambda o, y: o.pow(2).mean())
     flops = sum(b.forward_flops + b.backward_flops for b in pipe.plan.costs.blocks)
-    m = pipe.plan.options.microbatches
+    m = pipe.plan.resolved.microbatches
     assert pipe.predicted.makespan >= m * flops / (2 * h100.rate("float32"))  # fp32 model
     explained = pipe.explain()
     assert "costs analytic for 2 x NVIDIA H100 80GB SXM (0.75 of peak, nvlink)" in explained
@@ -133,7 +134,7 @@ def test_heterogeneous_presets_get_relative_speeds_at_the_models_dtype():
     model = model.to(torch.bfloat16)
     pipe = pc.compile(model, (x,), devices=[preset("h100"), preset("a100")], schedule="gpipe",
                       microbatches=2, checkpoint=False)
-    speeds = [d.speed for d in pipe.plan.options.devices]
+    speeds = [d.speed for d in pipe.plan.resolved.devices]
     assert speeds == [1.0, pytest.approx(0.8 * 312 / (0.75 * 989.4))]  # matmul fractions
     assert pipe.plan.device_model.flops == pytest.approx(0.75 * 989.4e12)  # bfloat16 rate
 
@@ -152,7 +153,7 @@ def test_stages_of_an_absent_device_stay_with_the_model_and_cannot_run():
     assert not device_present("cuda") and device_present("cpu")
     assert {str(s.device) for s in pipe.program.stages} == {"cpu"}  # the model's device
     with pytest.raises(ConfigError, match=r"pipe.step\(\): this plan is for 2 x NVIDIA H100"):
-        require_present(pipe.plan.options.devices, where="pipe.step()")
+        require_present(pipe.plan.resolved.devices, where="pipe.step()")
 
 
 # -- the command line --------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pipecompile as pc
-from pipecompile.planner import layout_ranks
+from pipecompile.planner import ranks_passes
 from pipecompile.runtime.data_parallel import replica_microbatches
 from tests.dist import free_port, run_ranks
 from tests.dist_layout_cases import CASES, WORLD, batch, model, run_all
@@ -104,7 +104,7 @@ def test_validating_the_options_joins_no_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    assert layout_ranks.world_size() == 4 and not dist.is_initialized()
+    assert ranks_passes.world_size() == 4 and not dist.is_initialized()
     pipe = pc.compile(model(), loss_fn=F.mse_loss, timeout=2)  # plans at the first step
     assert not pipe.planned and not dist.is_initialized()
     with pytest.raises(pc.PipecompileError, match=r"pass devices=P \(the pipeline ranks\)"):
@@ -119,14 +119,14 @@ def test_validating_the_options_joins_no_process_group(monkeypatch):
         pc.compile(model(), loss_fn=F.mse_loss, devices=3, data_parallel=1, timeout=2)
     assert not dist.is_initialized()
     monkeypatch.delenv("WORLD_SIZE")
-    assert layout_ranks.world_size() == 1 and "WORLD_SIZE" not in os.environ
+    assert ranks_passes.world_size() == 1 and "WORLD_SIZE" not in os.environ
 
 
 def test_the_link_between_ranks_is_fitted_to_the_ring_all_reduce():
     def ring(size):  # 4 ranks, 100 us per message, 1 GB/s: 6 steps, 1.5 x the bytes moved
         return 6 * 100e-6 + 1.5 * size / 1e9
 
-    bandwidth, latency = layout_ranks.fit_link(4, (4, ring(4)), (1 << 20, ring(1 << 20)))
+    bandwidth, latency = ranks_passes.fit_link(4, (4, ring(4)), (1 << 20, ring(1 << 20)))
     assert bandwidth == pytest.approx(1e9) and latency == pytest.approx(100e-6)
 
 

@@ -20,7 +20,7 @@ from pipecompile.runtime.assemble import _optimizers
 from pipecompile.runtime.mailbox import Aborted
 from pipecompile.schedule.actions import Action, Kind, Schedule
 from pipecompile.runtime.stage_steps import StageSteps, _closing_steps, sharing_stages
-from pipecompile.passes.split import StagedProgram
+from pipecompile.ir.records import StagedProgram
 
 
 def _sgd(params):

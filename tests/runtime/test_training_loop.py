@@ -236,7 +236,7 @@ def test_user_adamw_when_the_tie_has_a_copy_on_another_device(second_device, cli
 
 
 def test_tied_copies_follow_their_owner_after_any_update():
-    from pipecompile.passes.split import StagedProgram
+    from pipecompile.ir.records import StagedProgram
     from pipecompile.runtime.training import TiedCopies
 
     owner = nn.Parameter(torch.randn(3, 2, dtype=torch.float64))

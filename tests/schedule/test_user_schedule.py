@@ -55,7 +55,7 @@ def _check_exact(pipe, reference, x, y, microbatches=4):
 def test_text_schedule_equals_unsplit_model_and_builtin_1f1b():
     pipe, reference, x, y = _compile(ONE_F_ONE_B)
     # from the schedule ("auto")
-    assert pipe.plan.options.microbatches == 4 and len(pipe.program.stages) == 2
+    assert pipe.plan.resolved.microbatches == 4 and len(pipe.program.stages) == 2
     builtin, _, _, _ = _compile("1f1b", microbatches=4)
     assert pipe.schedule.name == "my-1f1b"
     assert pipe.schedule.actions == builtin.schedule.actions  # messages and STEPs added alike
@@ -78,7 +78,7 @@ def test_csv_file_schedule(tmp_path):
 def test_schedule_object_from_make_schedule():
     given = make_schedule("gpipe", 2, 4)  # lowered already: its messages are replaced
     pipe, reference, x, y = _compile(given, checkpoint=False)
-    assert pipe.schedule.name == "gpipe" and pipe.plan.options.microbatches == 4
+    assert pipe.schedule.name == "gpipe" and pipe.plan.resolved.microbatches == 4
     _check_exact(pipe, reference, x, y)
 
 

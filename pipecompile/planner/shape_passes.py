@@ -4,7 +4,7 @@ derive from the plan.
     probe     this machine measured: the matmul rate, the cost of one action and, when a
               searched option depends on time, the planning probe  -> plan.probe, device_model,
                                                                      overhead, calibration, ...
-    search    the "auto" options by predicted step time (search.py), over the analytic costs
+    search    the "auto" options by predicted step time (schedule_search.py), over the analytic costs
               and the probe's numbers; measures nothing                   -> plan.choices
     schedule  the action lists per device and peak in-flight counts      -> plan.schedule
 
@@ -19,14 +19,14 @@ from dataclasses import replace
 import torch
 
 from .block_tables import BlockTables, coarsest, cost_model, enough_blocks
-from .choices import Choices
+from .resolved import Choices, resolve
 from ..weights.materialize import is_meta_model
 from ..measure.probe import Probe, probe
 from .options import CompileOptions, compute_dtype
 from ..ir.records import Example
 from .plan import Plan
 from .layout import Collectives
-from .planning import (
+from .decisions import (
     Target,
     action_cost,
     analytic as all_described,
@@ -40,8 +40,8 @@ from ..ir.formats import format_count, format_stages
 from ..runtime.distributed import local_device
 from ..schedule.actions import Schedule
 from ..schedule.schedules import make_schedule
-from .search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
-from .search import search as search_plans
+from .schedule_search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
+from .schedule_search import search as search_plans
 from .stage_costs import placement_ratio, shared_cores
 
 __all__ = ["probe_pass", "search_pass", "schedule_pass", "cost_model", "target", "coarsest",
@@ -51,7 +51,7 @@ __all__ = ["probe_pass", "search_pass", "schedule_pass", "cost_model", "target",
 def probe_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
     """Measure what the search needs of this machine (`measure.rates`, `measure.probe`):
     nothing for devices described by their figures."""
-    o = plan.asked
+    o = plan.resolved
     dtype = compute_dtype(example.model)
     model = device_model(o.devices[0], o.ranks, dtype, cache=o.cache)
     overhead = action_cost(o.devices[0], o.ranks, cache=o.cache)
@@ -72,7 +72,7 @@ def _probe(plan: Plan, example: Example) -> tuple[Probe | None, str]:
     block at about 4 micro-batches (`measure.probe.probe`); rank 0's numbers under
     torch.distributed. None, and why, where nothing searched depends on time, for devices
     described by their figures (they need not be here), a meta model or one of one block."""
-    o = plan.asked
+    o = plan.resolved
     # recomputation alone is chosen by memory (it only ever adds time): measured times could
     # not change the choice, so the probe's forward and backward passes are saved
     if o.auto <= {"checkpoint"}:
@@ -99,9 +99,17 @@ def _probe(plan: Plan, example: Example) -> tuple[Probe | None, str]:
 
 
 def search_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
-    """Choose the "auto" options by predicted step time (search.py), over the analytic costs
+    """The "auto" options chosen (`_search`), and the options resolved with them (resolved.py):
+    `plan.choices` and `plan.resolved`."""
+    searched, summary = _search(plan, example)
+    choices = searched.ready.choices
+    return replace(searched, resolved=resolve(plan.resolved, choices)), summary
+
+
+def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
+    """Choose the "auto" options by predicted step time (schedule_search.py), over the analytic costs
     calibrated by the probe; record the candidates. Given options are kept as given."""
-    o = plan.asked
+    o = plan.resolved
     captured = plan.ready.captured
     profile = o.profile and not is_meta_model(example.model)
     if not o.auto:
@@ -110,7 +118,7 @@ def search_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
         return replace(plan, choices=given), (
             "nothing searched: schedule, micro-batches, virtual stages and checkpoint were given")
     if "layout" in o.auto:  # P x D too (planner/layout_search.py)
-        from .search_layouts import layout_search_pass
+        from .layout_passes import layout_search_pass
 
         return layout_search_pass(plan, example, profile)
     if o.given_schedule is not None:  # it fixes all but recomputation
@@ -153,7 +161,7 @@ def search_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
 def _recompute_for(plan: Plan, example: Example, given: Schedule, profile: bool
                    ) -> tuple[Plan, str]:
     """A written schedule, checkpoint="auto": recompute where memory needs it (as the search)."""
-    o = plan.asked
+    o = plan.resolved
     schedule = make_schedule(given, len(o.devices), o.microbatches, virtual_stages=o.virtual_stages)
     linear = coarsest(plan.ready.captured, o.granularity, o.num_stages)
     enough_blocks(linear, o.num_stages, o.granularity)
@@ -169,7 +177,7 @@ def _recompute_for(plan: Plan, example: Example, given: Schedule, profile: bool
 def schedule_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
     """The action lists per device of the chosen schedule, and each stage's peak in-flight
     micro-batches."""
-    c, devices = plan.ready.choices, len(plan.options.devices)
+    c, devices = plan.ready.choices, len(plan.resolved.devices)
     schedule = make_schedule(plan.asked.given_schedule or c.schedule, devices, c.microbatches,
                              virtual_stages=c.virtual_stages)
     peaks = inflight(schedule)
@@ -188,7 +196,7 @@ def _split_point_stages(o: CompileOptions) -> tuple[int, ...] | None:
 def target(plan: Plan) -> Target:
     """What this plan's blocks are placed on: its stages' devices and the schedule's demands
     (no layout before the search has chosen one: a written schedule's recomputation pass)."""
-    o, asked = plan.options, plan.asked
+    o, asked = plan.resolved, plan.asked
     recompute = (None if asked.checkpoint is False and "checkpoint" not in asked.auto
                  else tuple(o.stage_checkpoint(s) for s in range(o.num_stages)))
     return Target(stage_specs=plan.stage_specs, inflight=plan.inflight, schedule=o.schedule,
@@ -204,4 +212,4 @@ def collectives(plan: Plan) -> Collectives | None:
     layout = plan.ready.choices.layout
     if layout is None:
         return None
-    return Collectives.of(layout, plan.asked.cluster, plan.options.devices[0])
+    return Collectives.of(layout, plan.asked.cluster, plan.resolved.devices[0])

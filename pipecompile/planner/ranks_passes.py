@@ -5,7 +5,7 @@ explicit passes do (the first alone where the layout is given: devices x data_pa
                           this rank at once, a searched one gives every rank a provisional
                           place (P = world, D = 1) so that what planning measures
                           (matmul rate, action cost, the planning probe) is rank 0's
-                          (ranks.py); the link between ranks, unless `bandwidth=` was given
+                          (measure/ranks.py); the link between ranks, unless `bandwidth=` was given
                           (the devices' bandwidth is infinite until then), is measured: an
                           all-reduce over every rank timed at two sizes, fitted to the ring's
                           alpha-beta model (planner/collectives.py), rank 0's fit everywhere
@@ -48,7 +48,7 @@ def searched_here(options: "CompileOptions") -> bool:
 
 def join_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
     """Join the process group, measure the link between ranks (module docstring)."""
-    o = plan.asked
+    o = plan.resolved
     if o.ranks.distributed or world_size() <= 1:
         return None
     if not searched_here(o):  # the layout given: join as devices x data_parallel
@@ -58,7 +58,7 @@ def join_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
 
             raise ConfigError(f"the options were validated for {world_size()} ranks but this "
                               f"process is not one of them; launch it with torchrun")
-        return replace(plan, asked=replace(o, ranks=Ranks(given))), (
+        return replace(plan, resolved=replace(o, ranks=Ranks(given))), (
             f"rank {given.rank} of {given.world_size} joined ({len(o.devices)} pipeline "
             f"devices x {o.data_parallel} replicas)")
     world = len(o.devices)
@@ -76,19 +76,18 @@ def join_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
         devices = tuple(replace(d, bandwidth=bandwidth, latency=latency) for d in o.devices)
         note = (f"link between ranks measured: {latency * 1e6:.0f} us per message, "
                 f"{bandwidth / 1e9:.2f} GB/s")
-    asked = replace(o, ranks=ranks, devices=devices)
-    return replace(plan, asked=asked), (
+    return replace(plan, resolved=replace(o, ranks=ranks, devices=devices)), (
         f"rank {topology.rank} of {world} joined; {note}")
 
 
 def ranks_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
     """This process's place in the chosen P x D grid."""
-    o, layout = plan.asked, plan.ready.choices.layout
+    o, layout = plan.resolved, plan.ready.choices.layout
     if layout is None or not searched_here(o) or o.ranks.topology is None:
         return None
     t = o.ranks.topology
     placed = Topology(t.rank, t.world_size, layout.pipeline, layout.data_parallel)
-    return replace(plan, asked=replace(o, ranks=Ranks(placed))), (
+    return replace(plan, resolved=replace(o, ranks=Ranks(placed))), (
         f"{layout.pipeline} x {layout.data_parallel}: rank {t.rank} is position "
         f"{placed.position} of replica {placed.replica}")
 

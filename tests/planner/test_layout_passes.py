@@ -10,7 +10,7 @@ import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.errors import ConfigError
 from pipecompile.ir.formats import format_bytes
-from pipecompile.planner import layout_options, search_layouts, throughput
+from pipecompile.planner import layout_options, layout_passes, throughput
 from pipecompile.planner.layout import Layout, layout_static
 from pipecompile.schedule.actions import Schedule
 
@@ -32,14 +32,14 @@ def auto():
 def test_the_search_chooses_a_layout_and_predicts_the_whole_job(auto):
     layout = auto.layout
     assert layout.pipeline * layout.data_parallel == 4 and layout.pipeline_rank is None
-    assert search_layouts.layout_search_pass is not None
+    assert layout_passes.layout_search_pass is not None
     tried = auto.plan.search.layouts
     assert tried[0].layout == layout and len(tried) >= 4
     assert all(c.step >= tried[0].step for c in tried if c.fits)
     # the compiled plan predicts the step the search predicted, collectives included
     assert auto.predicted.makespan == pytest.approx(tried[0].step, rel=1e-9)
-    assert len(auto.plan.options.devices) == layout.pipeline
-    assert auto.plan.options.data_parallel == layout.data_parallel
+    assert len(auto.plan.resolved.devices) == layout.pipeline
+    assert auto.plan.resolved.data_parallel == layout.data_parallel
     text, explained = str(auto), auto.explain()
     assert f"layout {layout}" in text and "tokens/s per device" in text and "MFU" in text
     assert "layouts compared" in explained and "chosen" in explained
@@ -50,7 +50,7 @@ def test_throughput_counts_the_global_batch_and_the_peak(auto):
     assert rate is not None and rate.samples == 8 and rate.tokens == 8 * 64
     assert rate.devices == 4 and rate.peak == pytest.approx(66.9e12)  # float32 model
     forward = sum(b.forward_flops for b in auto.plan.costs.blocks)
-    per_microbatch = 8 // (auto.plan.options.microbatches * auto.layout.data_parallel)
+    per_microbatch = 8 // (auto.plan.resolved.microbatches * auto.layout.data_parallel)
     assert rate.model_flops == pytest.approx(3 * forward * 8 / per_microbatch)
     assert rate.mfu == pytest.approx(rate.model_flops / (rate.step * 4 * 66.9e12))
 
@@ -62,7 +62,7 @@ def test_a_given_data_parallel_degree_and_a_written_schedule_fix_the_layout():
     assert not forced.layout.fsdp
     written = Schedule.from_text("name: mine\n0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1")
     fixed = pc.compile(model, (ids,), devices=DEVICES, data_parallel="auto", schedule=written)
-    assert fixed.layout.pipeline == 2 and fixed.plan.options.microbatches == 2
+    assert fixed.layout.pipeline == 2 and fixed.plan.resolved.microbatches == 2
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -1,4 +1,4 @@
-"""The planning search (pipecompile/planner/search.py) on synthetic cost tables, and compile's "auto"
+"""The planning search (pipecompile/planner/schedule_search.py) on synthetic cost tables, and compile's "auto"
 defaults end to end: exact training, per-stage recomputation, explain(), the CLI, save/load."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pipecompile.cli import main
 from pipecompile.ir.devices import DeviceSpec
 from pipecompile.passes.partition import PartitionMemoryError
 from pipecompile.pipeline import Pipeline
-from pipecompile.planner.search import SYNC_SCHEDULES, BlockTable, Space, microbatch_choices, search
+from pipecompile.planner.schedule_search import (
+    SYNC_SCHEDULES, BlockTable, Space, microbatch_choices, search)
 from tests.models import gpt
 from tests.reference import assert_grads_equal, reference_step
 from tests.test_cli import FACTORIES
@@ -149,7 +150,7 @@ def _compile_gpt(**options):
 def _assert_trains_like_unsplit(case, reference, pipe):
     loss = pipe.step(*case.args, target=case.target)
     ref_loss, ref_grads = reference_step(reference, case.args, {}, case.target, case.loss_fn,
-                                         pipe.plan.options.microbatches)
+                                         pipe.plan.resolved.microbatches)
     assert torch.allclose(loss, ref_loss, rtol=1e-12, atol=0), (loss, ref_loss)
     assert len(assert_grads_equal(pipe, ref_grads)) == len(ref_grads)
 
@@ -160,7 +161,7 @@ def test_compile_with_only_defaults_searches_and_trains_like_the_unsplit_model()
     assert search_ is not None
     assert search_.searched == ("checkpoint", "microbatches", "schedule", "virtual_stages")
     best = search_.best
-    options = pipe.plan.options
+    options = pipe.plan.resolved
     assert (options.schedule, options.microbatches, options.virtual_stages) == (
         best.schedule, best.microbatches, best.virtual_stages)
     assert options.checkpoint == best.recompute == (False,) * len(pipe.program.stages)
@@ -178,22 +179,22 @@ def test_explicit_schedule_searches_only_the_microbatches():
 def test_one_stage_recomputes_and_the_other_not_exactly(tmp_path):
     case, reference, pipe = _compile_gpt(schedule="1f1b", microbatches=4, checkpoint=False)
     plan = pipe.plan
-    mixed = Pipeline(replace(plan, choices=replace(plan.choices, checkpoint=(True, False))))
+    mixed = Pipeline(replace(plan, resolved=replace(plan.resolved, checkpoint=(True, False))))
     assert [w.checkpoint for w in mixed.runtime.workers.values()] == [True, False]
     _assert_trains_like_unsplit(case, reference, mixed)
     loaded = pc.load(mixed.save(tmp_path / "saved"), loss_fn=case.loss_fn)
-    assert loaded.plan.options.checkpoint == (True, False)
+    assert loaded.plan.resolved.checkpoint == (True, False)
     assert [w.checkpoint for w in loaded.runtime.workers.values()] == [True, False]
 
 
 def test_memory_limit_makes_compile_recompute_only_where_needed():
     _, _, free = _compile_gpt(schedule="1f1b", microbatches=4)
-    assert free.plan.options.checkpoint == (False, False)
+    assert free.plan.resolved.checkpoint == (False, False)
     stage0 = free.program.stages[0].cost.memory
     # just below stage 0's need: it holds 2 micro-batches in flight, stage 1 only one
     case, reference, pipe = _compile_gpt(schedule="1f1b", microbatches=4,
                                          memory_limit=stage0 * 0.999)
-    assert pipe.plan.options.checkpoint == (True, False)
+    assert pipe.plan.resolved.checkpoint == (True, False)
     assert "recompute stages [0]" in pipe.explain()
     _assert_trains_like_unsplit(case, reference, pipe)
 
@@ -226,7 +227,7 @@ def test_calibration_scales_the_loss_time_with_the_microbatch_size():
 def _probed(monkeypatch, found, microbatches, **options):
     """Compiled with the probe's result `found`; micro-batches "auto" with one choice, since
     the probe only runs when a searched option depends on time."""
-    import pipecompile.planner.choose as choose
+    import pipecompile.planner.shape_passes as choose
 
     monkeypatch.setattr(choose, "probe", lambda *args, **kwargs: found)
     monkeypatch.setattr(choose, "microbatch_choices", lambda batch: (microbatches,))
@@ -268,7 +269,7 @@ def test_the_search_prices_candidates_with_the_probed_measurements(monkeypatch):
 def test_no_probe_when_only_recomputation_is_searched(monkeypatch):
     """Schedule and micro-batches given: memory alone decides recomputation, so compile runs
     no probe (its passes would only cost time) and predicts analytically."""
-    import pipecompile.planner.choose as choose
+    import pipecompile.planner.shape_passes as choose
 
     def fail(*args, **kwargs):
         raise AssertionError("the probe ran")

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import pipecompile as pc
-import pipecompile.planner.choose as choose
-import pipecompile.planner.planning as planning
-from pipecompile.planner.choices import Choices
+import pipecompile.planner.shape_passes as choose
+import pipecompile.planner.decisions as planning
+from pipecompile.planner.resolved import Choices
 from pipecompile.ir.compile_cache import CompileCache
-from pipecompile.compiler import PASSES
+from pipecompile.planner.recipe import PASSES
 from pipecompile.ir.records import Example
 from pipecompile.planner.options import resolve_options
 from pipecompile.planner.plan import Plan, run_passes
@@ -55,9 +55,9 @@ def test_the_probe_is_a_recorded_pass_and_the_search_after_it_measures_nothing(m
     best = found.best
     assert searched.choices == Choices(best.schedule, best.microbatches, best.virtual_stages,
                                        best.recompute, profile=False)
-    # what the user asked is kept; the plan's options are the asked ones with the choices
+    # what the user asked is kept; plan.resolved is the asked options with the choices
     assert searched.asked == probed.asked and searched.asked.auto
-    assert (searched.options.schedule, searched.options.microbatches) == (
+    assert (searched.resolved.schedule, searched.resolved.microbatches) == (
         best.schedule, best.microbatches)
 
 
@@ -78,7 +78,7 @@ def test_a_meta_model_is_not_probed_and_not_profiled():
                       loss_fn=_loss, profile=True, cache=CompileCache())
     record = next(r for r in pipe.plan.passes if r.name == "probe")
     assert "no planning probe: model on the meta device" in record.summary
-    assert pipe.plan.asked.profile and not pipe.plan.options.profile
+    assert pipe.plan.asked.profile and not pipe.plan.resolved.profile
     assert pipe.plan.choices is not None and pipe.plan.choices.profile is False
 
 
@@ -87,4 +87,4 @@ def test_given_recomputation_is_resolved_per_stage(checkpoint):
     pipe = pc.compile(_model(), (torch.randn(8, 8),), devices=2, schedule="1f1b",
                       microbatches=4, checkpoint=checkpoint, loss_fn=_loss, cache=CompileCache())
     assert pipe.plan.choices.checkpoint == (checkpoint, checkpoint)
-    assert pipe.plan.options.checkpoint == (checkpoint, checkpoint)
+    assert pipe.plan.resolved.checkpoint == (checkpoint, checkpoint)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .choices import Choices
+from .resolved import Choices
 from .block_tables import BlockTables, coarsest, enough_blocks
 from ..errors import ConfigError
 from ..ir.records import CapturedModel
@@ -20,8 +20,8 @@ from ..passes.linearize import GRANULARITIES, linearize
 from .plan import Plan
 from ..ir.devices import DeviceSpec
 from ..ir.formats import format_bytes, format_stages
-from .search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
-from .search import search as search_plans
+from .schedule_search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
+from .schedule_search import search as search_plans
 from .layout import Collectives, Layout, layouts, pipeline_specs
 from .layout_search import StateTooLarge, search_layouts
 
@@ -29,8 +29,8 @@ __all__ = ["layout_search_pass"]
 
 
 def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Plan, str]:
-    """Choose P x D, FSDP, placement and, per layout, the "auto" options (search.py)."""
-    o = plan.asked
+    """Choose P x D, FSDP, placement and, per layout, the "auto" options (schedule_search.py)."""
+    o = plan.resolved
     captured = plan.ready.captured
     world = len(o.devices)
     finest = linearize(captured, granularity=o.granularity or GRANULARITIES[-1])

@@ -1,0 +1,236 @@
+"""The passes that take the model from a graph to a costed, split program, and what follows.
+
+    capture   the model as a flat fx graph                              -> plan.captured
+    linearize blocks in order, as coarse as still gives every stage one  -> plan.linear
+    annotate  block costs (analytic, or measured with profile=True)      -> plan.costs
+    partition the cuts (optimal DP, or split_points)                     -> plan.placement
+    calibrate profile=True: stages timed as they run, costs corrected    (updates costs, ...)
+    refine    a finer granularity when layers cannot balance             (updates linear, ...)
+    split     one GraphModule per stage, with their costs                -> plan.program
+    threads   profile=True: how much CPU device threads slow each other  (updates efficiency)
+    simulate  the predicted timeline                                     -> plan.predicted
+    agree     under torch.distributed: every rank planned the same       (checked)
+    shard     fsdp=True: this rank's stages fully_shard-ed over "dp"      (updates program)
+
+Each is `run(plan, example) -> (plan, summary) | None`; the order and contracts are the recipe's
+(planner/recipe.py). The mechanisms are those of capture/, passes/, measure/ and runtime/; the
+decisions those of decisions.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..capture.capture import capture as capture_model, seed_captured
+from ..capture.claimed_device import claimable, claiming, restore_tensors
+from ..ir.formats import format_count
+from ..ir.records import CapturedModel, Example
+from ..ir.tensors import local_tensor
+from ..measure.probe import efficiency, measure
+from ..measure.stages import loss_runs
+from ..passes.calibrate import calibrate_blocks, fit_calibration
+from ..passes.split import split
+from ..runtime.data_parallel import data_parallel_mesh, shard_stages
+from ..runtime.distributed import local_device
+from ..schedule.lowering import relower
+from ..schedule.messages import Dataflow
+from ..weights.materialize import is_meta_model, on_meta
+from .block_tables import coarsest, cost_model, enough_blocks
+from .decisions import Choice, cost, place, refine
+from .options import check_async_ties, device_present, example_microbatch_size
+from .plan import Plan
+from .shape_passes import collectives, target
+from .stage_costs import (
+    BlockTable,
+    message_costs,
+    predict,
+    shared_cores,
+    simulator_costs,
+    with_collectives,
+    with_stage_costs,
+)
+
+__all__ = ["capture_pass", "linearize_pass", "annotate_pass", "partition_pass", "calibrate_pass",
+           "refine_pass", "split_pass", "threads_pass", "simulate_pass", "agree_pass",
+           "shard_pass"]
+
+
+def _first_sizes(symbolic_sizes: str, example: Example) -> str:
+    """The sizes capture's first attempt makes symbolic: "all" or "batch"."""
+    grow = symbolic_sizes == "auto" and example.all_sizes
+    return "all" if symbolic_sizes == "all" or grow else "batch"
+
+
+def capture_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
+    o = plan.resolved
+    meta = is_meta_model(example.model)
+    inputs = (example.args, dict(example.kwargs))
+    claim = claimable([d.name for d in o.devices]) if meta else None
+
+    def capture(args: tuple, kwargs: dict) -> CapturedModel:
+        return capture_model(example.model, args, kwargs, method=o.capture,
+                             static_batch_size=example_microbatch_size(example, o),
+                             verbose=o.verbose, sizes=_first_sizes(o.symbolic_sizes, example),
+                             budget=o.capture_budget)
+
+    if claim is not None:  # the model's code sees the device it will run on
+        with claiming(example.model, inputs, claim) as ((args, kwargs), originals):
+            captured = capture(args, kwargs)
+        captured = restore_tensors(captured, example.model, originals, claim)
+    else:  # real tensors, or a plan for devices this torch cannot fake: traced on meta
+        captured = capture(*(on_meta(inputs) if meta else inputs))
+    if o.rng == "per-microbatch":
+        captured = seed_captured(captured, o.rng_seed)
+    if meta:  # traced on meta inputs too (no op mixes devices); nothing can be timed
+        note = ("model on the meta device: analytic costs only (no planning probe"
+                + (", profile=True ignored" if o.profile else "") + ")")
+        captured = replace(captured, notes=captured.notes + (note,))
+    return replace(plan, captured=captured), (
+        f"{o.capture}: {len(captured.module.graph.nodes)} nodes, "
+        f"{'dynamic' if captured.dynamic_batch else 'static'} batch"
+        + "".join(f"\n{'':24}{note}" for note in captured.notes))
+
+
+def linearize_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
+    o = plan.resolved
+    linear = coarsest(plan.ready.captured, o.granularity, o.num_stages)
+    enough_blocks(linear, o.num_stages, o.granularity)
+    widest = max((len(b) for b in linear.boundaries), default=0)
+    return replace(plan, linear=linear), (
+        f"{linear.num_blocks} blocks ({linear.granularity}), max boundary {widest} values")
+
+
+def annotate_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
+    o = plan.resolved
+    costs = cost(plan.ready.linear, cost_model(plan, example), example, o.ranks)
+    total = sum(b.forward_flops for b in costs.blocks)
+    return replace(plan, costs=costs), (
+        f"{format_count(total)}FLOP forward per micro-batch of "
+        f"{example_microbatch_size(example, o)}" + (" (measured times)" if o.profile else ""))
+
+
+def partition_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
+    placement = place(plan.ready.linear, plan.ready.costs, target(plan))
+    how = "split_points" if plan.resolved.split_points is not None else "optimal DP"
+    recomputed = [s for s, r in enumerate(plan.ready.choices.checkpoint) if r]
+    return replace(plan, placement=placement), (
+        f"{how}: bounds {placement.bounds}, bottleneck {placement.bottleneck * 1e3:.3f} ms/mb"
+        + (f", recompute stages {recomputed}" if recomputed else ""))
+
+
+def calibrate_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
+    """Time the stages as the runtime runs them; re-place on the corrected costs."""
+    o = plan.resolved
+    if not o.profile:
+        return None
+    linear, estimated = plan.ready.linear, plan.ready.costs
+    before = plan.ready.placement.bounds
+    program = split(linear, before, _stage_devices(plan, example), placed=example.placed)
+    measured = measure(program, plan.ready.schedule, example,
+                       microbatches=o.microbatches, loss_fn=o.loss_fn, ranks=o.ranks)
+    calibration = fit_calibration(estimated, before, measured,
+                                  loss_timed=loss_runs(o.loss_fn, example.target))
+    costs = calibrate_blocks(estimated, calibration)
+    placement = place(linear, costs, target(plan))
+    return replace(plan, calibration=calibration, costs=costs, placement=placement), (
+        f"stages measured: {calibration}; bounds {before} -> {placement.bounds}, "
+        f"bottleneck {placement.bottleneck * 1e3:.3f} ms/mb")
+
+
+def refine_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
+    o = plan.resolved
+    if o.granularity is not None or o.split_points is not None:
+        return None
+    start = Choice(plan.ready.linear, plan.ready.costs, plan.ready.placement)
+    better = refine(plan.ready.captured, start, model=cost_model(plan, example),
+                    target=target(plan), example=example, ranks=o.ranks)
+    if better is None:
+        return None
+    linear, placement = better.linear, better.placement
+    return replace(plan, linear=linear, costs=better.costs, placement=placement), (
+        f"{start.linear.granularity} -> {linear.granularity} ({linear.num_blocks} blocks): "
+        f"bottleneck {start.placement.bottleneck * 1e3:.3f} -> "
+        f"{placement.bottleneck * 1e3:.3f} ms/mb, bounds {placement.bounds}")
+
+
+def split_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
+    o = plan.resolved
+    costs, placement, schedule = plan.ready.costs, plan.ready.placement, plan.ready.schedule
+    program = split(plan.ready.linear, placement.bounds, _stage_devices(plan, example),
+                    placed=example.placed)
+    measured = (measure(program, schedule, example, microbatches=o.microbatches,
+                        loss_fn=o.loss_fn, ranks=o.ranks) if o.profile else None)
+    specs = plan.stage_specs
+    table = BlockTable.of(costs, plan.ready.linear)  # priced as the search priced it
+    stage_costs = simulator_costs(table, placement.bounds, specs,
+                                  recompute=[o.stage_checkpoint(s) for s in range(len(specs))],
+                                  split_ratio=plan.split_ratio, measured=measured)
+    stage_costs = with_collectives(  # the layout's collectives, as the search priced them
+        stage_costs, table, placement.bounds, collectives(plan),
+        recompute=[o.stage_checkpoint(s) for s in range(len(specs))], split=o.split_backward)
+    program = with_stage_costs(program, costs, placement, plan.inflight, stage_costs)
+    if o.asynchronous:
+        check_async_ties(program, o.schedule)
+    # the schedule that runs moves the program's messages: relower it with the real wiring
+    schedule = relower(schedule, Dataflow.of(program))
+    transfers = message_costs(table, placement.bounds, specs)
+    return replace(plan, program=program, measured=measured, stage_costs=stage_costs,
+                   schedule=schedule, transfers=transfers), (
+        f"{program.num_stages} stage graphs, {len(program.ties)} tied parameter groups")
+
+
+def shard_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
+    """fsdp=True: this rank's stages fully_shard-ed over its data-parallel group."""
+    o = plan.resolved
+    if not o.fsdp or o.ranks.topology is None:
+        return None
+    topology = o.ranks.topology
+    own = o.ranks.own_stages(plan.ready.schedule)
+    mesh = data_parallel_mesh(topology, local_device(), o.mesh)
+    program = shard_stages(plan.ready.program, own, mesh)
+    local = sum(local_tensor(p).numel() for s in own for p in program.stages[s].module.parameters())
+    return replace(plan, program=program), (
+        f"stages {list(own)} fully_shard-ed over {topology.data_parallel} data-parallel ranks "
+        f"(mesh dp x pp = {topology.data_parallel} x {topology.pipeline_size}): "
+        f"{local:,} parameter elements held here")
+
+
+def threads_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
+    """CPU device threads of one process share the cores: measure how much they slow down."""
+    o = plan.resolved
+    cores = shared_cores(plan.stage_specs, o.ranks)
+    if not o.profile or cores is None or len(o.devices) < 2:
+        return None
+    value = efficiency(plan.ready.program, plan.ready.schedule, example,
+                       microbatches=o.microbatches, cores=cores)
+    return replace(plan, efficiency=value), (
+        f"{len(o.devices)} device threads on {cores} cores run at {value:.2f} of their share")
+
+
+def simulate_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
+    schedule = plan.ready.schedule
+    plan = replace(plan, cores=shared_cores(plan.stage_specs, plan.resolved.ranks))
+    predicted = predict(schedule, plan)
+    return replace(plan, predicted=predicted), (
+        f"{schedule.name}: predicted step {predicted.makespan * 1e3:.3f} ms, bubble "
+        f"{predicted.bubble_fraction:.1%}")
+
+
+def agree_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
+    summary = plan.resolved.ranks.check(plan.ready.program, plan.ready.schedule)
+    return None if summary is None else (plan, summary)
+
+
+def _stage_devices(plan: Plan, example: Example) -> list[torch.device]:
+    """Each stage's device; under torch.distributed other ranks' stages stay where the model
+    is (nothing is copied for them), and so do the stages of a device this machine lacks (a
+    plan for hardware that is not here: printed and saved, not run)."""
+    devices = [torch.device(s.name) if device_present(s.name) else example.device
+               for s in plan.stage_specs]
+    ranks = plan.resolved.ranks
+    if not ranks.distributed:
+        return devices
+    own = set(ranks.own_stages(plan.ready.schedule))
+    return [d if i in own else example.device for i, d in enumerate(devices)]
