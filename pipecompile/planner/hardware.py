@@ -45,14 +45,17 @@ from typing import Sequence
 
 from ..errors import ConfigError
 from ..ir.devices import DeviceSpec
+from ..passes.kernel_prices import CHIPS, Chip
 
 __all__ = ["describe_devices", "Accelerator", "ACCELERATORS", "preset", "accelerator_of", "MEMORY_EFFICIENCY",
            "LINK_EFFICIENCY", "LATENCY", "OP_OVERHEAD", "ACTION_OVERHEAD"]
 
-MEMORY_EFFICIENCY = 0.8  # sustained / peak HBM bandwidth
+# the kernel-level constants (GEMM ceiling, attention, HBM fraction, launch) live in one
+# place, passes/kernel_prices.CHIPS; these are their spec-level views
+MEMORY_EFFICIENCY = CHIPS["h100"].memory_efficiency  # sustained / peak HBM bandwidth
 LINK_EFFICIENCY = 0.8  # sustained / peak link bandwidth, per direction
 LATENCY = {"nvlink": 10e-6, "infiniband": 20e-6}  # seconds per message
-OP_OVERHEAD = 2e-6  # seconds per graph op on a GPU
+OP_OVERHEAD = CHIPS["h100"].launch  # seconds a kernel lasts at least on a GPU
 ACTION_OVERHEAD = 50e-6  # seconds per pipeline action or message on a GPU runtime
 
 TERA = 1e12
@@ -68,8 +71,9 @@ class Accelerator:
     memory: float
     memory_bandwidth: float
     links: tuple[tuple[str, float], ...]  # bytes/s per direction, by link name
-    matmul: float = 0.75  # sustained / peak FLOP/s of a large GEMM (assumed, see above)
+    matmul: float = 0.75  # sustained / peak FLOP/s of the best GEMM (the chip's ceiling)
     attention: float = 0.5  # sustained / peak FLOP/s of fused attention, forward + backward
+    chip: Chip | None = None  # kernel-level figures: every kernel priced by its shape
 
     def peak(self, dtype: str | None = None) -> float:
         """Dense peak FLOP/s in `dtype` (the first listed, bfloat16, when not listed)."""
@@ -91,9 +95,10 @@ class Accelerator:
         return DeviceSpec(
             name=device, memory=self.memory, bandwidth=LINK_EFFICIENCY * links[link],
             flops=rates[0][1], latency=LATENCY[link],
-            memory_bandwidth=MEMORY_EFFICIENCY * self.memory_bandwidth,
-            op_overhead=OP_OVERHEAD, action_overhead=ACTION_OVERHEAD,
-            hardware=f"{self.title} ({efficiency:g} of peak, {link})", dtype_flops=rates)
+            memory_bandwidth=(self.chip.memory_efficiency if self.chip else MEMORY_EFFICIENCY)
+            * self.memory_bandwidth,
+            op_overhead=self.chip.launch if self.chip else OP_OVERHEAD, action_overhead=ACTION_OVERHEAD,
+            hardware=f"{self.title} ({efficiency:.3g} of peak, {link})", dtype_flops=rates)
 
     def link(self, name: str) -> float:
         """Sustained bytes/s per direction of link `name` ("nvlink", "infiniband")."""
@@ -104,21 +109,21 @@ class Accelerator:
         return LINK_EFFICIENCY * links[name]
 
 
+def _of_chip(chip: Chip, links: tuple[tuple[str, float], ...]) -> Accelerator:
+    """The accelerator of `chip`: its datasheet figures, its best GEMM as the matmul rate and
+    fused attention forward + backward (2.5x the forward's FLOPs) as one fraction."""
+    fused = 3.5 / (1 / chip.attention.forward + 2.5 / chip.attention.backward)
+    return Accelerator(title=chip.title, peak_flops=chip.peak_flops, memory=80 * GIGA,
+                       memory_bandwidth=chip.memory_bandwidth, links=links,
+                       matmul=chip.ceiling, attention=fused, chip=chip)
+
+
 ACCELERATORS: dict[str, Accelerator] = {
-    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense = half the sparse figure)
-    "h100": Accelerator(
-        title="NVIDIA H100 80GB SXM",
-        peak_flops=(("bfloat16", 989.4 * TERA), ("float16", 989.4 * TERA),
-                    ("float32", 66.9 * TERA), ("float8_e4m3fn", 1978.9 * TERA)),
-        memory=80 * GIGA, memory_bandwidth=3350 * GIGA,
-        links=(("nvlink", 450 * GIGA), ("infiniband", 50 * GIGA)), matmul=0.75, attention=0.35),
-    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column
-    "a100": Accelerator(
-        title="NVIDIA A100 80GB SXM",
-        peak_flops=(("bfloat16", 312 * TERA), ("float16", 312 * TERA),
-                    ("float32", 19.5 * TERA)),
-        memory=80 * GIGA, memory_bandwidth=2039 * GIGA,
-        links=(("nvlink", 300 * GIGA), ("infiniband", 25 * GIGA)), matmul=0.8, attention=0.6),
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense = half the sparse figure);
+    # one ConnectX-7 NDR 400 Gb/s per GPU (DGX H100)
+    "h100": _of_chip(CHIPS["h100"], (("nvlink", 450 * GIGA), ("infiniband", 50 * GIGA))),
+    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column; ConnectX-6 HDR 200 Gb/s
+    "a100": _of_chip(CHIPS["a100"], (("nvlink", 300 * GIGA), ("infiniband", 25 * GIGA))),
 }
 
 _NOISE = ("nvidia", "sxm5", "sxm4", "sxm", "80gb", "tensorcore", "gpu")

@@ -175,8 +175,11 @@ def device_model(spec: DeviceSpec, ranks: Ranks, dtype: str | None = None, *,
         accelerator = accelerator_of(spec)
         attention = (rate if accelerator is None  # a spec of one's own: at the matmul rate
                      else accelerator.attention * accelerator.peak(dtype))
+        chip = None if accelerator is None or accelerator.chip is None else (
+            accelerator.chip.with_ceiling(rate / accelerator.peak(dtype)))  # efficiency=
         return DeviceModel(flops=rate, bandwidth=spec.memory_bandwidth or math.inf,
-                           op_overhead=spec.op_overhead or 0.0, attention=attention)
+                           op_overhead=spec.op_overhead or 0.0, attention=attention,
+                           chip=chip, dtype=dtype)
     return DeviceModel(flops=ranks.rate(matmul_rate(spec.name, cache=cache)))
 
 
