@@ -16,6 +16,7 @@ import json
 from .draw import draw_partition
 from ..planner.plan import Plan
 from ..planner.layout import Layout, describe_placement
+from ..planner.breakdown import step_breakdown
 from ..planner.throughput import throughput
 from .report import explain_layouts, explain_passes, explain_search, stage_table
 from ..schedule.simulate import Timeline
@@ -58,11 +59,15 @@ def describe(plan: Plan) -> str:
 
 def explain(plan: Plan) -> str:
     """The passes the compiler ran, how long each took and what it produced; the layouts
-    compared (when searched) and the plan the search chose with its best candidates."""
+    compared (when searched), the plan the search chose with its best candidates, and where
+    the predicted step goes (`planner.breakdown`: compute by kernel kind, optimizer,
+    communication, bubble)."""
     text = explain_passes(plan.passes)
     if plan.search is not None and plan.search.layouts:
         text += "\n\n" + explain_layouts(plan.search.layouts)
-    return text + "\n\n" + explain_search(plan.search)
+    text += "\n\n" + explain_search(plan.search)
+    parts = step_breakdown(plan)
+    return text if parts is None else text + "\n\n" + str(parts)
 
 
 def draw(plan: Plan, path: str, *, backend: str = "auto") -> str:

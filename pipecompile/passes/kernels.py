@@ -3,19 +3,24 @@
 The annotate pass runs a block's ops on fake tensors; for hardware described by its figures it
 records, per op, what the device would do (`Recorder`), and prices the block (`Kernels.times`):
 
-    matmul      an op with FLOPs (linear, mm, bmm, conv): the roofline of its shape,
-                max(FLOPs / matmul rate, bytes read and written / memory bandwidth)
+    matmul      an op with FLOPs (linear, mm, bmm, conv), recorded as a GEMM (m, n, k, batch)
     attention   scaled_dot_product_attention as one fused kernel (FlashAttention: run here as
                 aten._scaled_dot_product_flash_attention, so autograd saves q, k, v, the output
-                and the log-sum-exp, O(s), never the s x s scores): FLOPs at the attention rate,
-                half of them for a causal mask (the kernel skips the masked blocks)
+                and the log-sum-exp, O(s), never the s x s scores), recorded with its batch x
+                heads, sequences, head dimension and whether its mask is causal
     memory      every other op that makes a new tensor (norms, softmax, elementwise, the loss):
-                its bytes read and written at memory bandwidth
+                the bytes it reads and writes
     view        an op whose output shares an input's storage (view, transpose, expand): free
 
-each kernel also paying the device's launch cost. Backward: the counted backward FLOPs at the
-block's forward matmul rate (FlashAttention's backward, 2.5x its forward FLOPs, at the
-attention rate), and twice the forward's memory traffic and launches. All quantities are sympy
+On a preset (`HardwareRates.chip`) each kernel is priced by its shape (passes/kernel_prices.py:
+tile and wave quantisation of GEMMs, FlashAttention-2 by sequence, memory-bound kernels by
+bytes, at least a launch each), backward as each GEMM's two backward GEMMs, FlashAttention's
+backward and twice the memory-bound traffic, and `Kernels.parts` says how much of each kind.
+Without a chip (a spec of one's own), the rates price the sums: matmul rooflines at the spec's
+rate, attention FLOPs (half for a causal mask) at the attention rate, bytes at memory
+bandwidth, a launch cost per kernel, and backward as the counted backward FLOPs at the block's
+forward matmul rate (FlashAttention's backward, 2.5x its forward FLOPs, at the attention
+rate) with twice the forward's memory traffic and launches. All quantities are sympy
 expressions of the captured sizes, evaluated per micro-batch size.
 """
 

@@ -16,22 +16,20 @@ table and the reasoning):
                 2.039 TB/s. NVLink per direction: H100 450 GB/s (900 both ways), A100 300 GB/s
                 (600). InfiniBand per GPU: H100 NDR 400 Gb/s = 50 GB/s (ConnectX-7), A100 HDR
                 200 Gb/s = 25 GB/s (ConnectX-6), as in DGX H100 / DGX A100.
-    sustained   per op, as the device runs it (planner/kernels.py): a matmul at the
-                accelerator's `matmul` fraction of peak (large BF16 GEMMs: 0.75 on the H100,
-                0.8 on the A100; an assumption from public cuBLAS measurements) or by its bytes,
-                whichever is slower (a roofline of its shape); attention as one fused kernel at
-                the `attention` fraction (FlashAttention-2, which torch's sdpa runs: 0.35 of the
-                H100's peak forward + backward at head dim 128, 0.6 of the A100's, from the
-                FlashAttention-2 and -3 papers); other ops by their bytes at MEMORY_EFFICIENCY
-                = 0.8 of HBM bandwidth; links at LINK_EFFICIENCY = 0.8 (STREAM and nccl-tests
-                reach 0.8-0.9). A spec's `flops` is the matmul rate.
+    sustained   per kernel, as the device runs it, from published kernel measurements
+                (passes/kernel_prices.py holds every constant, CHIPS; docs/hardware.md the
+                sources): GEMMs by tile and wave quantisation under the best cuBLAS rate
+                (MAMF: 0.859 of the A100's peak, 0.801 of the H100's), FlashAttention-2 by
+                sequence, causal mask and head dimension (forward up to 0.73 / 0.35 of peak,
+                backward 0.63 / 0.30), memory-bound kernels at 0.9 of HBM bandwidth, at least
+                4 us per kernel; links at LINK_EFFICIENCY = 0.8 (nccl-tests reach 0.8-0.9).
+                A spec's `flops` is the best GEMM's rate.
     memory      the datasheet's 80 GB as 80e9 bytes: the devices report about 85.5e9 (81,559
                 MiB on an H100, 81,920 MiB on an A100); the difference is left for the CUDA
                 context, NCCL buffers and allocator fragmentation.
     latency     LATENCY per message: 10 us on NVLink, 20 us over InfiniBand (the order of
                 nccl-tests' small-message send/recv times; an assumption, not a datasheet).
-    overheads   OP_OVERHEAD = 2 us per graph op (kernel launch, mostly hidden behind compute on
-                a busy GPU) and ACTION_OVERHEAD = 50 us per pipeline action or message (Python
+    overheads   OP_OVERHEAD = 4 us, the shortest a kernel lasts (CHIPS' `launch`) and ACTION_OVERHEAD = 50 us per pipeline action or message (Python
                 dispatch, autograd set-up, an NCCL call): assumptions for a GPU runtime, used in
                 place of `measure.rates.action_overhead`, which would time this machine.
 
@@ -135,17 +133,18 @@ def preset(name: str, *, efficiency: float | None = None, link: str = "nvlink",
     "a100-sxm4-80gb" too). `efficiency`: sustained / peak FLOP/s; `link`: "nvlink" (within a
     node) or "infiniband" (across nodes); `device`: the torch device its stages run on when
     this machine has it ("cuda" is numbered per pipeline device when enough GPUs are here).
-    `efficiency`: sustained / peak FLOP/s of large matmuls (None: the accelerator's own,
-    0.75 for the H100, 0.8 for the A100).
+    `efficiency`: sustained / peak FLOP/s of the best GEMM (None: the accelerator's own,
+    0.801 for the H100, 0.859 for the A100, the MAMF finder's cuBLAS measurements).
 
     Sources (dense peaks; the datasheets' tensor-core figures are "with sparsity", 2x dense):
     NVIDIA H100 datasheet, SXM5: BF16/FP16 989.4 TFLOP/s, FP32 66.9, 80 GB HBM3 at 3.35 TB/s,
     NVLink 900 GB/s (450 per direction); NVIDIA A100 datasheet, 80GB SXM: BF16/FP16 312,
     FP32 19.5, 80 GB HBM2e at 2.039 TB/s, NVLink 600 GB/s (300 per direction); DGX H100 / A100:
     one ConnectX-7 NDR 400 Gb/s (50 GB/s) / ConnectX-6 HDR 200 Gb/s (25 GB/s) per GPU.
-    Assumed: matmuls at 0.75 (H100) / 0.8 (A100) of peak, 0.8 of memory and link
-    bandwidth, 10/20 us per NVLink/InfiniBand message, 2 us per op, 50 us per pipeline action
-    (the module docstring and docs/hardware.md give the reasons)."""
+    Kernel constants (passes/kernel_prices.CHIPS): the best GEMM, FlashAttention-2's
+    efficiencies, 0.9 of HBM bandwidth, 4 us per kernel at least; assumed: 0.8 of link
+    bandwidth, 10/20 us per NVLink/InfiniBand message, 50 us per pipeline action (the module
+    docstring and docs/hardware.md give the sources and reasons)."""
     return _accelerator(name).spec(efficiency=efficiency, link=link, device=device)
 
 
