@@ -176,7 +176,7 @@ class _Split:
     def _add(self, kind: str, count: float, work: float) -> None:
         floor = max(0.0, self.chip.launch - work)
         self.times = self.times + KernelTimes(
-            **{kind: count * work}, launch=count * floor)  # type: ignore[arg-type]
+            **{kind: count * work}, launch=count * floor)
 
     def matmul(self, count: float, m: float, n: float, k: float, batch: float,
                dtype: str | None, size: int) -> None:

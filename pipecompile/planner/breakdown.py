@@ -85,10 +85,11 @@ def step_breakdown(plan: Plan) -> StepBreakdown | None:
             or plan.costs is None or plan.placement is None):
         return None
     schedule, costs = plan.schedule, plan.stage_costs
-    run = dict(cores=plan.cores, efficiency=plan.efficiency)
     quiet = simulate(schedule, [replace(c, send_forward=0.0, send_backward=0.0) for c in costs],
-                     transfers=lambda *_: 0.0, overhead=0.0, **run)
-    sending = simulate(schedule, costs, transfers=plan.transfers, overhead=0.0, **run)
+                     transfers=lambda *_: 0.0, overhead=0.0, cores=plan.cores,
+                     efficiency=plan.efficiency)
+    sending = simulate(schedule, costs, transfers=plan.transfers, overhead=0.0,
+                       cores=plan.cores, efficiency=plan.efficiency)
     step = plan.predicted.makespan
     device = max(range(quiet.num_devices), key=quiet.busy)
     busy = quiet.busy(device)
