@@ -59,15 +59,16 @@ def describe(plan: Plan) -> str:
 
 def explain(plan: Plan) -> str:
     """The passes the compiler ran, how long each took and what it produced; the layouts
-    compared (when searched), the plan the search chose with its best candidates, and where
-    the predicted step goes (`planner.breakdown`: compute by kernel kind, optimizer,
-    communication, bubble)."""
+    compared (when searched), where the predicted step goes (`planner.breakdown`: compute by
+    kernel kind, optimizer, communication, bubble), and the plan the search chose with its
+    best candidates."""
     text = explain_passes(plan.passes)
     if plan.search is not None and plan.search.layouts:
         text += "\n\n" + explain_layouts(plan.search.layouts)
-    text += "\n\n" + explain_search(plan.search)
-    parts = step_breakdown(plan)
-    return text if parts is None else text + "\n\n" + str(parts)
+    parts = step_breakdown(plan)  # before the search, whose table ends the text
+    if parts is not None:
+        text += "\n\n" + str(parts)
+    return text + "\n\n" + explain_search(plan.search)
 
 
 def draw(plan: Plan, path: str, *, backend: str = "auto") -> str:

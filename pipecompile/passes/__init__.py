@@ -4,6 +4,7 @@
     linearize.py  the captured graph as a chain of blocks, with the values crossing each cut
     annotate.py   the cost of every block and cut, symbolic in the batch (and other) sizes
     kernels.py    each op priced as a GPU runs it (the kernel model of absent devices)
+    kernel_prices.py  one kernel's seconds from its shape and a chip's published figures
     calibrate.py  block costs corrected by the stages' measured times
     partition.py  the chain cut into pipeline stages: the placement policy
     split.py      one fx.GraphModule per stage, with named inputs and outputs

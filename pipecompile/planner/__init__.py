@@ -14,11 +14,11 @@
   at scale (pipeline x data parallel, absent clusters):
     cluster.py        `cluster("h100", nodes=8, per_node=8)`: devices and link levels
     collectives.py    alpha-beta prices of reduce-scatter, all-gather, all-reduce per link level
-    kernels.py        an op as a GPU runs it: matmul roofline, fused attention, bytes at HBM speed
     layout.py         a layout (P x D, FSDP, which dimension stays inside a node) and its costs
     layout_options.py compile's options for a searched or given layout
     layout_ranks.py   the ranks of a job whose layout is searched under torchrun
     layout_search.py  every layout searched with the schedule search, the best kept
     search_layouts.py the layout search's candidates and their plans
     throughput.py     tokens (samples) per second per device and MFU of a plan
+    breakdown.py      where the predicted step goes: compute by kernel kind, optimizer, bubble
 """

@@ -170,7 +170,7 @@ def device_model(spec: DeviceSpec, ranks: Ranks, dtype: str | None = None, *,
     that need not be here) gives its own figures, at its rate for the model's `dtype`; a figure
     it leaves out costs nothing. Otherwise the FLOP rate is measured on this machine (rank 0's
     under torch.distributed, so that every rank plans with the same numbers)."""
-    if spec.absolute:  # priced op by op as the device runs it (planner/kernels.py)
+    if spec.absolute:  # priced op by op as the device runs it (passes/kernels.py, passes/kernel_prices.py)
         rate = spec.rate(dtype)
         accelerator = accelerator_of(spec)
         attention = (rate if accelerator is None  # a spec of one's own: at the matmul rate
