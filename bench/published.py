@@ -8,9 +8,10 @@ Published (pytorch/torchtitan docs/performance.md, "Llama 3 performance numbers"
     70B, full activation checkpointing                331 tokens/s/GPU   51.7 % MFU
 
 The prediction uses the planner's own pieces, nothing fitted to these numbers:
-- per-block costs on `cluster("a100", nodes=8, per_node=8)` (planner/kernels.py: matmul
-  rooflines at 0.8 of the A100's peak, FlashAttention-2 at 0.6, other ops by their bytes at
-  0.8 of HBM bandwidth), taken from a compile of the model with `data_parallel=64,
+- per-block costs on `cluster("a100", nodes=8, per_node=8)` (passes/kernel_prices.py: each
+  GEMM by tile and wave quantisation under the best cuBLAS rate, 0.859 of the A100's peak;
+  FlashAttention-2 by sequence, mask and head dimension, forward and backward; other ops by
+  their bytes at 0.9 of HBM bandwidth, at least 4 us per kernel), taken from a compile of the model with `data_parallel=64,
   fsdp=True` (one replica per GPU, no pipeline). The model is captured with 2 layers: every
   layer costs the same, so a layer's cost times the layer count is the model's;
 - the collectives by the same alpha-beta model (planner/collectives.py) over the 8 x 8 group;
@@ -38,6 +39,9 @@ the parameter counts the paper names, 1.48B and 6.18B), bfloat16 on meta, compil
 `cluster("a100", nodes=1, per_node=8)` with `data_parallel=1, schedule="1f1b",
 microbatches=m, checkpoint=False`: the plan's own placement (it puts one layer fewer on the
 first and last stages, as the paper's runs do) and its predicted step, messages over NVLink.
+
+Each table ends with the mean absolute error of its rows, and the script with the mean over
+all rows (every error is signed: + is a prediction faster than published).
 
     python bench/published.py
 """
@@ -149,6 +153,8 @@ def main() -> None:
     print(C.table(rows, ("run", "params", "compute s", "FSDP comm s", "exposed s",
                          "step s", "tok/s/GPU pred.", "published", "error", "MFU pred.",
                          "published", "plan s")))
+    errors = [float(r[8].rstrip("%")) for r in rows]
+    print(f"mean absolute error {sum(map(abs, errors)) / len(errors):.1f} %")
 
     print("\n## Zero Bubble (Qi et al., ICLR 2024), Table 4 1F1B row: pipeline only, 8 A100 80GB")
     rows = []
@@ -161,6 +167,10 @@ def main() -> None:
                      f"{time.perf_counter() - start:.0f}"))
     print(C.table(rows, ("run", "params", "layers per stage", "step s", "bubble",
                          "samples/s/GPU pred.", "published", "error", "plan s")))
+    pipeline = [float(r[7].rstrip("%")) for r in rows]
+    print(f"mean absolute error {sum(map(abs, pipeline)) / len(pipeline):.1f} %; over all "
+          f"{len(errors) + len(pipeline)} rows "
+          f"{sum(map(abs, errors + pipeline)) / (len(errors) + len(pipeline)):.1f} %")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import json
 from .draw import draw_partition
 from ..planner.plan import Plan
 from ..planner.layout import Layout, describe_placement
+from ..planner.breakdown import step_breakdown
 from ..planner.throughput import throughput
 from .resolution import explain_resolution
 from .report import explain_layouts, explain_passes, explain_search, stage_table
@@ -60,11 +61,15 @@ def describe(plan: Plan) -> str:
 
 def explain(plan: Plan) -> str:
     """The passes the compiler ran, how long each took and what it produced; the layouts
-    compared (when searched), the plan the search chose with its best candidates; and what was
-    asked beside what was resolved."""
+    compared (when searched), where the predicted step goes (`planner.breakdown`: compute by
+    kernel kind, optimizer, communication, bubble), the plan the search chose with its best
+    candidates; and what was asked beside what was resolved."""
     text = explain_passes(plan.passes)
     if plan.search is not None and plan.search.layouts:
         text += "\n\n" + explain_layouts(plan.search.layouts)
+    parts = step_breakdown(plan)  # before the search, whose table follows
+    if parts is not None:
+        text += "\n\n" + str(parts)
     return (text + "\n\n" + explain_search(plan.search) + "\n\n"
             + explain_resolution(plan))
 

@@ -5,6 +5,7 @@
     annotate.py   the cost of every block and cut, symbolic in the batch (and other) sizes
     kernels.py    each op priced as a GPU runs it (the kernel model of absent devices)
     fake_values.py  the fake stand-ins a block is costed on, and fewer symbols where it fails
+    kernel_prices.py  one kernel's seconds from its shape and a chip's published figures
     calibrate.py  block costs corrected by the stages' measured times
     partition.py  the chain cut into pipeline stages: the placement policy
     split.py      one fx.GraphModule per stage, with named inputs and outputs

@@ -41,6 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..ir.compile_cache import CompileCache, digest
 from ..ir.records import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
 from .fake_values import FakeValues, fake_mode_of, run_on_fakes
+from .kernel_prices import Chip
 from .kernels import (
     ATTENTION_OPS,
     HardwareRates,
@@ -75,13 +76,16 @@ class DeviceModel:
     bandwidth: float = 10e9  # bytes/s of memory traffic for elementwise ops
     op_overhead: float = 5e-6  # seconds of fixed cost per op (dispatch, kernel launch)
     attention: float | None = None  # FLOP/s of fused attention: kernel pricing (None: off)
+    chip: Chip | None = None  # a preset's kernel figures: each kernel priced by its shape
+    dtype: str | None = None  # the compute dtype the chip's peak is read in
 
     @property
     def kernels(self) -> HardwareRates | None:
         """The kernel model's rates, None for the FLOPs-and-bytes formula of `time`."""
         if self.attention is None:
             return None
-        return HardwareRates(self.flops, self.attention, self.bandwidth, self.op_overhead)
+        return HardwareRates(self.flops, self.attention, self.bandwidth, self.op_overhead,
+                             self.chip, self.dtype)
 
     def time(self, flops: float, io_bytes: float, num_ops: int) -> float:
         return flops / self.flops + io_bytes / self.bandwidth + num_ops * self.op_overhead

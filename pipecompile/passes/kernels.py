@@ -3,25 +3,30 @@
 The annotate pass runs a block's ops on fake tensors; for hardware described by its figures it
 records, per op, what the device would do (`Recorder`), and prices the block (`Kernels.times`):
 
-    matmul      an op with FLOPs (linear, mm, bmm, conv): the roofline of its shape,
-                max(FLOPs / matmul rate, bytes read and written / memory bandwidth)
+    matmul      an op with FLOPs (linear, mm, bmm, conv), recorded as a GEMM (m, n, k, batch)
     attention   scaled_dot_product_attention as one fused kernel (FlashAttention: run here as
                 aten._scaled_dot_product_flash_attention, so autograd saves q, k, v, the output
-                and the log-sum-exp, O(s), never the s x s scores): FLOPs at the attention rate,
-                half of them for a causal mask (the kernel skips the masked blocks)
+                and the log-sum-exp, O(s), never the s x s scores), recorded with its batch x
+                heads, sequences, head dimension and whether its mask is causal
     memory      every other op that makes a new tensor (norms, softmax, elementwise, the loss):
-                its bytes read and written at memory bandwidth
+                the bytes it reads and writes
     view        an op whose output shares an input's storage (view, transpose, expand): free
 
-each kernel also paying the device's launch cost. Backward: the counted backward FLOPs at the
-block's forward matmul rate (FlashAttention's backward, 2.5x its forward FLOPs, at the
-attention rate), and twice the forward's memory traffic and launches. All quantities are sympy
+On a preset (`HardwareRates.chip`) each kernel is priced by its shape (passes/kernel_prices.py:
+tile and wave quantisation of GEMMs, FlashAttention-2 by sequence, memory-bound kernels by
+bytes, at least a launch each), backward as each GEMM's two backward GEMMs, FlashAttention's
+backward and twice the memory-bound traffic, and `Kernels.parts` says how much of each kind.
+Without a chip (a spec of one's own), the rates price the sums: matmul rooflines at the spec's
+rate, attention FLOPs (half for a causal mask) at the attention rate, bytes at memory
+bandwidth, a launch cost per kernel, and backward as the counted backward FLOPs at the block's
+forward matmul rate (FlashAttention's backward, 2.5x its forward FLOPs, at the attention
+rate) with twice the forward's memory traffic and launches. All quantities are sympy
 expressions of the captured sizes, evaluated per micro-batch size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import sympy
@@ -29,13 +34,17 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["ATTENTION_OPS", "Kernels", "Recorder", "fused_attention", "is_causal_mask",
-           "HardwareRates"]
+from .kernel_prices import Chip, attention_seconds, matmul_seconds
+
+__all__ = ["ATTENTION_OPS", "Kernels", "KernelTimes", "Recorder", "fused_attention",
+           "is_causal_mask", "HardwareRates"]
 
 _aten = torch.ops.aten
 #: The attention ops priced as one fused kernel.
 ATTENTION_OPS = (_aten.scaled_dot_product_attention.default,)
 _COMPARISONS = {_aten.le.Tensor, _aten.lt.Tensor, _aten.ge.Tensor, _aten.gt.Tensor}
+_BATCHED = {_aten.bmm.default, _aten.baddbmm.default}
+_MATMUL = {_aten.matmul.default}
 #: FlashAttention's backward runs 2.5x its forward FLOPs (recomputes QK^T; dQ, dK, dV, dP).
 FLASH_BACKWARD = 2.5
 
@@ -43,30 +52,75 @@ FLASH_BACKWARD = 2.5
 @dataclass(frozen=True)
 class HardwareRates:
     """What the kernel model needs of a device: sustained FLOP/s of large matmuls and of fused
-    attention, memory bytes/s, seconds per kernel launch."""
+    attention, memory bytes/s, seconds per kernel launch; with `chip` (a preset's figures),
+    every kernel is priced by its shape (`passes.kernel_prices`) in `dtype`."""
 
     matmul: float
     attention: float
     memory: float
     launch: float = 0.0
+    chip: Chip | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelTimes:
+    """Seconds of a block's kernels by kind, forward or backward: matmuls, fused attention,
+    memory-bound ops, and what kernels too small to fill their launch add (`launch`)."""
+
+    matmul: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+    launch: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.attention + self.memory + self.launch
+
+    def __add__(self, other: "KernelTimes") -> "KernelTimes":
+        return KernelTimes(self.matmul + other.matmul, self.attention + other.attention,
+                           self.memory + other.memory, self.launch + other.launch)
+
+    def scaled(self, factor: float) -> "KernelTimes":
+        return KernelTimes(self.matmul * factor, self.attention * factor,
+                           self.memory * factor, self.launch * factor)
+
+
+#: A GEMM as recorded: (m, n, k, batch, bytes per element, how many), sympy expressions.
+Gemm = tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr, int, int]
+#: A fused attention: (batch x heads, queries, keys, head dimension, causal, how many).
+Flash = tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr, bool, int]
 
 
 @dataclass(frozen=True)
 class Kernels:
     """A block's ops as kernels (sympy expressions of the sizes): matmuls as (FLOPs, bytes)
     pairs, attention FLOPs as run (causal: halved) and as counted, memory-bound bytes, and
-    the number of kernels launched."""
+    the number of kernels launched; and each kernel's shape (`gemms`, `flash`, `moves`: bytes
+    of each memory-bound kernel with its count), which a `Chip` prices."""
 
     matmuls: tuple[tuple[sympy.Expr, sympy.Expr], ...] = ()
     attention: sympy.Expr = sympy.Integer(0)  # FLOPs the fused kernels run (forward)
     attention_counted: sympy.Expr = sympy.Integer(0)  # FLOPs the counter saw (forward)
     memory: sympy.Expr = sympy.Integer(0)  # bytes read + written by memory-bound ops
     launches: int = 0
+    gemms: tuple[Gemm, ...] = ()
+    flash: tuple[Flash, ...] = ()
+    moves: tuple[tuple[sympy.Expr, int], ...] = ()
 
     def times(self, backward_flops: float, rates: HardwareRates,
               value: Callable[[sympy.Expr], float]) -> tuple[float, float]:
         """(forward, backward) seconds on a device of `rates`; `value` evaluates an expression
         at the micro-batch's sizes; `backward_flops` is the block's counted backward."""
+        forward, backward = self.parts(backward_flops, rates, value)
+        return forward.total, backward.total
+
+    def parts(self, backward_flops: float, rates: HardwareRates,
+              value: Callable[[sympy.Expr], float]) -> tuple[KernelTimes, KernelTimes]:
+        """(forward, backward) seconds by kind (`KernelTimes`)."""
+        if rates.chip is not None and (self.gemms or self.flash or self.moves
+                                       or not self.launches):
+            return self._shaped(backward_flops, rates.chip, rates.dtype, value)
         flops = bytes_ = compute = 0.0
         for f, b in self.matmuls:
             fv, bv = value(f), value(b)
@@ -77,12 +131,69 @@ class Kernels:
         attention = value(self.attention) / rates.attention
         memory = value(self.memory) / rates.memory
         launch = self.launches * rates.launch
-        forward = compute + attention + memory + launch
         counted = value(self.attention_counted)
         matmul_backward = max(0.0, backward_flops - FLASH_BACKWARD * counted)
-        backward = (matmul_backward / rate + FLASH_BACKWARD * attention + 2 * memory
-                    + 2 * launch)
-        return forward, backward
+        return (KernelTimes(compute, attention, memory, launch),
+                KernelTimes(matmul_backward / rate, FLASH_BACKWARD * attention, 2 * memory,
+                            2 * launch))
+
+    def _shaped(self, backward_flops: float, chip: Chip, dtype: str | None,
+                value: Callable[[sympy.Expr], float]) -> tuple[KernelTimes, KernelTimes]:
+        """Each kernel by its shape on `chip` (passes.kernel_prices); the part of a kernel's
+        time that only its launch floor adds is `launch`."""
+        fwd, bwd = _Split(chip), _Split(chip)
+        gemm_flops = 0.0
+        for m, n, k, batch, size, count in self.gemms:
+            mv, nv, kv, bv = value(m), value(n), value(k), value(batch)
+            gemm_flops += 2 * mv * nv * kv * bv * count
+            fwd.matmul(count, mv, nv, kv, bv, dtype, size)
+            # dX = dY W^T (m x k, inner n) and dW = X^T dY (k x n, inner m)
+            bwd.matmul(count, mv, kv, nv, bv, dtype, size)
+            bwd.matmul(count, kv, nv, mv, bv, dtype, size)
+        counted = value(self.attention_counted)
+        matmul_backward = max(0.0, backward_flops - FLASH_BACKWARD * counted)
+        # what autograd runs of the matmuls' two backward GEMMs (none for frozen weights or
+        # inputs that need no gradient)
+        share = min(1.0, matmul_backward / (2 * gemm_flops)) if gemm_flops > 0 else 0.0
+        bwd.times = bwd.times.scaled(share)
+        for heads, s_q, s_k, d, causal, count in self.flash:
+            shape = (value(heads), value(s_q), value(s_k), value(d))
+            fwd.attention(count, *shape, causal, False, dtype)
+            bwd.attention(count, *shape, causal, True, dtype)
+        for nbytes, count in self.moves:
+            seconds = value(nbytes) / chip.bandwidth
+            fwd.memory(count, seconds)
+            bwd.memory(2 * count, seconds)  # backward: twice the traffic and launches
+        return fwd.times, bwd.times
+
+
+class _Split:
+    """Accumulates kernel seconds by kind on a chip, separating the launch floor."""
+
+    def __init__(self, chip: Chip) -> None:
+        self.chip, self.times = chip, KernelTimes()
+
+    def _add(self, kind: str, count: float, work: float) -> None:
+        floor = max(0.0, self.chip.launch - work)
+        self.times = self.times + KernelTimes(
+            **{kind: count * work}, launch=count * floor)
+
+    def matmul(self, count: float, m: float, n: float, k: float, batch: float,
+               dtype: str | None, size: int) -> None:
+        if m * n * k * batch <= 0:
+            return
+        work = matmul_seconds(replace(self.chip, launch=0.0), m, n, k, batch=batch,
+                              dtype=dtype, itemsize=size)
+        self._add("matmul", count, work)
+
+    def attention(self, count: float, heads: float, s_q: float, s_k: float, d: float,
+                  causal: bool, backward: bool, dtype: str | None) -> None:
+        work = attention_seconds(replace(self.chip, launch=0.0), heads, s_q, s_k, d,
+                                 causal=causal, backward=backward, dtype=dtype)
+        self._add("attention", count, work)
+
+    def memory(self, count: float, seconds: float) -> None:
+        self._add("memory", count, seconds)
 
 
 @dataclass
@@ -96,6 +207,9 @@ class Recorder:
     attention_counted: sympy.Expr = sympy.Integer(0)
     memory: sympy.Expr = sympy.Integer(0)
     launches: int = 0
+    gemms: list[tuple] = field(default_factory=list)
+    flash: list[tuple] = field(default_factory=list)
+    moves: list[sympy.Expr] = field(default_factory=list)
 
     def record(self, node: fx.Node, args: Any, kwargs: Any, out: Any, flops: Any,
                causal: bool) -> None:
@@ -108,6 +222,12 @@ class Recorder:
             self.attention_counted += counted
             self.attention += counted / 2 if causal else counted
             self.launches += 1
+            q, k = inputs[0], inputs[1]
+            if q.dim() >= 3:
+                heads = sympy.expand(self.sym(q.numel()) / (self.sym(q.shape[-2])
+                                                            * self.sym(q.shape[-1])))
+                self.flash.append((heads, self.sym(q.shape[-2]), self.sym(k.shape[-2]),
+                                   self.sym(q.shape[-1]), bool(causal)))
             return
         storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
         if all(StorageWeakRef(t.untyped_storage()) in storages for t in outputs):
@@ -116,9 +236,29 @@ class Recorder:
         flops = self.sym(flops)
         if flops != 0:
             self.matmuls.append((flops, moved))
+            self.gemms.append(self._gemm(node, inputs, outputs[0], flops))
         else:
             self.memory += moved
+            self.moves.append(sympy.expand(moved))
         self.launches += 1
+
+    def _gemm(self, node: fx.Node, inputs: list[torch.Tensor], out: torch.Tensor,
+              flops: sympy.Expr) -> tuple:
+        """(m, n, k, batch, bytes per element) of a matmul-like op from its output and FLOPs:
+        n the output's last dimension, k = FLOPs / (2 x output elements); batched (bmm,
+        matmul of two 3-D+ operands) over the leading dimensions, else m = every output row."""
+        numel = self.sym(out.numel())
+        n = self.sym(out.shape[-1]) if out.dim() else sympy.Integer(1)
+        k = sympy.simplify(flops / (2 * numel))
+        batched = node.target in _BATCHED or (
+            node.target in _MATMUL and len(inputs) >= 2 and min(inputs[0].dim(),
+                                                                inputs[1].dim()) >= 3)
+        if batched and out.dim() >= 3:
+            m = self.sym(out.shape[-2])
+            batch = sympy.expand(numel / (m * n))
+        else:
+            m, batch = sympy.expand(numel / n), sympy.Integer(1)
+        return (m, n, k, batch, out.element_size())
 
     def _bytes(self, t: torch.Tensor) -> sympy.Expr:
         return self.sym(t.numel()) * t.element_size()
@@ -130,7 +270,17 @@ class Recorder:
             merged[pair] = merged.get(pair, 0) + 1
         return Kernels(tuple((f * n, b * n) for (f, b), n in merged.items()),
                        sympy.expand(self.attention), sympy.expand(self.attention_counted),
-                       sympy.expand(self.memory), self.launches)
+                       sympy.expand(self.memory), self.launches,
+                       gemms=tuple((*g, n) for g, n in _counts(self.gemms).items()),
+                       flash=tuple((*a, n) for a, n in _counts(self.flash).items()),
+                       moves=tuple(_counts(self.moves).items()))
+
+
+def _counts(items: list) -> dict:
+    counts: dict = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return counts
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

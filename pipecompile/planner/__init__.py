@@ -25,5 +25,6 @@
     cluster.py         `cluster("h100", nodes=8, per_node=8)`: devices and link levels
     collectives.py     alpha-beta prices of reduce-scatter, all-gather, all-reduce per level
     throughput.py      tokens (samples) per second per device and MFU of a plan
+    breakdown.py       where the predicted step goes: compute by kernel kind, optimizer, bubble
     assembly.py        a finished plan -> its RuntimeSpec
 """

@@ -170,13 +170,16 @@ def device_model(spec: DeviceSpec, ranks: Ranks, dtype: str | None = None, *,
     that need not be here) gives its own figures, at its rate for the model's `dtype`; a figure
     it leaves out costs nothing. Otherwise the FLOP rate is measured on this machine (rank 0's
     under torch.distributed, so that every rank plans with the same numbers)."""
-    if spec.absolute:  # priced op by op as the device runs it (planner/kernels.py)
+    if spec.absolute:  # priced op by op as the device runs it (passes/kernels.py, passes/kernel_prices.py)
         rate = spec.rate(dtype)
         accelerator = accelerator_of(spec)
         attention = (rate if accelerator is None  # a spec of one's own: at the matmul rate
                      else accelerator.attention * accelerator.peak(dtype))
+        chip = None if accelerator is None or accelerator.chip is None else (
+            accelerator.chip.with_ceiling(rate / accelerator.peak(dtype)))  # efficiency=
         return DeviceModel(flops=rate, bandwidth=spec.memory_bandwidth or math.inf,
-                           op_overhead=spec.op_overhead or 0.0, attention=attention)
+                           op_overhead=spec.op_overhead or 0.0, attention=attention,
+                           chip=chip, dtype=dtype)
     return DeviceModel(flops=ranks.rate(matmul_rate(spec.name, cache=cache)))
 
 

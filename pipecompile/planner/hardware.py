@@ -16,22 +16,20 @@ table and the reasoning):
                 2.039 TB/s. NVLink per direction: H100 450 GB/s (900 both ways), A100 300 GB/s
                 (600). InfiniBand per GPU: H100 NDR 400 Gb/s = 50 GB/s (ConnectX-7), A100 HDR
                 200 Gb/s = 25 GB/s (ConnectX-6), as in DGX H100 / DGX A100.
-    sustained   per op, as the device runs it (passes/kernels.py): a matmul at the
-                accelerator's `matmul` fraction of peak (large BF16 GEMMs: 0.75 on the H100,
-                0.8 on the A100; an assumption from public cuBLAS measurements) or by its bytes,
-                whichever is slower (a roofline of its shape); attention as one fused kernel at
-                the `attention` fraction (FlashAttention-2, which torch's sdpa runs: 0.35 of the
-                H100's peak forward + backward at head dim 128, 0.6 of the A100's, from the
-                FlashAttention-2 and -3 papers); other ops by their bytes at MEMORY_EFFICIENCY
-                = 0.8 of HBM bandwidth; links at LINK_EFFICIENCY = 0.8 (STREAM and nccl-tests
-                reach 0.8-0.9). A spec's `flops` is the matmul rate.
+    sustained   per kernel, as the device runs it, from published kernel measurements
+                (passes/kernel_prices.py holds every constant, CHIPS; docs/hardware.md the
+                sources): GEMMs by tile and wave quantisation under the best cuBLAS rate
+                (MAMF: 0.859 of the A100's peak, 0.801 of the H100's), FlashAttention-2 by
+                sequence, causal mask and head dimension (forward up to 0.73 / 0.35 of peak,
+                backward 0.63 / 0.30), memory-bound kernels at 0.9 of HBM bandwidth, at least
+                4 us per kernel; links at LINK_EFFICIENCY = 0.8 (nccl-tests reach 0.8-0.9).
+                A spec's `flops` is the best GEMM's rate.
     memory      the datasheet's 80 GB as 80e9 bytes: the devices report about 85.5e9 (81,559
                 MiB on an H100, 81,920 MiB on an A100); the difference is left for the CUDA
                 context, NCCL buffers and allocator fragmentation.
     latency     LATENCY per message: 10 us on NVLink, 20 us over InfiniBand (the order of
                 nccl-tests' small-message send/recv times; an assumption, not a datasheet).
-    overheads   OP_OVERHEAD = 2 us per graph op (kernel launch, mostly hidden behind compute on
-                a busy GPU) and ACTION_OVERHEAD = 50 us per pipeline action or message (Python
+    overheads   OP_OVERHEAD = 4 us, the shortest a kernel lasts (CHIPS' `launch`) and ACTION_OVERHEAD = 50 us per pipeline action or message (Python
                 dispatch, autograd set-up, an NCCL call): assumptions for a GPU runtime, used in
                 place of `measure.rates.action_overhead`, which would time this machine.
 
@@ -45,14 +43,17 @@ from typing import Sequence
 
 from ..errors import ConfigError
 from ..ir.devices import DeviceSpec
+from ..passes.kernel_prices import CHIPS, Chip
 
 __all__ = ["describe_devices", "Accelerator", "ACCELERATORS", "preset", "accelerator_of", "MEMORY_EFFICIENCY",
            "LINK_EFFICIENCY", "LATENCY", "OP_OVERHEAD", "ACTION_OVERHEAD"]
 
-MEMORY_EFFICIENCY = 0.8  # sustained / peak HBM bandwidth
+# the kernel-level constants (GEMM ceiling, attention, HBM fraction, launch) live in one
+# place, passes/kernel_prices.CHIPS; these are their spec-level views
+MEMORY_EFFICIENCY = CHIPS["h100"].memory_efficiency  # sustained / peak HBM bandwidth
 LINK_EFFICIENCY = 0.8  # sustained / peak link bandwidth, per direction
 LATENCY = {"nvlink": 10e-6, "infiniband": 20e-6}  # seconds per message
-OP_OVERHEAD = 2e-6  # seconds per graph op on a GPU
+OP_OVERHEAD = CHIPS["h100"].launch  # seconds a kernel lasts at least on a GPU
 ACTION_OVERHEAD = 50e-6  # seconds per pipeline action or message on a GPU runtime
 
 TERA = 1e12
@@ -68,8 +69,9 @@ class Accelerator:
     memory: float
     memory_bandwidth: float
     links: tuple[tuple[str, float], ...]  # bytes/s per direction, by link name
-    matmul: float = 0.75  # sustained / peak FLOP/s of a large GEMM (assumed, see above)
+    matmul: float = 0.75  # sustained / peak FLOP/s of the best GEMM (the chip's ceiling)
     attention: float = 0.5  # sustained / peak FLOP/s of fused attention, forward + backward
+    chip: Chip | None = None  # kernel-level figures: every kernel priced by its shape
 
     def peak(self, dtype: str | None = None) -> float:
         """Dense peak FLOP/s in `dtype` (the first listed, bfloat16, when not listed)."""
@@ -91,9 +93,10 @@ class Accelerator:
         return DeviceSpec(
             name=device, memory=self.memory, bandwidth=LINK_EFFICIENCY * links[link],
             flops=rates[0][1], latency=LATENCY[link],
-            memory_bandwidth=MEMORY_EFFICIENCY * self.memory_bandwidth,
-            op_overhead=OP_OVERHEAD, action_overhead=ACTION_OVERHEAD,
-            hardware=f"{self.title} ({efficiency:g} of peak, {link})", dtype_flops=rates)
+            memory_bandwidth=(self.chip.memory_efficiency if self.chip else MEMORY_EFFICIENCY)
+            * self.memory_bandwidth,
+            op_overhead=self.chip.launch if self.chip else OP_OVERHEAD, action_overhead=ACTION_OVERHEAD,
+            hardware=f"{self.title} ({efficiency:.3g} of peak, {link})", dtype_flops=rates)
 
     def link(self, name: str) -> float:
         """Sustained bytes/s per direction of link `name` ("nvlink", "infiniband")."""
@@ -104,21 +107,21 @@ class Accelerator:
         return LINK_EFFICIENCY * links[name]
 
 
+def _of_chip(chip: Chip, links: tuple[tuple[str, float], ...]) -> Accelerator:
+    """The accelerator of `chip`: its datasheet figures, its best GEMM as the matmul rate and
+    fused attention forward + backward (2.5x the forward's FLOPs) as one fraction."""
+    fused = 3.5 / (1 / chip.attention.forward + 2.5 / chip.attention.backward)
+    return Accelerator(title=chip.title, peak_flops=chip.peak_flops, memory=80 * GIGA,
+                       memory_bandwidth=chip.memory_bandwidth, links=links,
+                       matmul=chip.ceiling, attention=fused, chip=chip)
+
+
 ACCELERATORS: dict[str, Accelerator] = {
-    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense = half the sparse figure)
-    "h100": Accelerator(
-        title="NVIDIA H100 80GB SXM",
-        peak_flops=(("bfloat16", 989.4 * TERA), ("float16", 989.4 * TERA),
-                    ("float32", 66.9 * TERA), ("float8_e4m3fn", 1978.9 * TERA)),
-        memory=80 * GIGA, memory_bandwidth=3350 * GIGA,
-        links=(("nvlink", 450 * GIGA), ("infiniband", 50 * GIGA)), matmul=0.75, attention=0.35),
-    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column
-    "a100": Accelerator(
-        title="NVIDIA A100 80GB SXM",
-        peak_flops=(("bfloat16", 312 * TERA), ("float16", 312 * TERA),
-                    ("float32", 19.5 * TERA)),
-        memory=80 * GIGA, memory_bandwidth=2039 * GIGA,
-        links=(("nvlink", 300 * GIGA), ("infiniband", 25 * GIGA)), matmul=0.8, attention=0.6),
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense = half the sparse figure);
+    # one ConnectX-7 NDR 400 Gb/s per GPU (DGX H100)
+    "h100": _of_chip(CHIPS["h100"], (("nvlink", 450 * GIGA), ("infiniband", 50 * GIGA))),
+    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column; ConnectX-6 HDR 200 Gb/s
+    "a100": _of_chip(CHIPS["a100"], (("nvlink", 300 * GIGA), ("infiniband", 25 * GIGA))),
 }
 
 _NOISE = ("nvidia", "sxm5", "sxm4", "sxm", "80gb", "tensorcore", "gpu")
@@ -130,17 +133,18 @@ def preset(name: str, *, efficiency: float | None = None, link: str = "nvlink",
     "a100-sxm4-80gb" too). `efficiency`: sustained / peak FLOP/s; `link`: "nvlink" (within a
     node) or "infiniband" (across nodes); `device`: the torch device its stages run on when
     this machine has it ("cuda" is numbered per pipeline device when enough GPUs are here).
-    `efficiency`: sustained / peak FLOP/s of large matmuls (None: the accelerator's own,
-    0.75 for the H100, 0.8 for the A100).
+    `efficiency`: sustained / peak FLOP/s of the best GEMM (None: the accelerator's own,
+    0.801 for the H100, 0.859 for the A100, the MAMF finder's cuBLAS measurements).
 
     Sources (dense peaks; the datasheets' tensor-core figures are "with sparsity", 2x dense):
     NVIDIA H100 datasheet, SXM5: BF16/FP16 989.4 TFLOP/s, FP32 66.9, 80 GB HBM3 at 3.35 TB/s,
     NVLink 900 GB/s (450 per direction); NVIDIA A100 datasheet, 80GB SXM: BF16/FP16 312,
     FP32 19.5, 80 GB HBM2e at 2.039 TB/s, NVLink 600 GB/s (300 per direction); DGX H100 / A100:
     one ConnectX-7 NDR 400 Gb/s (50 GB/s) / ConnectX-6 HDR 200 Gb/s (25 GB/s) per GPU.
-    Assumed: matmuls at 0.75 (H100) / 0.8 (A100) of peak, 0.8 of memory and link
-    bandwidth, 10/20 us per NVLink/InfiniBand message, 2 us per op, 50 us per pipeline action
-    (the module docstring and docs/hardware.md give the reasons)."""
+    Kernel constants (passes/kernel_prices.CHIPS): the best GEMM, FlashAttention-2's
+    efficiencies, 0.9 of HBM bandwidth, 4 us per kernel at least; assumed: 0.8 of link
+    bandwidth, 10/20 us per NVLink/InfiniBand message, 50 us per pipeline action (the module
+    docstring and docs/hardware.md give the sources and reasons)."""
     return _accelerator(name).spec(efficiency=efficiency, link=link, device=device)
 
 

@@ -33,6 +33,7 @@ from typing import Sequence
 
 from ..errors import ConfigError
 from ..ir.devices import DeviceSpec
+from ..passes.kernel_prices import optimizer_seconds
 from .cluster import Cluster, Link
 from .collectives import Group, all_gather, all_reduce, reduce_scatter
 
@@ -168,8 +169,9 @@ class Collectives:
         during that backward (one autograd backward per micro-batch, no recomputation)."""
         d = self.layout.data_parallel
         shard = d if self.layout.fsdp else 1
-        step = (0.0 if self.memory_bandwidth is None else
-                (2 * param + grad + 2 * optimizer) / shard / self.memory_bandwidth)
+        step = (0.0 if self.memory_bandwidth is None else  # AdamW + clipping, by bytes
+                optimizer_seconds(self.memory_bandwidth, param / shard, grad / shard,
+                                  optimizer / shard))
         if d < 2:
             return 0.0, step
         if self.layout.fsdp:

@@ -25,7 +25,7 @@ from ..measure.probe import Probe, probe
 from .options import CompileOptions, compute_dtype
 from ..ir.records import Example
 from .plan import Plan
-from .layout import Collectives
+from .layout import Collectives, Layout
 from .decisions import (
     Target,
     action_cost,
@@ -144,7 +144,7 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
     found = search_plans(space, o.devices, costs_for, overhead=plan.overhead,
                          split_ratio=plan.split_ratio,
                          cores=shared_cores(o.devices, o.ranks), efficiency=plan.efficiency,
-                         searched=tuple(sorted(o.auto)))
+                         searched=tuple(sorted(o.auto)), collectives=_one_replica(o))
     best = found.best
     stages = len(o.devices) * best.virtual_stages
     recompute = (tuple(best.recompute) if "checkpoint" in o.auto
@@ -208,8 +208,17 @@ def target(plan: Plan) -> Target:
 
 
 def collectives(plan: Plan) -> Collectives | None:
-    """The searched layout's collectives and optimizer step (None: no layout searched)."""
+    """The searched layout's collectives and optimizer step (no layout searched: the
+    optimizer step alone on absent devices, else None)."""
     layout = plan.ready.choices.layout
     if layout is None:
-        return None
+        return _one_replica(plan.asked)
     return Collectives.of(layout, plan.asked.cluster, plan.resolved.devices[0])
+
+
+def _one_replica(o: CompileOptions) -> Collectives | None:
+    """Devices described by their figures, no layout searched: one replica's optimizer step
+    (priced by its bytes; no collectives). None for devices measured here."""
+    if o.data_parallel > 1 or not all(d.absolute for d in o.devices):
+        return None
+    return Collectives.of(Layout(len(o.devices), 1), o.cluster, o.devices[0])

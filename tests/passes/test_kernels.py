@@ -100,4 +100,24 @@ def test_presets_price_attention_at_their_own_fraction_of_peak(gpt_plan):
     model = gpt_plan.device_model
     h100 = accelerator_of(pc.preset("h100"))
     assert h100 is not None and model.attention == pytest.approx(h100.attention * 66.9e12)  # fp32
-    assert model.kernels is not None and model.kernels.matmul == pytest.approx(0.75 * 66.9e12)
+    assert model.kernels is not None and model.kernels.matmul == pytest.approx(
+        792.1 / 989.4 * 66.9e12)  # the best cuBLAS GEMM's share of peak, at fp32
+    assert model.kernels.chip is not None and model.kernels.dtype == "float32"
+
+
+def test_each_kernel_is_recorded_with_its_shape(gpt_plan):
+    """The GEMMs' shapes multiply back to the counted matmul FLOPs; attention is recorded as
+    batch x heads, queries, keys, head dimension and its causal mask."""
+    linear = gpt_plan.linear
+    layer = next(i for i, b in enumerate(linear.blocks) if b.name == "layers.0")
+    kernels = symbolic_block_costs(linear, fused=True)[layer].kernels
+    sizes = gpt_plan.costs.sizes
+    value = lambda e: float(sympy.sympify(e).subs(dict(sizes)))  # noqa: E731
+    shaped = sum(2 * value(m) * value(n) * value(k) * value(b) * count
+                 for m, n, k, b, _, count in kernels.gemms)
+    assert shaped == pytest.approx(sum(value(f) for f, _ in kernels.matmuls))
+    # every projection reads the 4 x 128 tokens of the micro-batch (m = 512 rows)
+    assert {value(m) for m, *_ in kernels.gemms} == {512.0}
+    ((heads, s_q, s_k, d, causal, count),) = kernels.flash
+    assert (value(heads), value(s_q), value(s_k), value(d), causal, count) == (
+        16.0, 128.0, 128.0, 8.0, True, 1)

@@ -1,0 +1,187 @@
+"""What one kernel costs on a GPU, from the kernel's shape and published kernel measurements.
+
+Pure functions of a kernel's shape and a `Chip` (the figures of one GPU); no torch, no model:
+
+    matmul_seconds(chip, m, n, k, batch=1)     a GEMM (M x K) @ (K x N), `batch` of them
+    attention_seconds(chip, heads, s_q, s_k, d, causal=, backward=)   FlashAttention-2
+    memory_seconds(chip, nbytes)               a memory-bound kernel moving `nbytes`
+    optimizer_seconds(chip, param_bytes, grad_bytes, state_bytes)     AdamW + clipping
+
+Matmul (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning Performance
+docs): cuBLAS splits the output into tiles (256x128, 128x256, 128x128, 64x64 here), one tile
+per SM at a time. A tile computes its whole tile even where the matrix ends (tile
+quantisation) and the last wave of tiles may leave SMs idle (wave quantisation); too few tiles
+to fill the SMs split K over them (split-K, slices of at least 256):
+
+    waves    = ceil(batch * ceil(M / tm) * ceil(N / tn) * splits / SMs)
+    compute  = waves * tm * tn * 2 ceil(K / splits) / (ceiling * peak / SMs)    the best tile
+    seconds  = max(compute, (M K + K N + M N) batch bytes / bandwidth, launch)
+
+`ceiling` is the best a GEMM reaches on the chip at all (Bekman's MAMF finder, cuBLAS BF16:
+A100 SXM 267.9 of 312 TFLOP/s, H100 SXM 792.1 of 989). A small M (few tokens) makes the GEMM
+read its weight for little work: the bytes term (a roofline) then dominates.
+
+Attention (FlashAttention-2, Dao 2023, which torch's scaled_dot_product_attention runs): a
+thread block owns 128 query rows and walks the key blocks of 128; each tile pays about one key
+block of fixed work (loading Q, rescaling and writing O), so with n = s / 128 key blocks
+
+    non-causal   efficiency = top * n / (n + 1)
+    causal       efficiency = top * n / (n + 1 + 2)   (blocks on the diagonal run whole)
+
+times the SM fill of its tiles (batch * heads * ceil(s / 128) over the SMs, as for matmuls) and
+a head-dimension factor d (128 + a) / (128 (d + a)), a = 16 (the softmax's non-matmul work per
+score at 1/16 of the tensor-core rate, FA2 section 3.1). `top` is the long-sequence efficiency
+at head dimension 128: forward and backward separately.
+
+Memory-bound kernels move their bytes at `memory_efficiency` of the HBM bandwidth; every kernel
+lasts at least `launch` seconds (a small kernel costs its launch, not its bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+__all__ = ["Chip", "Attention", "CHIPS", "matmul_seconds", "matmul_efficiency",
+           "attention_seconds", "attention_efficiency", "memory_seconds", "optimizer_seconds", "ADAMW_PASSES", "CLIP_PASSES",
+           "FLASH_BLOCK", "SOFTMAX_HEAD_DIM"]
+
+#: FlashAttention-2's query and key block (rows) at head dimension 128 on A100/H100.
+FLASH_BLOCK = 128
+#: The softmax's non-matmul work per score, in units of head dimension (module docstring).
+SOFTMAX_HEAD_DIM = 16
+#: AdamW moves per parameter: reads parameter, gradient and both moments, writes parameter and
+#: both moments (torch.optim.AdamW, fused or foreach, at its minimum).
+ADAMW_PASSES = (2, 1, 2)  # (parameter, gradient, optimizer state) bytes, each this many times
+#: Clipping by the global norm: reads every gradient for the norm, reads and writes it to scale.
+CLIP_PASSES = 3
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Long-sequence efficiency (fraction of the dense peak) of fused attention at head
+    dimension 128: forward and backward (the backward runs 2.5x the forward's FLOPs)."""
+
+    forward: float
+    backward: float
+
+
+@dataclass(frozen=True)
+class Chip:
+    """Kernel-level figures of one GPU: SMs, dense peaks by dtype, HBM bandwidth, the best
+    GEMM efficiency (`ceiling`), fused attention's efficiencies, the fraction of HBM bandwidth
+    memory-bound kernels sustain and the shortest a kernel lasts (`launch`)."""
+
+    title: str
+    sms: int
+    peak_flops: tuple[tuple[str, float], ...]  # dense, by torch dtype name; first: default
+    memory_bandwidth: float  # bytes/s, datasheet
+    ceiling: float  # best cuBLAS GEMM / dense peak
+    attention: Attention
+    memory_efficiency: float = 0.9
+    launch: float = 4e-6
+    tiles: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128), (64, 64))
+
+    def peak(self, dtype: str | None = None) -> float:
+        """Dense peak FLOP/s in `dtype` (the first listed when not listed)."""
+        return dict(self.peak_flops).get(dtype or "", self.peak_flops[0][1])
+
+    @property
+    def bandwidth(self) -> float:
+        """Sustained bytes/s of a memory-bound kernel."""
+        return self.memory_efficiency * self.memory_bandwidth
+
+    def with_ceiling(self, ceiling: float) -> "Chip":
+        """This chip whose best GEMM sustains `ceiling` of its peak (a preset's `efficiency=`);
+        attention scales with it."""
+        scale = ceiling / self.ceiling
+        return replace(self, ceiling=ceiling, attention=Attention(
+            min(1.0, self.attention.forward * scale), min(1.0, self.attention.backward * scale)))
+
+
+def matmul_seconds(chip: Chip, m: float, n: float, k: float, *, batch: float = 1,
+                   dtype: str | None = None, itemsize: int = 2) -> float:
+    """Seconds of `batch` GEMMs (m x k) @ (k x n) in `dtype` (module docstring)."""
+    if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+        return 0.0
+    per_sm = chip.ceiling * chip.peak(dtype) / chip.sms
+    compute = min(_tiled(chip.sms, m, n, k, batch, tm, tn) for tm, tn in chip.tiles) / per_sm
+    moved = batch * (m * k + k * n + m * n) * itemsize / chip.bandwidth
+    return max(compute, moved, chip.launch)
+
+
+def _tiled(sms: int, m: float, n: float, k: float, batch: float, tm: int, tn: int) -> float:
+    """FLOPs one SM runs for the GEMM in tiles of tm x tn: whole tiles, whole waves; where
+    the tiles leave SMs idle, K is split over them (split-K, in slices of at least 256)."""
+    tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+    splits = max(1, min(sms // tiles if tiles < sms else 1, math.ceil(k / 256)))
+    return math.ceil(tiles * splits / sms) * 2 * tm * tn * math.ceil(k / splits)
+
+
+def matmul_efficiency(chip: Chip, m: float, n: float, k: float, *, batch: float = 1,
+                      dtype: str | None = None, itemsize: int = 2) -> float:
+    """Achieved FLOP/s of that GEMM over the dense peak."""
+    seconds = matmul_seconds(chip, m, n, k, batch=batch, dtype=dtype, itemsize=itemsize)
+    return 2 * m * n * k * batch / seconds / chip.peak(dtype) if seconds > 0 else 0.0
+
+
+def attention_efficiency(chip: Chip, heads: float, s_q: float, s_k: float, head_dim: float, *,
+                         causal: bool, backward: bool) -> float:
+    """Fraction of the dense peak fused attention sustains (module docstring); `heads` is
+    batch x heads."""
+    top = chip.attention.backward if backward else chip.attention.forward
+    blocks = max(1.0, s_k / FLASH_BLOCK)
+    shape = blocks / (blocks + 1 + (2 if causal else 0))
+    a = SOFTMAX_HEAD_DIM
+    head = min(1.0, head_dim * (FLASH_BLOCK + a) / (FLASH_BLOCK * (head_dim + a)))
+    tiles = heads * math.ceil(s_q / FLASH_BLOCK)
+    fill = tiles / (math.ceil(tiles / chip.sms) * chip.sms)
+    return top * shape * head * fill
+
+
+def attention_seconds(chip: Chip, heads: float, s_q: float, s_k: float, head_dim: float, *,
+                      causal: bool, backward: bool, dtype: str | None = None) -> float:
+    """Seconds of FlashAttention over `heads` (batch x heads) of `s_q` queries and `s_k` keys:
+    forward 4 s_q s_k d FLOPs per head (half of them with a causal mask), backward 2.5x."""
+    if heads <= 0 or s_q <= 0 or s_k <= 0:
+        return 0.0
+    flops = 4 * heads * s_q * s_k * head_dim * (0.5 if causal else 1.0)
+    flops *= 2.5 if backward else 1.0
+    rate = attention_efficiency(chip, heads, s_q, s_k, head_dim, causal=causal,
+                                backward=backward) * chip.peak(dtype)
+    return max(flops / rate, chip.launch)
+
+
+def memory_seconds(chip: Chip, nbytes: float) -> float:
+    """Seconds of a memory-bound kernel reading and writing `nbytes` (at least a launch)."""
+    return max(nbytes / chip.bandwidth, chip.launch) if nbytes > 0 else chip.launch
+
+
+def optimizer_seconds(bandwidth: float, param_bytes: float, grad_bytes: float,
+                      state_bytes: float, *, clip: bool = True) -> float:
+    """Seconds of an AdamW step over these bytes at `bandwidth` (sustained bytes/s): the
+    bytes it reads and writes (ADAMW_PASSES), plus clipping by the global norm (CLIP_PASSES
+    over the gradients) when `clip`, as Megatron-LM and torchtitan step by default."""
+    p, g, s = ADAMW_PASSES
+    moved = p * param_bytes + g * grad_bytes + s * state_bytes
+    if clip:
+        moved += CLIP_PASSES * grad_bytes
+    return moved / bandwidth
+
+
+TERA = 1e12
+CHIPS: dict[str, Chip] = {
+    # NVIDIA A100 80GB SXM4: 108 SMs (A100 whitepaper); MAMF 267.9 / 312 (Bekman,
+    # ml-engineering, CUDA 12.1); FlashAttention-2 forward up to 73 % of peak (Dao 2023,
+    # abstract: 50-73 %, 230 TFLOP/s), backward up to 63 % (section 4.1)
+    "a100": Chip("NVIDIA A100 80GB SXM", 108,
+                 (("bfloat16", 312 * TERA), ("float16", 312 * TERA), ("float32", 19.5 * TERA)),
+                 2039e9, ceiling=267.9 / 312, attention=Attention(0.73, 0.63)),
+    # NVIDIA H100 80GB SXM5: 132 SMs (H100 whitepaper); MAMF 792.1 / 989 (Bekman); torch's
+    # sdpa runs FlashAttention-2 there: "only 35% utilization on the H100" (Shah et al. 2024,
+    # FlashAttention-3, abstract), backward in the A100's proportion (0.63 / 0.73)
+    "h100": Chip("NVIDIA H100 80GB SXM", 132,
+                 (("bfloat16", 989.4 * TERA), ("float16", 989.4 * TERA),
+                  ("float32", 66.9 * TERA), ("float8_e4m3fn", 1978.9 * TERA)),
+                 3350e9, ceiling=792.1 / 989.4, attention=Attention(0.35, 0.35 * 0.63 / 0.73)),
+}

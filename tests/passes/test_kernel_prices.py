@@ -1,0 +1,123 @@
+"""Kernels priced by their shape on a chip, against values worked out by hand."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import sympy
+
+from pipecompile.passes.kernel_prices import (
+    CHIPS,
+    Attention,
+    Chip,
+    attention_efficiency,
+    attention_seconds,
+    matmul_efficiency,
+    matmul_seconds,
+    memory_seconds,
+    optimizer_seconds,
+)
+from pipecompile.passes.kernels import HardwareRates, Kernels
+
+# 100 SMs of 1 TFLOP/s each at ceiling 1, 1 TB/s at 100 %, one 128 x 128 tile, 1 us launch
+TOY = Chip("toy", 100, (("bfloat16", 100e12),), 1e12, ceiling=1.0,
+           attention=Attention(0.5, 0.4), memory_efficiency=1.0, launch=1e-6,
+           tiles=((128, 128),))
+
+
+def test_a_gemm_of_whole_waves_runs_at_the_ceiling():
+    # 1280 x 1280 outputs = 100 tiles = one wave; 2 * 128 * 128 * 4096 FLOPs per SM at 1e12
+    seconds = matmul_seconds(TOY, 1280, 1280, 4096)
+    assert seconds == pytest.approx(2 * 128 * 128 * 4096 / 1e12)
+    assert matmul_efficiency(TOY, 1280, 1280, 4096) == pytest.approx(1.0)
+
+
+def test_tile_and_wave_quantisation_waste_what_they_round_up():
+    # 1281 rows need 11 row tiles: 110 tiles = 2 waves for 1281/1280 of one wave's work
+    assert matmul_seconds(TOY, 1281, 1280, 4096) == pytest.approx(2 * 2 * 128 * 128 * 4096 / 1e12)
+    assert matmul_efficiency(TOY, 1281, 1280, 4096) == pytest.approx(1281 / 2560)
+    # the best tile is taken: a 256 x 128 tile would need 5 x 10 = 50 tiles, one wave
+    both = replace(TOY, tiles=((128, 128), (256, 128)))
+    assert matmul_seconds(both, 1280, 1280, 4096) == pytest.approx(2 * 128 * 128 * 4096 / 1e12)
+
+
+def test_a_few_rows_make_a_gemm_memory_bound():
+    # m = 8: the 4096 x 4096 weight (32 MiB in bf16) dominates: bytes / bandwidth; in
+    # 128 x 128 tiles 32 tiles split K 3 ways over the 100 SMs, 44.7 us of padded rows
+    small = replace(TOY, tiles=((128, 128), (64, 64)))
+    assert matmul_seconds(TOY, 8, 4096, 4096) == pytest.approx(
+        2 * 128 * 128 * math.ceil(4096 / 3) / 1e12)
+    seconds = matmul_seconds(small, 8, 4096, 4096)  # 64 tiles of 64 x 64: 33.6 us of FLOPs
+    assert seconds == pytest.approx((8 * 4096 + 4096 * 4096 + 8 * 4096) * 2 / 1e12)
+    assert matmul_efficiency(small, 8, 4096, 4096) == pytest.approx(
+        2 * 8 * 4096 * 4096 / seconds / 100e12)  # 8 % of peak
+
+
+def test_a_tiny_kernel_costs_its_launch():
+    assert matmul_seconds(TOY, 16, 16, 16) == 1e-6
+    assert memory_seconds(TOY, 1000) == 1e-6
+    assert memory_seconds(TOY, 1e9) == pytest.approx(1e-3)
+
+
+def test_attention_efficiency_by_sequence_causal_mask_head_dimension_and_fill():
+    # 200 heads x 16 query tiles (s = 2048) fill 100 SMs in 32 whole waves; n = 16 key blocks
+    non_causal = attention_efficiency(TOY, 200, 2048, 2048, 128, causal=False, backward=False)
+    assert non_causal == pytest.approx(0.5 * 16 / 17)
+    causal = attention_efficiency(TOY, 200, 2048, 2048, 128, causal=True, backward=False)
+    assert causal == pytest.approx(0.5 * 16 / 19)
+    backward = attention_efficiency(TOY, 200, 2048, 2048, 128, causal=False, backward=True)
+    assert backward == pytest.approx(0.4 * 16 / 17)
+    # head dimension 64: 64 (128 + 16) / (128 (64 + 16)) = 0.9 of the head-128 rate
+    small = attention_efficiency(TOY, 200, 2048, 2048, 64, causal=False, backward=False)
+    assert small == pytest.approx(0.9 * non_causal)
+    # 10 heads x 16 tiles = 160 tiles: 2 waves of 100 SMs, 0.8 filled
+    few = attention_efficiency(TOY, 10, 2048, 2048, 128, causal=False, backward=False)
+    assert few == pytest.approx(0.8 * non_causal)
+    seconds = attention_seconds(TOY, 200, 2048, 2048, 128, causal=True, backward=True)
+    flops = 4 * 200 * 2048 * 2048 * 128 / 2 * 2.5
+    assert seconds == pytest.approx(flops / (0.4 * 16 / 19 * 100e12))
+
+
+def test_the_optimizer_step_and_clipping_move_their_bytes():
+    # AdamW: 2 x parameters + gradients + 2 x state; clipping: 3 x gradients
+    assert optimizer_seconds(1e12, 2e9, 2e9, 4e9, clip=False) == pytest.approx(14e-3)
+    assert optimizer_seconds(1e12, 2e9, 2e9, 4e9) == pytest.approx(20e-3)
+
+
+def test_the_presets_constants():
+    a100, h100 = CHIPS["a100"], CHIPS["h100"]
+    assert (a100.sms, h100.sms) == (108, 132)
+    assert a100.ceiling * 312e12 == pytest.approx(267.9e12)  # MAMF, cuBLAS BF16
+    assert h100.ceiling * 989.4e12 == pytest.approx(792.1e12)
+    assert a100.bandwidth == pytest.approx(0.9 * 2039e9)
+    # a GPT-3 1.5B MLP GEMM (6144 tokens x 2304 -> 9216) on the A100: 1296 tiles of 128 x 128
+    # (48 x 27 of 256 x 128) in 12 whole waves: the ceiling
+    assert matmul_efficiency(a100, 6144, 9216, 2304) == pytest.approx(a100.ceiling)
+
+
+def test_kernels_by_shape_split_forward_and_backward_by_kind():
+    m, n, k = sympy.symbols("m n k")
+    kernels = Kernels(launches=3, gemms=((m, n, k, sympy.Integer(1), 2, 1),),
+                      flash=((sympy.Integer(200), sympy.Integer(2048), sympy.Integer(2048),
+                              sympy.Integer(128), True, 1),),
+                      moves=((sympy.Integer(10**9), 2),))
+    sizes = {m: 1280, n: 1280, k: 4096}
+    value = lambda e: float(sympy.sympify(e).subs(sizes))  # noqa: E731
+    rates = HardwareRates(1.0, 1.0, 1.0, chip=TOY, dtype="bfloat16")
+    gemm = 2 * 1280 * 1280 * 4096
+    forward, backward = kernels.parts(2 * gemm + 2.5 * 0, rates, value)
+    assert forward.matmul == pytest.approx(gemm / 100e12)
+    assert forward.attention == pytest.approx(
+        attention_seconds(TOY, 200, 2048, 2048, 128, causal=True, backward=False))
+    assert forward.memory == pytest.approx(2 * 1e-3) and forward.launch == 0.0
+    # backward: dX (1280 x 4096, inner 1280) and dW (4096 x 1280, inner 1280): 320 tiles
+    # each, 4 waves of 100 SMs (0.8 of the ceiling)
+    assert backward.matmul == pytest.approx(2 * 4 * 2 * 128 * 128 * 1280 / 1e12)
+    assert backward.memory == pytest.approx(4 * 1e-3)
+    assert kernels.times(2 * gemm, rates, value) == (pytest.approx(forward.total),
+                                                     pytest.approx(backward.total))
+    # frozen weights: autograd runs half the backward GEMMs
+    assert kernels.parts(gemm, rates, value)[1].matmul == pytest.approx(backward.matmul / 2)
+    assert math.isclose(forward.total, forward.matmul + forward.attention + forward.memory)

@@ -1,0 +1,55 @@
+"""Where the predicted step goes: parts by kind that sum to the step (planner/breakdown.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipecompile as pc
+from pipecompile import zoo
+from pipecompile.planner.breakdown import StepBreakdown, step_breakdown
+from pipecompile.passes.kernel_prices import CHIPS, optimizer_seconds
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab=512, dim=256, layers=4, heads=4, seq=256).to(torch.bfloat16)
+    ids = torch.randint(0, 512, (8, 256))
+    return pc.compile(model, (ids,), devices=[pc.preset("a100")] * 2, schedule="gpipe",
+                      microbatches=4, data_parallel=1, checkpoint=False,
+                      optimizer=lambda p: torch.optim.AdamW(p))
+
+
+def test_the_parts_sum_to_the_predicted_step(pipe):
+    parts = step_breakdown(pipe.plan)
+    assert isinstance(parts, StepBreakdown)
+    assert parts.step == pipe.predicted.makespan
+    assert sum(parts.parts().values()) == pytest.approx(parts.step, rel=1e-12)
+    # every kind of kernel is there; compute is split by kind, none left unsplit
+    assert min(parts.matmul, parts.attention, parts.memory, parts.launch) > 0
+    assert parts.compute == 0.0
+    # GPipe on 2 devices, 4 micro-batches: the busiest device idles while the other fills
+    assert parts.bubble > 0 and parts.overhead > 0 and parts.communication >= 0
+
+
+def test_the_optimizer_step_is_its_stages_bytes_at_memory_bandwidth(pipe):
+    parts = step_breakdown(pipe.plan)
+    bounds = pipe.plan.placement.bounds
+    stages = [s for s, d in enumerate(pipe.schedule.stage_to_device) if d == parts.device]
+    blocks = [c for s in stages for c in pipe.plan.costs.symbolic[bounds[s]:bounds[s + 1]]]
+    param = sum(float(c.param_bytes) for c in blocks)
+    state = sum(float(c.optimizer_bytes) for c in blocks)
+    # AdamW over bf16 parameters (2 bf16 moments: 4 bytes per parameter), with clipping
+    expected = optimizer_seconds(CHIPS["a100"].bandwidth, param, param, state)
+    assert state == pytest.approx(2 * param)
+    assert parts.optimizer == pytest.approx(expected) and parts.collectives == pytest.approx(0.0)
+
+
+def test_explain_shows_where_the_step_goes(pipe):
+    text = pipe.explain()
+    parts = step_breakdown(pipe.plan)
+    assert f"predicted step {parts.step * 1e3:.3f} ms, as device {parts.device}" in text
+    for label in ("matmul kernels", "fused attention", "memory-bound kernels",
+                  "optimizer step + clipping", "bubble (idle)"):
+        assert label in text
