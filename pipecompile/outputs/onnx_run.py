@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, require
 
 __all__ = ["run", "Chain", "load_manifest", "validate_manifest", "SCHEMA_PATH"]
 
@@ -31,7 +31,7 @@ class Chain:
     """The stages of a manifest as onnxruntime sessions, ready to run many times."""
 
     def __init__(self, manifest_path: str | os.PathLike, *, providers: Sequence[str] | None = None):
-        import onnxruntime
+        onnxruntime = require("onnxruntime", purpose="running an ONNX manifest")
 
         self.path = Path(manifest_path)
         self.manifest = load_manifest(self.path)
