@@ -109,7 +109,7 @@ def capture_export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
         else:
             note = (f"export with {label} failed ({first_line(error)}); captured with "
                     f"{next_label}")
-        log.info("pipecompile: %s", note)
+        log.info("%s", note.replace("; captured with", "; trying"))
         if isinstance(error, TimeUp) or attempts[0][1] is None:
             notes.append(note)
         if attempts[0][1] is None and static_batch_size is not None and static_batch_size != batch:

@@ -283,7 +283,7 @@ def _fake_costs(block, nodes, linear: LinearGraph, gm, fake_mode, fused: bool = 
         with preserve_buffers(gm):
             return _run_block_fake(block.nodes, nodes, linear.roles, gm, fake_mode, fused)
     except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: estimate instead
-        log.info("pipecompile: block %s could not run on fake tensors (%s); "
+        log.info("block %s could not run on fake tensors (%s); "
                  "estimating its cost from output sizes", block.name, exc)
         written = _output_bytes(block.nodes, linear)
         return (sympy.Integer(0),) * 3, written, (), (), Kernels(memory=2 * written,
