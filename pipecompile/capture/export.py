@@ -22,11 +22,9 @@ The root module cannot be opaque: a Function applied or `.data` used in its own 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import io
 import logging
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -47,6 +45,7 @@ from ..ir.records import CapturedModel
 from . import opaque as opaque_modules
 from .opaque import OpaqueModule
 from .opaque_causes import data_writes, watching_functions
+from .quiet import quiet as _quiet
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -244,29 +243,6 @@ def _fx_traces(model: torch.nn.Module) -> bool:
     except Exception:  # noqa: BLE001 - any failure: fx is no way out
         return False
     return True
-
-
-@contextlib.contextmanager
-def _quiet(verbose: bool) -> Iterator[io.StringIO]:
-    """Collect what torch prints to stderr and logs below ERROR while exporting."""
-    buffer = io.StringIO()
-    if verbose:
-        yield buffer
-        return
-    loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(buffer):
-            yield buffer
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export",
-                  "torch._dynamo", "torch._subclasses.fake_tensor")
 
 
 def _same_class(model: torch.nn.Module, path: str) -> list[str]:
