@@ -23,6 +23,7 @@ from .errors import ConfigError
 from .capture.inputs import batch_parts, check_inputs
 from .lazy import NOT_PLANNED, Plans
 from .outputs.memory_report import DeviceMemory, device_memory
+from .outputs.metrics import InputSizes, pipeline_metrics
 from . import module_state
 from .passes.split import Stage, StagedProgram
 from .outputs.persist import load_plan, save_plan
@@ -54,6 +55,7 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         self._plan: Plan | None = None
         self._runtime: Runtime | None = None
         self._last: StepResult | None = None  # what the last training step produced
+        self._sizes: InputSizes | None = None  # its rows and tokens (`metrics()`)
         # the user's model, not a submodule: init_weights runs its modules, adopt copies hooks
         self._source = (planner.model if planner is not None else model,)
         self._materialised = False  # checked once per plan: no meta tensor left here
@@ -166,6 +168,7 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         scale = loss_scale_value(loss_scale, self.runtime.wiring.devices[-1])
         self._last = self.runtime.run(self.schedule, mbs, batches=1, loss_scale=scale,
                                       num_items=num_items_in_batch)
+        self._sizes = InputSizes.of(mbs)
         return self._last.losses[0]
 
     def eval_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -286,6 +289,12 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
     def simulate(self, schedule: Schedule | None = None) -> Timeline:
         """Predicted timeline of `schedule` (default: the last one run, else the step's)."""
         return predict(schedule or self.last_step.schedule, self.plan)
+
+    def metrics(self) -> dict[str, float]:
+        """The last training step as a flat dict of floats for a logger (loss, step_time_s,
+        bubble_fraction, samples_per_s, tokens_per_s, bytes_sent, peak_memory_bytes/device{d}:
+        `outputs.metrics`); under torchrun every rank calls it and gets the job's values."""
+        return pipeline_metrics(self, self._sizes)
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None
                      ) -> tuple[DeviceMemory, ...]:
