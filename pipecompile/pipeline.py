@@ -24,6 +24,7 @@ from .capture.inputs import batch_parts, check_inputs
 from .lazy import NOT_PLANNED, Plans
 from .outputs.memory_report import DeviceMemory, device_memory
 from .outputs.metrics import InputSizes, pipeline_metrics
+from .outputs.trace import write_job_trace
 from . import module_state
 from .passes.split import Stage, StagedProgram
 from .outputs.persist import load_plan, save_plan
@@ -308,8 +309,13 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         return presentation.plot_timeline(self.plan, self.timeline(), path)
 
     def write_chrome_trace(self, path: str) -> str:
-        """Write the last measured timeline as Chrome trace JSON (open it in Perfetto)."""
-        return presentation.write_chrome_trace(self.timeline(), path)
+        """Write the last step's actions as one Chrome trace for the job (open it in Perfetto):
+        every device, arrows from sends to receives (`outputs.trace`). Under torchrun every
+        rank calls it and rank 0 writes every rank's actions on one clock."""
+        topology = self.topology
+        return write_job_trace(self.last_step, path, distributed=topology is not None
+                               and torch.distributed.is_initialized(),
+                               pipeline_size=topology.pipeline_size if topology else None)
 
     # -- inspection, export and persistence ------------------------------------------------
 

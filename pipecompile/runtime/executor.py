@@ -69,6 +69,7 @@ class Executed:
 
     events: tuple[Event, ...]
     outputs: Mapping[int, Mapping[str, Any]]
+    started: float = 0.0  # time.perf_counter() when the run began: the events' zero
 
 
 class Executor:
@@ -152,7 +153,7 @@ class Executor:
             raise errors[0]
         events = tuple(Event(code.device, code.actions[k], began - start, end - start)
                        for code, row in zip(program.rows, records) for k, began, end in row)
-        return Executed(events, outputs)
+        return Executed(events, outputs, start)
 
     def _program(self, schedule: Schedule, rows: Sequence[int], forward_only: bool,
                  stepwise: bool) -> "_Program":
