@@ -51,6 +51,7 @@ from typing import Any, Sequence, TextIO
 from .errors import PipecompileError
 from .ir.formats import format_bytes
 from .outputs.report import explain_search
+from .outputs.table import format_table
 from .schedule.schedules import SCHEDULE_NAMES
 
 __all__ = ["main"]
@@ -110,7 +111,7 @@ def _inspect(args: argparse.Namespace) -> tuple[dict, str]:
                  "= (" + ", ".join(map(str, v.microbatch_shape)) + ")", v.dtype,
                  format_bytes(v.nbytes), f"stage {v.producer} -> {', '.join(map(str, v.consumers))}")
                 for v in c.values]
-        lines += _table(rows, indent=4)
+        lines += format_table(rows, indent=4)
     if args.code:
         # the forward training runs (direct calls), not the GraphModule's own code
         result["code"] = {str(s.index): pipe.stage_code(s.index) for s in program.stages}
@@ -287,14 +288,6 @@ def _predicted_json(pipe) -> dict[str, Any]:
         return {"step_time_s": None, "bubble_fraction": None, "peak_inflight": None}
     return {"step_time_s": t.makespan, "bubble_fraction": t.bubble_fraction,
             "peak_inflight": [t.peak_inflight(s) for s in range(len(pipe.program.stages))]}
-
-
-def _table(rows: Sequence[tuple[str, ...]], *, indent: int) -> list[str]:
-    if not rows:
-        return []
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [" " * indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-            for r in rows]
 
 
 class _Stderr(logging.StreamHandler):

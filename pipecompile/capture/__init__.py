@@ -9,4 +9,5 @@
     claimed_device.py  a meta model traced on fakes that claim the device it will train on
     deadline.py        a time budget for one call, in the calling thread
     inputs.py          a call's inputs checked against what the model was compiled with
+    quiet.py           torch's output of a failing export kept off the terminal, for one thread
 """

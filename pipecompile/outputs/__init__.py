@@ -10,4 +10,7 @@
     persist.py        `pipe.save(directory)` and `pipecompile.load(directory)`
     graph_code.py     graph modules as Python source, and back (saved pipelines)
     treespec.py       pytree specs as text (a saved pipeline's input/output structures)
+    metrics.py        `pipe.metrics()`: the last step as a flat dict of floats for a logger
+    trace.py          one Chrome trace for the job: every rank's actions, sends joined to receives
+    table.py          the plain-text table formatter every report uses
 """
