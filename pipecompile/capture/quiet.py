@@ -109,7 +109,7 @@ class _Routed(io.TextIOBase):
             cls._buffers.setdefault(thread, []).append(buffer)
             if cls._installed is None or sys.stderr is not cls._installed:
                 cls._installed = cls(sys.stderr)
-                sys.stderr = cls._installed  # type: ignore[assignment]
+                sys.stderr = cls._installed
 
     @classmethod
     def leave(cls, thread: int) -> None:

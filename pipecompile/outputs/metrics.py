@@ -51,7 +51,8 @@ class InputSizes:
 
     @classmethod
     def of(cls, mbs: Sequence[MicroBatch]) -> "InputSizes":
-        rows, tokens = 0, 0
+        rows = 0
+        tokens: int | None = 0
         for mb in mbs:
             first = next((v for v in (*mb.args, *mb.kwargs.values())
                           if isinstance(v, torch.Tensor) and v.dim() > 0), None)
