@@ -36,7 +36,7 @@ from .runtime.assemble import Runtime
 from .runtime.data_parallel import replica_microbatches
 from .runtime.direct_forward import direct_forward, plain_call
 from .runtime.distributed import Topology
-from .runtime.microbatch import split_microbatches
+from .runtime.microbatch import MicroBatch, split_microbatches
 from .runtime.spec import StepResult
 from .runtime.training import check_num_items, loss_scale_value
 from .schedule.actions import Schedule
@@ -200,6 +200,8 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         for a, k, _ in batches:
             check_inputs(self.program.captured, a, k, where="pipe.fit()")
         self._last = self.runtime.run_stream(batches)
+        self._sizes = InputSizes.of([MicroBatch(i, a, k, t, 0)
+                                     for i, (a, k, t) in enumerate(batches)])
         return list(self._last.losses)
 
     def train(self, mode: bool = True) -> "Pipeline":

@@ -5,8 +5,7 @@
 
 Keys (each a float; a key is absent where nothing says its value):
 
-    loss                       the step's mean loss (the last stage's; under torchrun sent to
-                               every rank)
+    loss                       the step's mean loss (after `fit`: its last batch's)
     step_time_s                the step's measured span: first action's start to last action's
                                end (under torchrun the slowest rank's)
     bubble_fraction            1 - compute seconds of every device / (devices x step time): the
@@ -75,7 +74,7 @@ def step_metrics(result: StepResult, *, devices: int, memory: Sequence[Any],
     start = min((e.start for e in events), default=0.0)
     span = max((e.end for e in events), default=0.0) - start
     busy = sum(e.duration for e in events if e.action.kind in COMPUTE_KINDS)
-    loss = result.losses[0] if result.losses else None
+    loss = result.losses[-1] if result.losses else None  # (fit: its last batch's)
     sent = float((result.communication or {}).get("bytes", 0))
     rows = float(sizes.rows) if sizes is not None else 0.0
     tokens = float(sizes.tokens) if sizes is not None and sizes.tokens is not None else -1.0

@@ -64,3 +64,18 @@ def test_float_inputs_give_no_tokens_and_a_reduction_sees_every_value(stepped):
     assert two["bubble_fraction"] == pytest.approx(one["bubble_fraction"])
     # the rows each reduction saw, over the ranks of one pipeline (here 2 ranks "saw" a batch)
     assert two["samples_per_s"] == pytest.approx(one["samples_per_s"])
+
+
+def test_a_fitted_stream_counts_every_batch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    data = [(torch.randn(8, 4), torch.randn(8, 4)) for _ in range(3)]
+    pipe = pc.compile(model, (data[0][0],), devices=2, microbatches=2, schedule="pipedream",
+                      loss_fn=torch.nn.functional.mse_loss,
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
+    losses = pipe.fit([((x,), y) for x, y in data])
+    m = pipe.metrics()
+    span = pipe.timeline().makespan
+    assert m["samples_per_s"] == pytest.approx(3 * 8 / span, rel=1e-12)
+    assert m["loss"] == pytest.approx(losses[-1].item(), rel=1e-12)  # the last batch's
+    assert "tokens_per_s" not in m
