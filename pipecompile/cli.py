@@ -18,8 +18,9 @@ and peak in-flight micro-batches per stage, and the plans the search compared (-
 --microbatches default to "auto"); --gantt draws the predicted timeline. `export` writes ONNX
 files and a manifest (--onnx) and/or the saved program (--save, read back by
 `pipecompile.load`). --json prints one JSON object on stdout instead of text. Progress goes to
-stderr. A bad FILE, FACTORY or option prints a one-line error
-on stderr and exits with status 2.
+stderr: pipecompile's INFO log lines, each pass as it ends with its time. Any failure (a bad
+FILE, FACTORY or option, a model that cannot be compiled) prints a one-line error on stderr and
+exits with status 2; --debug prints the traceback first. `--version` prints the version.
 
 `--device NAME` plans for --devices devices of a named preset (`pipecompile.planner.hardware`: h100,
 a100; `--link nvlink` or `infiniband`) that need not be on this machine: nothing is measured or
@@ -43,12 +44,14 @@ import json
 import logging
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .errors import PipecompileError
 from .ir.formats import format_bytes
 from .outputs.report import explain_search
+from .outputs.table import format_table
 from .schedule.schedules import SCHEDULE_NAMES
 
 __all__ = ["main"]
@@ -66,8 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # progress on stderr; stray prints (from libraries) must not spoil --json on stdout
         with _progress_on_stderr(), contextlib.redirect_stdout(sys.stderr):
             result, text = args.command(args)
-    except (UsageError, PipecompileError) as error:
+    except Exception as error:  # noqa: BLE001 - every failure is one line and status 2
+        if args.debug:
+            traceback.print_exc()
         message = " ".join(str(error).split())
+        if not isinstance(error, (UsageError, PipecompileError)):  # not ours: say what it is
+            message = f"{type(error).__name__}: {message}"
+            if not args.debug:
+                message += " (--debug shows the traceback)"
         print(f"pipecompile: error: {message}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=1) if args.json else text)
@@ -102,7 +111,7 @@ def _inspect(args: argparse.Namespace) -> tuple[dict, str]:
                  "= (" + ", ".join(map(str, v.microbatch_shape)) + ")", v.dtype,
                  format_bytes(v.nbytes), f"stage {v.producer} -> {', '.join(map(str, v.consumers))}")
                 for v in c.values]
-        lines += _table(rows, indent=4)
+        lines += format_table(rows, indent=4)
     if args.code:
         # the forward training runs (direct calls), not the GraphModule's own code
         result["code"] = {str(s.index): pipe.stage_code(s.index) for s in program.stages}
@@ -281,14 +290,6 @@ def _predicted_json(pipe) -> dict[str, Any]:
             "peak_inflight": [t.peak_inflight(s) for s in range(len(pipe.program.stages))]}
 
 
-def _table(rows: Sequence[tuple[str, ...]], *, indent: int) -> list[str]:
-    if not rows:
-        return []
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [" " * indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-            for r in rows]
-
-
 class _Stderr(logging.StreamHandler):
     """Writes to whatever sys.stderr is at the time (main() may run many times in a process)."""
 
@@ -342,6 +343,12 @@ def _argument(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def _count_or_auto(text: str) -> int | str:
     if text == "auto":
         return text
@@ -355,6 +362,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipecompile", description="Compile a PyTorch model into a pipeline and inspect, "
         "plan or export it.")
+    parser.add_argument("--version", action="version", version=f"pipecompile {_version()}")
     commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("target", metavar="FILE.py:FACTORY",
@@ -383,6 +391,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--optimizer", default="none", choices=("none", "sgd", "adam", "adamw"),
                         help="count this optimizer's state in the stages' memory")
     common.add_argument("--json", action="store_true", help="print one JSON object")
+    common.add_argument("--debug", action="store_true",
+                        help="on an error, print its traceback before the one-line message")
     inspect_ = commands.add_parser("inspect", parents=[common],
                                   help="stage table, cuts and boundary tensors, code")
     inspect_.add_argument("--code", action="store_true", help="print each stage's graph code")

@@ -7,6 +7,9 @@ so that generic handlers keep working. Messages name the value, what was expecte
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 __all__ = [
     "PipecompileError",
     "CaptureError",
@@ -19,6 +22,8 @@ __all__ = [
     "LossError",
     "StageExecutionError",
     "CheckpointError",
+    "MissingDependencyError",
+    "require",
 ]
 
 
@@ -69,3 +74,31 @@ class StageExecutionError(PipecompileError, RuntimeError):
 
 class CheckpointError(PipecompileError, ValueError):
     """A weights checkpoint is missing, in no format pipecompile reads, or inconsistent."""
+
+
+class MissingDependencyError(PipecompileError, ModuleNotFoundError):
+    """An optional package a feature needs is not installed; names the extra that installs it."""
+
+
+# Optional packages: a feature that needs one imports it with `require`; the extra of
+# pyproject.toml's [project.optional-dependencies] that installs each:
+#   plot: matplotlib (plot_timeline, draw); onnx: onnx, onnxscript (export_onnx), onnxruntime
+#   (outputs.onnx_run), jsonschema (the manifest's schema); tensorboard (the metrics example)
+_EXTRAS = {"matplotlib": "plot", "onnx": "onnx", "onnxscript": "onnx", "onnx_ir": "onnx",
+           "onnxruntime": "onnx", "jsonschema": "onnx", "tensorboard": "tensorboard"}
+
+
+def require(module: str, *, purpose: str) -> ModuleType:
+    """`import module`, or a `MissingDependencyError` saying which extra installs it and what
+    needs it (`purpose`, e.g. "drawing the timeline")."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        top = module.split(".")[0]
+        if error.name is not None and error.name.split(".")[0] != top:
+            raise  # the package is there but one of its own imports failed: torch's message
+        extra = _EXTRAS.get(top)
+        fix = f"pip install 'pipecompile[{extra}]'" if extra else f"pip install {top}"
+        raise MissingDependencyError(
+            f"{purpose} needs the package {top!r}, which is not installed: {fix}",
+            name=top) from error

@@ -23,6 +23,8 @@ from .errors import ConfigError
 from .capture.inputs import batch_parts, check_inputs
 from .lazy import NOT_PLANNED, Plans
 from .outputs.memory_report import DeviceMemory, device_memory
+from .outputs.metrics import InputSizes, pipeline_metrics
+from .outputs.trace import write_job_trace
 from . import module_state
 from .ir.records import Stage, StagedProgram
 from .outputs.persist import load_plan, save_plan
@@ -34,7 +36,7 @@ from .runtime.assemble import Runtime
 from .runtime.data_parallel import replica_microbatches
 from .runtime.direct_forward import direct_forward, plain_call
 from .runtime.distributed import Topology
-from .runtime.microbatch import split_microbatches
+from .runtime.microbatch import MicroBatch, split_microbatches
 from .runtime.spec import StepResult
 from .runtime.training import check_num_items, loss_scale_value
 from .schedule.actions import Schedule
@@ -54,6 +56,7 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         self._plan: Plan | None = None
         self._runtime: Runtime | None = None
         self._last: StepResult | None = None  # what the last training step produced
+        self._sizes: InputSizes | None = None  # its rows and tokens (`metrics()`)
         # the user's model, not a submodule: init_weights runs its modules, adopt copies hooks
         self._source = (planner.model if planner is not None else model,)
         self._materialised = False  # checked once per plan: no meta tensor left here
@@ -166,6 +169,7 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         scale = loss_scale_value(loss_scale, self.runtime.wiring.devices[-1])
         self._last = self.runtime.run(self.schedule, mbs, batches=1, loss_scale=scale,
                                       num_items=num_items_in_batch)
+        self._sizes = InputSizes.of(mbs)
         return self._last.losses[0]
 
     def eval_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -196,6 +200,8 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         for a, k, _ in batches:
             check_inputs(self.program.captured, a, k, where="pipe.fit()")
         self._last = self.runtime.run_stream(batches)
+        self._sizes = InputSizes.of([MicroBatch(i, a, k, t, 0)
+                                     for i, (a, k, t) in enumerate(batches)])
         return list(self._last.losses)
 
     def train(self, mode: bool = True) -> "Pipeline":
@@ -287,6 +293,12 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         """Predicted timeline of `schedule` (default: the last one run, else the step's)."""
         return predict(schedule or self.last_step.schedule, self.plan)
 
+    def metrics(self) -> dict[str, float]:
+        """The last training step as a flat dict of floats for a logger (loss, step_time_s,
+        bubble_fraction, samples_per_s, tokens_per_s, bytes_sent, peak_memory_bytes/device{d}:
+        `outputs.metrics`); under torchrun every rank calls it and gets the job's values."""
+        return pipeline_metrics(self, self._sizes)
+
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None
                      ) -> tuple[DeviceMemory, ...]:
         """Per device of this process, the last training step's memory (parameters, gradients,
@@ -299,8 +311,13 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         return presentation.plot_timeline(self.plan, self.timeline(), path)
 
     def write_chrome_trace(self, path: str) -> str:
-        """Write the last measured timeline as Chrome trace JSON (open it in Perfetto)."""
-        return presentation.write_chrome_trace(self.timeline(), path)
+        """Write the last step's actions as one Chrome trace for the job (open it in Perfetto):
+        every device, arrows from sends to receives (`outputs.trace`). Under torchrun every
+        rank calls it and rank 0 writes every rank's actions on one clock."""
+        topology = self.topology
+        return write_job_trace(self.last_step, path, distributed=topology is not None
+                               and torch.distributed.is_initialized(),
+                               pipeline_size=topology.pipeline_size if topology else None)
 
     # -- inspection, export and persistence ------------------------------------------------
 

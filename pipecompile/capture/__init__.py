@@ -10,4 +10,5 @@
     claimed_device.py  a meta model traced on fakes that claim the device it will train on
     bounded.py         whether a call finishes within a budget, found in a child process
     inputs.py          a call's inputs checked against what the model was compiled with
+    quiet.py           torch's output of a failing export kept off the terminal, for one thread
 """

@@ -141,6 +141,10 @@ def capture_error(model: torch.nn.Module, tool: str, exc: BaseException, alterna
         hints.append("branch on tensor values with torch.where or torch.cond instead of Python "
                      "`if`" + (" (the root module's own code cannot be kept opaque: move that "
                                "code into a submodule)" if site and not site[0] else ""))
+    elif batch_constraint(exc):  # capture='fx' would capture it, then fail on a micro-batch
+        hints.append("the model fixes its batch size (a reshape or view to constant sizes such "
+                     "as h.reshape(4, 8)): compute it from the input (h.reshape(-1, 8), "
+                     "x.shape[0]) so that micro-batches run, or compile with microbatches=1")
     elif alternative:
         hints.append(f"try {alternative}")
     config = getattr(model, "config", None)

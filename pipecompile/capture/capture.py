@@ -204,5 +204,5 @@ def _propagate_fake(gm: fx.GraphModule, flat_args: tuple, batch: int) -> bool:
                     f"torch.fx traced the model but its graph cannot run on example inputs: "
                     f"{first_line(exc)}. Check example_inputs against forward()'s signature."
                 ) from exc
-            log.info("pipecompile: symbolic batch propagation failed (%s)", first_line(exc))
+            log.info("symbolic batch propagation failed (%s)", first_line(exc))
     return False

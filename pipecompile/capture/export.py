@@ -27,11 +27,9 @@ The root module cannot be opaque: a Function applied or `.data` used in its own 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import io
 import logging
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import sympy
 import torch
@@ -53,6 +51,7 @@ from ..ir.records import CapturedModel
 from . import opaque as opaque_modules, unbacked
 from .opaque import OpaqueModule
 from .opaque_causes import data_writes, watching_functions
+from .quiet import quiet as _quiet
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -121,7 +120,7 @@ def capture_export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
         else:
             note = (f"export with {label} failed ({first_line(error)}); captured with "
                     f"{next_label}")
-        log.info("%s", note)
+        log.info("%s", note.replace("; captured with", "; trying"))
         if isinstance(error, TimeUp) or attempts[0][1] is None:
             notes.append(note)
         if attempts[0][1] is None and static_batch_size is not None and static_batch_size != batch:
@@ -265,29 +264,6 @@ def _fx_traces(model: torch.nn.Module) -> bool:
     except Exception:  # noqa: BLE001 - any failure: fx is no way out
         return False
     return True
-
-
-@contextlib.contextmanager
-def _quiet(verbose: bool) -> Iterator[io.StringIO]:
-    """Collect what torch prints to stderr and logs below ERROR while exporting."""
-    buffer = io.StringIO()
-    if verbose:
-        yield buffer
-        return
-    loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(buffer):
-            yield buffer
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export",
-                  "torch._dynamo", "torch._subclasses.fake_tensor")
 
 
 def _same_class(model: torch.nn.Module, path: str) -> list[str]:

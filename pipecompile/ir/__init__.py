@@ -7,4 +7,5 @@
     tensors.py        moving values between devices
     rng.py            per-micro-batch random streams (capture seeds graphs, the runtime draws)
     compile_cache.py  one bounded, content-keyed cache of what compiling measures or derives
+    progress.py       what compile is doing, logged: each pass as it ends, counts of long loops
 """

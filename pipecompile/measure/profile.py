@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
+from ..errors import CaptureError
 from ..ir.records import CostTable, LinearGraph, NodeRole
 from ..runtime.microbatch import split_microbatches
 from ..passes.annotate import with_measured_times
@@ -58,16 +59,42 @@ def profile_blocks(
 def record_values(gm: fx.GraphModule, flat: list) -> dict[str, Any]:
     """Every node's value on one real run (no autograd; buffers and RNG left as they were)."""
     env: dict[str, Any] = {}
+    failed: list[fx.Node] = []
 
     class Recorder(fx.Interpreter):
         def run_node(self, n):
-            result = super().run_node(n)
+            try:
+                result = super().run_node(n)
+            except Exception:
+                failed.append(n)
+                raise
             env[n.name] = result
             return result
 
     with torch.no_grad(), torch.random.fork_rng(devices=[]), preserve_buffers(gm):
-        Recorder(gm).run(*flat)
+        try:
+            Recorder(gm).run(*flat)
+        except Exception as exc:  # noqa: BLE001 - the user's graph failed: name the node
+            if not failed:
+                raise
+            raise _run_failed(failed[0], flat, exc) from exc
     return env
+
+
+def _run_failed(node: fx.Node, flat: list, exc: Exception) -> CaptureError:
+    """The captured graph failed on a micro-batch: name the node and where the model wrote it.
+    The common cause is a size the model fixes (`h.reshape(4, 8)`): it held for the whole
+    example batch but not for a micro-batch of it."""
+    rows = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    at = f" ({trace[-2].strip()}: {trace[-1].strip()})" if len(trace) >= 2 else ""
+    size = f" of {rows} row{'s' if rows != 1 else ''}" if rows is not None else ""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return CaptureError(
+        f"the captured graph failed at node {node.name!r}{at} on a micro-batch{size}: "
+        f"{type(exc).__name__}: {first}. If the model fixes its batch size (a reshape or view "
+        f"to constant sizes such as h.reshape(4, 8)), compute it from the input (h.reshape(-1, "
+        f"8), x.shape[0]) so that micro-batches run, or compile with microbatches=1")
 
 
 def _time_block(block_nodes, nodes, roles, gm, env, repeats) -> tuple[float, float, float]:

@@ -12,4 +12,7 @@
     graph_code.py     graph modules as Python source, and back (saved pipelines)
     stage_check.py    a saved stage file checked to hold only what torch.fx writes
     treespec.py       pytree specs as text (a saved pipeline's input/output structures)
+    metrics.py        `pipe.metrics()`: the last step as a flat dict of floats for a logger
+    trace.py          one Chrome trace for the job: every rank's actions, sends joined to receives
+    table.py          the plain-text table formatter every report uses
 """

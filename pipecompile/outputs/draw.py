@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 from .cuts import cuts
-from ..errors import ConfigError
+from ..errors import ConfigError, require
 from ..ir.records import Stage, StagedProgram
 from ..ir.formats import format_bytes
 from ..ir.formats import format_count
@@ -109,7 +109,7 @@ def _escape(text: str) -> str:
 
 
 def _draw_matplotlib(program: StagedProgram, path: str, microbatches: int) -> str:
-    import matplotlib
+    matplotlib = require("matplotlib", purpose="drawing the partition")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

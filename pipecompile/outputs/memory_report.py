@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch
 
 from ..ir.formats import format_bytes
+from .table import format_table
 from ..runtime.memory import SavedActivations
 
 if TYPE_CHECKING:
@@ -65,9 +66,7 @@ def format_memory(devices: Sequence[DeviceMemory]) -> str:
         rows.append((f"{d.device} {d.place}", ",".join(map(str, d.stages)), fmt(d.parameters),
                      fmt(d.gradients), fmt(d.optimizer_state), fmt(d.activations),
                      fmt(d.total), fmt(d.predicted_activations), fmt(d.predicted_total), ratio))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
+    return "\n".join(format_table(rows, right=range(1, len(head))))
 
 
 def _nbytes(tensors: Iterable[Any]) -> int:

@@ -41,6 +41,8 @@ from ..ir.records import evaluate
 from ..passes.eval_mode import eval_graph
 from ..ir.records import Stage, StagedProgram
 
+from ..errors import require
+
 __all__ = ["export_onnx"]
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,8 @@ log = logging.getLogger(__name__)
 
 def export_onnx(program: StagedProgram, directory: str | os.PathLike) -> str:
     """Export every stage of `program` to `directory`; returns the path of manifest.json."""
-    import onnx  # the top-level package (absolute import)
+    onnx = require("onnx", purpose="export_onnx")  # the top-level package
+    require("onnxscript", purpose="export_onnx (torch.onnx's exporter)")
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

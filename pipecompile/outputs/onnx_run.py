@@ -7,8 +7,9 @@
 Stages run in manifest order, each on an onnxruntime `InferenceSession` fed from the values
 produced so far (the model's inputs, then every earlier stage's outputs); the result is the
 model's flat outputs in the manifest's order. `validate_manifest` checks a manifest against
-`manifest.schema.json` (shipped in this package) with a small built-in validator, then checks the
-wiring: every stage input is a model input or an earlier stage's output.
+`manifest.schema.json` (shipped in this package; JSON Schema draft 2020-12, validated by
+`jsonschema`, of the [onnx] extra), then checks the wiring: every stage input is a model input or
+an earlier stage's output.
 
 (`import onnx` below is the top-level onnx package: imports are absolute.)
 """
@@ -20,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, require
 
 __all__ = ["run", "Chain", "load_manifest", "validate_manifest", "SCHEMA_PATH"]
 
@@ -31,7 +32,7 @@ class Chain:
     """The stages of a manifest as onnxruntime sessions, ready to run many times."""
 
     def __init__(self, manifest_path: str | os.PathLike, *, providers: Sequence[str] | None = None):
-        import onnxruntime
+        onnxruntime = require("onnxruntime", purpose="running an ONNX manifest")
 
         self.path = Path(manifest_path)
         self.manifest = load_manifest(self.path)
@@ -95,7 +96,7 @@ def load_manifest(path: str | os.PathLike) -> dict[str, Any]:
 def validate_manifest(manifest: Any, *, where: str = "manifest") -> None:
     """Raise ConfigError unless `manifest` matches the schema and its stages are wired."""
     schema = json.loads(SCHEMA_PATH.read_text())
-    errors = _check(manifest, schema, "$")
+    errors = _check(manifest, schema)
     if not errors:
         known = set(manifest["inputs"])
         for i, stage in enumerate(manifest["stages"]):
@@ -110,40 +111,21 @@ def validate_manifest(manifest: Any, *, where: str = "manifest") -> None:
         raise ConfigError(f"{where} is not a valid pipecompile manifest: " + "; ".join(errors[:5]))
 
 
-# ---------------------------------------------------------------------------------------------
-
-_TYPES: dict[str, type | tuple[type, ...]] = {
-    "object": dict, "array": list, "string": str, "boolean": bool, "number": (int, float),
-    "integer": int}
-
-
-def _check(value: Any, schema: Mapping[str, Any], path: str) -> list[str]:
-    """The subset of JSON Schema that manifest.schema.json uses: type, required, properties,
-    additionalProperties (a schema), items, minItems."""
-    kind = schema.get("type")
-    if kind is not None:
-        expected = _TYPES[kind]
-        ok = isinstance(value, expected) and not (kind in ("number", "integer")
-                                                  and isinstance(value, bool))
-        if not ok:
-            return [f"{path}: expected {kind}, got {type(value).__name__}"]
+def _check(value: Any, schema: Mapping[str, Any]) -> list[str]:
+    """Every way `value` breaks `schema` (JSON Schema draft 2020-12, by jsonschema), each as
+    ``<JSON path>: <what>``."""
+    jsonschema = require("jsonschema", purpose="validating an ONNX manifest")
     errors = []
-    if isinstance(value, dict):
-        errors += [f"{path}: missing key {key!r}" for key in schema.get("required", ())
-                   if key not in value]
-        properties = schema.get("properties", {})
-        extra = schema.get("additionalProperties")
-        for key, item in value.items():
-            if key in properties:
-                errors += _check(item, properties[key], f"{path}.{key}")
-            elif isinstance(extra, dict):
-                errors += _check(item, extra, f"{path}.{key}")
-    if isinstance(value, list):
-        if len(value) < schema.get("minItems", 0):
-            errors.append(f"{path}: needs at least {schema['minItems']} items")
-        if "items" in schema:
-            for i, item in enumerate(value):
-                errors += _check(item, schema["items"], f"{path}[{i}]")
+    validator = jsonschema.Draft202012Validator(schema)
+    for e in sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path)):
+        if e.validator == "required":
+            errors += [f"{e.json_path}: missing key {k!r}" for k in e.validator_value
+                       if k not in e.instance]
+        elif e.validator == "type":
+            errors.append(f"{e.json_path}: expected {e.validator_value}, got "
+                          f"{type(e.instance).__name__}")
+        else:
+            errors.append(f"{e.json_path}: {e.message}")
     return errors
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..ir.formats import format_bytes, format_count, format_stages
+from .table import format_table
 
 if TYPE_CHECKING:
     from ..ir.devices import DeviceSpec
@@ -61,12 +62,7 @@ def stage_table(program: "StagedProgram", schedule: "Schedule", *, microbatches:
                      f"{(c.forward_time + c.backward_time) * 1e3:.3f}",
                      f"{format_bytes(c.memory)} ({c.inflight} mb)",
                      format_bytes(c.send_bytes) if stage.index < program.num_stages - 1 else "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [head]
-    for k, row in enumerate(rows):
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines = [head, *format_table(rows, header=True)]
     if predicted is not None:
         lines.append(f"predicted step {predicted.makespan * 1e3:.2f} ms, "
                      f"bubble {predicted.bubble_fraction:.1%}")
@@ -104,11 +100,7 @@ def explain_search(search: "SearchResult | None", *, top: int = 8) -> str:
                      f"{c.step * 1e3:.3f}" if c.fits else "-",
                      _memory(c.memory) or "-",
                      c.reason or "chosen"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for k, row in enumerate(rows):
-        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if k == 0:
-            lines.append("  " + "  ".join("-" * w for w in widths))
+    lines += format_table(rows, header=True, indent=2)
     if len(best.memory) > 8:  # the table shows only the extremes: every device of the winner
         cells = [f"{d}: {format_bytes(m)}" for d, m in enumerate(best.memory)]
         lines.append("chosen plan's peak memory per device:")
@@ -132,11 +124,7 @@ def explain_layouts(layouts: Sequence[Any], *, top: int = 10) -> str:
                      lay.inner if lay.pipeline > 1 and lay.data_parallel > 1 else "-", plan,
                      f"{c.step * 1e3:.1f}" if c.fits else "-",
                      format_bytes(c.memory) if c.fits else "-", c.reason or "chosen"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for k, row in enumerate(rows):
-        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if k == 0:
-            lines.append("  " + "  ".join("-" * w for w in widths))
+    lines += format_table(rows, header=True, indent=2)
     bound = [c for c in layouts if "tensor parallelism" in c.reason]
     if bound:
         lines.append(f"{len(bound)} layout(s) bound by tensor parallelism (not supported)")

@@ -317,7 +317,7 @@ def _fake_costs(block, nodes, linear: LinearGraph, gm, fakes: FakeValues, fused:
                               batch=captured.batch_symbol, name=block.name), None)
     except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: estimate instead
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.info("pipecompile: block %s could not run on fake tensors (%s); "
+        log.info("block %s could not run on fake tensors (%s); "
                  "estimating its cost from output sizes", block.name, exc)
         written = _output_bytes(block.nodes, linear)
         return ((sympy.Integer(0),) * 3, written, (), (),

@@ -31,7 +31,7 @@ from ..passes.annotate import PricedBlockCost
 from ..passes.kernel_prices import optimizer_seconds
 from ..passes.kernels import KernelTimes
 from ..schedule.simulate import simulate
-from .choose import collectives
+from .shape_passes import collectives
 from .plan import Plan
 from .stage_costs import BlockTable
 

@@ -13,6 +13,7 @@ most stages with recomputation leave a stage too big.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -20,9 +21,12 @@ from typing import Any, Callable, Sequence
 from ..errors import PartitionError
 from ..errors import PartitionMemoryError
 from ..ir.formats import format_bytes
+from ..ir.progress import Progress
 from .layout import Layout
 
 __all__ = ["LayoutCandidate", "search_layouts", "TENSOR_PARALLEL_NOTE", "StateTooLarge"]
+
+log = logging.getLogger(__name__)
 
 TENSOR_PARALLEL_NOTE = ("bound by tensor parallelism: a stage does not fit even with the most "
                         "pipeline stages and recomputation (tensor parallelism is not supported)")
@@ -76,8 +80,10 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
     results: dict[int, Any] = {}
     found: list[LayoutCandidate] = []
     errors: list[tuple[float, str]] = []
+    progress = Progress(log, "layout search", len(layouts), unit="layouts")
     for k, layout in enumerate(layouts):
         best = min((c.step for c in found if c.fits), default=math.inf)
+        progress.advance(note=f"best so far {best * 1e3:.1f} ms" if math.isfinite(best) else "")
         floor = bound(layout) if bound is not None and math.isfinite(best) else 0.0
         if floor > best * (1 + tie):
             found.append(LayoutCandidate(layout, reason=(
@@ -103,6 +109,7 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
         found.append(LayoutCandidate(layout, best.step, best.schedule, best.microbatches,
                                      best.virtual_stages, len(best.recomputed),
                                      max(best.memory, default=0.0)))
+    progress.done()
     order = {id(c): k for k, c in enumerate(found)}
     fitting = [c for c in found if c.fits]
     if not fitting and not results:

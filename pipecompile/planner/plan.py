@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .resolved import Choices, resolve
 from .options import CompileOptions
+from ..ir.progress import pass_done
 from ..ir.records import Example
 
 if TYPE_CHECKING:
@@ -244,6 +245,7 @@ def run_passes(plan: Plan, passes: Sequence[Pass], example: Example) -> Plan:
         advanced, summary = result
         _check_outputs(p, plan, advanced)
         record = PassRecord(p.name, time.perf_counter() - start, summary)
+        pass_done(record.name, record.seconds, summary)
         plan = replace(advanced, passes=(*plan.passes, record),
                        produced=plan.produced | set(p.produces))
     return plan

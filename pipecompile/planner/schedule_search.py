@@ -16,12 +16,14 @@ Nothing here measures or reads globals.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from ..errors import PartitionError, PipecompileError
 from ..ir.devices import DeviceSpec
+from ..ir.progress import Progress
 from ..passes.partition import PartitionMemoryError, PartitionProblem, partition
 from ..ir.formats import format_bytes
 from ..schedule.actions import Schedule
@@ -47,6 +49,8 @@ from .stage_costs import (
 # BlockTable and SPLIT_BACKWARD_RATIO live in stage_costs (the pricing); named here for callers
 __all__ = ["FSDP_SCHEDULES", "BlockTable", "Space", "Candidate", "SearchResult", "search",
            "microbatch_choices", "SYNC_SCHEDULES", "SPLIT_BACKWARD_RATIO", "ANY_V_SCHEDULES"]
+
+log = logging.getLogger(__name__)
 
 #: The synchronous schedules an automatic schedule choice considers, in tie-breaking order
 #: (the zero-bubble ones priced with the measured (I + W) / B of the planning probe).
@@ -183,15 +187,19 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     p = len(devices)
     schedules = _Schedules(memo, written)
     found: list[Candidate] = []
+    total = sum(len(space.microbatches) * len(space.virtual_for(n)) for n in space.schedules)
+    progress = Progress(log, f"schedule search on {p} devices", total, unit="candidates")
     for name in space.schedules:
         for m in space.microbatches:
             for v in space.virtual_for(name):
                 table = costs_for(m, p * v)
+                progress.advance()
                 if table is None:
                     continue
                 found.append(_candidate(name, m, v, table, devices, space.checkpoint, schedules,
                                         overhead=overhead, split_ratio=split_ratio, cores=cores,
                                         efficiency=efficiency, collectives=collectives))
+    progress.done()
     if not found:
         raise PartitionError(
             f"no schedule of {list(space.schedules)} with micro-batches {list(space.microbatches)}"

@@ -139,7 +139,8 @@ class Runtime:
         return StepResult(tuple(means), schedule, ran.events, summed=summed,
                           communication=getattr(transport, "stats", None),
                           peak_inflight=tuple(w.peak_inflight for _, w in
-                                              sorted(self.workers.items())))
+                                              sorted(self.workers.items())),
+                          started=ran.started)
 
     def run_stream(self, batches: Sequence[tuple[tuple, dict, Any]]) -> StepResult:
         """An asynchronous schedule over a stream of (args, kwargs, target) batches as one

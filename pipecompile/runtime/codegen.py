@@ -10,13 +10,18 @@ it runs. For a 2-stage 1F1B whose last stage recomputes, device 1 reads::
 
     w1, d1 = workers[1], devices[1]  # stage 1 runs RecomputedForward, FusedBackward
     # 1RECV_F0<0: stage 1, receive the values of micro-batch 0
-    t = now()
-    X1_0 = to_device(transport.recv(M[0]), d1)
-    records.append((0, t, now()))
+    with span('PP:1RECV_F0<0'):
+        t = now()
+        X1_0 = to_device(transport.recv(M[0]), d1)
+        records.append((0, t, now()))
     # 1F0: stage 1, forward of micro-batch 0 (RecomputedForward)
-    t = now()
-    o = w1.forward(0, {'h': X1_0['h']}, to_device(targets[0], d1))
-    ...
+    with span('PP:1F0'):
+        t = now()
+        o = w1.forward(0, {'h': X1_0['h']}, to_device(targets[0], d1))
+        ...
+
+Each action runs inside its profiler range (`profiling.span`: a `record_function` named
+``PP:<action>`` while a profiler is active, a shared no-op otherwise).
 
 The source is compiled under a file name registered with `linecache`, so a failing step's
 traceback shows the generated line, and `failed_action` maps that line back to its action.
@@ -42,6 +47,7 @@ from ..errors import StageExecutionError
 from ..schedule.actions import Action, Kind, Schedule
 from ..schedule.messages import Dataflow, Message, message_of
 from ..ir.tensors import to_device
+from .profiling import range_name, span
 
 __all__ = ["StageCode", "DeviceCode", "emit", "load", "failed_action"]
 
@@ -101,7 +107,7 @@ def load(code: DeviceCode) -> DeviceCode:
                                       code.filename)
     weakref.finalize(code, linecache.cache.pop, code.filename, None)
     namespace: dict[str, Any] = {"M": code.messages, "to_device": to_device, "acc": _acc,
-                                 "publish": _publish, "now": time.perf_counter}
+                                 "publish": _publish, "now": time.perf_counter, "span": span}
     exec(compile(code.source, code.filename, "exec"), namespace)  # noqa: S102 - our own source
     code.fn = namespace[f"device_{code.device}"]
     return code
@@ -147,13 +153,14 @@ class _Emitter:
         self.inputs: dict[tuple[int, int], set[str]] = {}  # X{s}_{i}: values handed to s for mb i
         self.grads: set[tuple[int, int]] = set()  # G{s}_{i}: output gradients summed so far
         self.outbox: set[tuple[int, int, int, bool]] = set()  # S{src}_{dst}_{i}{F|B}
+        self.depth = 1  # indentation of the statements being written
 
     def run(self) -> DeviceCode:
         actions = tuple(self.schedule.actions[self.device])
         own = [s for s, d in enumerate(self.home) if d == self.device]
         mode = "forward-only" if self.forward_only else "training step"
         self.line(f"def device_{self.device}(workers, devices, transport, finish, feeds, "
-                  f"targets, outputs, records):", indent=0)
+                  f"targets, outputs, records):", indent=-1)
         self.line(f'"""Device {self.device} of schedule {self.schedule.name!r} '
                   f'({mode}): stages {own}, {len(actions)} actions."""')
         for s in own:
@@ -183,8 +190,17 @@ class _Emitter:
             return ""
         return f" ({known[_BEHAVIOUR[a.kind]]})"
 
-    def line(self, text: str, indent: int = 1) -> None:
-        self.lines.append("    " * indent + text)
+    def line(self, text: str, indent: int = 0) -> None:
+        self.lines.append("    " * (self.depth + indent) + text)
+
+    def ranged(self, a: Action) -> None:
+        """Open the action's profiler range (`profiling.span`): what follows, up to `closed`,
+        runs inside it."""
+        self.line(f"with span({range_name(a)!r}):")
+        self.depth += 1
+
+    def closed(self) -> None:
+        self.depth -= 1
 
     def message(self, action: Action) -> tuple[int, Message]:
         self.messages.append(message_of(action, self.dataflow))
@@ -197,22 +213,28 @@ class _Emitter:
                                             else doing.split(",")[0]) + self.by(a))
         if a.kind is Kind.STEP:
             if i is not None:  # PipeDream, 2BW: the stage updates in place, in row order
+                self.ranged(a)
                 self.line(f"t = now(); w{s}.apply_update(); records.append(({k}, t, now()))")
             elif self.stepwise:  # one thread runs every row: poll the stages it waits for
                 self.line(f"finish.arrive({s})")
                 self.line(f"while not finish.ready({s}):")
-                self.line(f"yield {k}", indent=2)
+                self.line(f"yield {k}", indent=1)
+                self.ranged(a)
                 self.line(f"t = now(); finish.apply({s}); records.append(({k}, t, now()))")
             else:  # complete the stage's gradients (ties, replicas), then its optimizer
+                self.ranged(a)
                 self.line(f"t = now(); finish({s}); records.append(({k}, t, now()))")
+            self.closed()
             return
         sent = self.message(a) if a.kind in _COMM else None
         if self.stepwise and sent is not None and a.kind in (Kind.RECV_F, Kind.RECV_B):
             self.line(f"while not transport.poll(M[{sent[0]}]):")
-            self.line(f"yield {k}", indent=2)
+            self.line(f"yield {k}", indent=1)
+        self.ranged(a)
         self.line("t = now()")
         getattr(self, "_" + a.kind.name.lower())(a, s, i, sent)
         self.line(f"records.append(({k}, t, now()))")
+        self.closed()
 
     # -- one method per action kind --------------------------------------------------------
 

@@ -18,6 +18,10 @@ synchronous STEP(s) completes stage s's gradients (tied copies and data-parallel
 summed) and steps its optimizer where the row reaches it (`stage_steps.py`); an asynchronous
 STEP (with a micro-batch: PipeDream, 2BW) updates its stage in place, in order.
 
+Each action runs inside a `torch.profiler.record_function` range named ``PP:<action>``
+(`profiling.py`); a step profiled in one process runs every row in the calling thread, which
+the profiler records.
+
 Every wait has a timeout; an exception in one thread stops the others and is raised as a
 `StageExecutionError` naming the device, stage, action and micro-batch, found from the
 generated code's frame in the traceback.
@@ -40,6 +44,7 @@ from ..schedule.messages import Dataflow, Message
 from ..schedule.simulate import Event
 from .codegen import DeviceCode, StageCode, emit, failed_action, load
 from .microbatch import MicroBatch
+from .profiling import thread_local_session
 from .stage_steps import StepRound
 from .stage_worker import StageWorker
 from .transport import Transport
@@ -64,6 +69,7 @@ class Executed:
 
     events: tuple[Event, ...]
     outputs: Mapping[int, Mapping[str, Any]]
+    started: float = 0.0  # time.perf_counter() when the run began: the events' zero
 
 
 class Executor:
@@ -106,7 +112,9 @@ class Executor:
         in each device thread, around its whole row.
         """
         rows = list(self.rows) if self.rows is not None else list(range(schedule.num_devices))
-        stepwise = not self.threads and len(rows) > 1
+        # a profiler recording only this thread would miss the device threads: run every row
+        # here instead (`profiling.py`)
+        stepwise = len(rows) > 1 and (not self.threads or thread_local_session())
         program = self._program(schedule, rows, forward_only, stepwise)
         names = self.wiring.input_names
         feeds = [dict(zip(names, flat)) for flat in flat_inputs]
@@ -145,7 +153,7 @@ class Executor:
             raise errors[0]
         events = tuple(Event(code.device, code.actions[k], began - start, end - start)
                        for code, row in zip(program.rows, records) for k, began, end in row)
-        return Executed(events, outputs)
+        return Executed(events, outputs, start)
 
     def _program(self, schedule: Schedule, rows: Sequence[int], forward_only: bool,
                  stepwise: bool) -> "_Program":

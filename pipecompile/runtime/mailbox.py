@@ -36,6 +36,8 @@ class Mailbox:
         self._cond = threading.Condition()
         self._box: dict[Message, dict[str, Any]] = {}
         self.aborted = False
+        # this step's messages and the bytes of their tensors, as `P2PTransport.stats` counts
+        self.stats = {"messages": 0, "bytes": 0, "wait_seconds": 0.0}
 
     def post(self, messages: Sequence[Message]) -> None:
         """Nothing to prepare: a put is visible to the receiver at once."""
@@ -43,12 +45,17 @@ class Mailbox:
     def send(self, message: Message, values: Mapping[str, Any]) -> None:
         device = self._devices[message.dst]
         payload = {name: to_device(values.get(name), device) for name in message.values}
+        sent = sum(v.numel() * v.element_size() for v in payload.values()
+                   if isinstance(v, torch.Tensor))
         with self._cond:
+            self.stats["messages"] += 1
+            self.stats["bytes"] += sent
             self._box[message] = payload
             self._cond.notify_all()
 
     def recv(self, message: Message) -> dict[str, Any]:
-        deadline = time.monotonic() + self._timeout
+        began = time.monotonic()
+        deadline = began + self._timeout
         with self._cond:
             while message not in self._box:
                 if self.aborted:
@@ -59,6 +66,7 @@ class Mailbox:
                         f"{self._label(message.dst)} waited {self._timeout:.0f}s for {message}; "
                         f"did stage {message.src} fail or skip its send?")
                 self._cond.wait(min(left, 1.0))
+            self.stats["wait_seconds"] += time.monotonic() - began
             return self._box.pop(message)
 
     def poll(self, message: Message) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from ..errors import require
 from ..schedule.actions import Kind
 from ..schedule.simulate import Timeline
 
@@ -16,8 +17,7 @@ _COLORS = {Kind.F: "#4C72B0", Kind.B: "#55A868", Kind.I: "#8FBC8F", Kind.W: "#2E
 
 def plot_timelines(timelines: Mapping[str, Timeline], path: str, *, title: str = "") -> str:
     """One panel per timeline, one row per device, one bar per compute action; returns path."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", purpose="plotting the timeline")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -62,6 +62,7 @@ class StepResult:
     communication: Mapping[str, Any] | None = None  # P2P: messages, bytes, wait_seconds
     peak_inflight: tuple[int, ...] = ()  # per stage of this process, in order: most
     #                                      micro-batches whose activations were held at once
+    started: float = 0.0  # time.perf_counter() at the events' zero (joining ranks' traces)
 
     @property
     def timeline(self) -> Timeline:

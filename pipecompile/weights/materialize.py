@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import logging
 import sys
 import weakref
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, TypeVar
@@ -36,6 +37,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import ConfigError
+from ..ir.progress import Progress
 from .unwritten import is_poisoned, poison
 
 T = TypeVar("T")
@@ -43,6 +45,8 @@ T = TypeVar("T")
 __all__ = ["check_materialised", "copy_into", "copy_to_ties", "first_meta", "init_weights",
            "is_meta_model", "meta_parameters", "name_seed", "on_meta", "recompute_buffers",
            "to_empty"]
+
+log = logging.getLogger(__name__)
 
 
 def is_meta_model(model: torch.nn.Module) -> bool:
@@ -140,7 +144,9 @@ def init_weights(model: torch.nn.Module, own: Mapping[str, torch.Tensor],
             f" hold parameters but have no reset_parameters(); pass fn=, a function that "
             f"initialises one module (a transformers model's own: fn=model._init_weights)")
     done = []
+    progress = Progress(log, "initialising weights", len(todo), unit="modules")
     for name, module in todo:
+        progress.advance()
         run = fn if fn is not None else _reset(module)
         assert run is not None
         with _holding(module, name, own) as held_now:
@@ -151,6 +157,7 @@ def init_weights(model: torch.nn.Module, own: Mapping[str, torch.Tensor],
                 with torch.no_grad():
                     run(module)
         done.append(name)
+    progress.done()
     return done
 
 

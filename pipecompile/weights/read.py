@@ -29,6 +29,7 @@ not tensors and are left out of both results.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -42,8 +43,11 @@ from .dcp_metadata import SafeReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
+from ..ir.progress import Progress
 
 __all__ = ["CheckpointFormat", "checkpoint_format", "checkpoint_keys", "read_tensors"]
+
+log = logging.getLogger(__name__)
 
 CheckpointFormat = Literal["safetensors", "shards", "dcp"]
 PathLike = Union[str, "os.PathLike[str]"]
@@ -121,10 +125,14 @@ def read_tensors(path: PathLike, keys: Iterable[str], *,
     if checkpoint_format(path) == "dcp":
         return _read_dcp(Path(path), wanted, torch.device(device))
     out: dict[str, torch.Tensor] = {}
-    for file, listed in _files_by_key(Path(path), only=wanted).items():
+    files = _files_by_key(Path(path), only=wanted)
+    progress = Progress(log, f"reading {path}", len(files), unit="shards")
+    for file, listed in files.items():
         with _open(file, device=str(device)) as f:
             for key in _keys_in(f, file, listed, only=wanted):
                 out[key] = f.get_tensor(key)
+        progress.advance(note=f"{len(out)} tensors")
+    progress.done(note=f"{len(out)} tensors")
     return out
 
 

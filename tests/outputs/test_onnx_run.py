@@ -129,6 +129,8 @@ def test_validate_manifest_names_the_problem():
         pco.validate_manifest({**good, "stages": good["stages"][1:]})
     with pytest.raises(pc.ConfigError, match=r"'z' is produced by no stage"):
         pco.validate_manifest({**good, "outputs": ["z"]})
+    with pytest.raises(pc.ConfigError, match=r"\$.outputs: \[\] should be non-empty"):
+        pco.validate_manifest({**good, "outputs": []})  # the schema's every keyword holds
     schema = json.loads(pco.SCHEMA_PATH.read_text())
     for key in schema["required"]:  # every key the schema requires is enforced by name
         with pytest.raises(pc.ConfigError, match=rf"\$: missing key '{key}'"):
