@@ -38,7 +38,7 @@ def test_other_sequence_lengths_match_unsplit_model(name, schedule):
 
 
 def test_other_sequence_lengths_on_two_ranks():
-    results = run_ranks(sequence_lengths, 2, timeout=240)
+    results = run_ranks(sequence_lengths, 2)
     torch.manual_seed(0)
     case = CASES["gpt"]()
     for seq in (5, 8, 3):

@@ -70,7 +70,7 @@ def _agree(rank):
 
 @pytest.mark.slow
 def test_rank_zeros_measurements_and_one_plan_on_two_gloo_ranks():
-    results = run_ranks(_agree, 2, timeout=120)
+    results = run_ranks(_agree, 2)
     blocks = len(_linear().blocks)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r)

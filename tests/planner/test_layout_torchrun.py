@@ -24,7 +24,7 @@ FORCED = {"4x1": (4, 1, False), "2x2": (2, 2, False), "1x4 fsdp": (1, 4, True),
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    results = run_ranks(run_all, WORLD, timeout=300)
+    results = run_ranks(run_all, WORLD)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r)
     return results

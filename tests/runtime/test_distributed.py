@@ -83,7 +83,7 @@ def test_tied_copies_stay_bit_identical_with_an_optimizer():
 
 
 def test_exception_in_one_rank_stops_every_rank_with_its_name():
-    results = run_ranks(fail_in_loss, 2, timeout=120)
+    results = run_ranks(fail_in_loss, 2)
     for result in results:
         assert "error" in result, result
         assert "rank 1" in result["error"] and "1F0" in result["error"], result["error"]
@@ -91,14 +91,14 @@ def test_exception_in_one_rank_stops_every_rank_with_its_name():
 
 
 def test_killed_rank_makes_the_others_fail_naming_both():
-    results = run_ranks(die_in_loss, 2, timeout=120)
+    results = run_ranks(die_in_loss, 2)
     assert results[1].get("died") == 3, results[1]
     assert "error" in results[0], results[0]  # an error, not {"died": "hung"}
     assert "rank 0" in results[0]["error"] and "rank 1" in results[0]["error"]
 
 
 def test_ranks_with_different_plans_are_named():
-    results = run_ranks(different_models, 2, timeout=120)
+    results = run_ranks(different_models, 2)
     for result in results:
         assert "error" in result, result
         assert "different pipeline plans" in result["error"], result["error"]

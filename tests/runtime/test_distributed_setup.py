@@ -103,7 +103,7 @@ def _on_two_ranks(rank):
 
 @pytest.mark.slow
 def test_setup_and_reductions_on_two_gloo_ranks():
-    results = run_ranks(_on_two_ranks, 2, timeout=120)
+    results = run_ranks(_on_two_ranks, 2)
     want = _expected_grads()
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r)
