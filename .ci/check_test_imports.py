@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # folders of tests/ that mirror no package folder on purpose (see the module docstring)
-OTHER_FOLDERS = ("ci", "dist", "integration", "support")
+OTHER_FOLDERS = ("ci", "distributed", "integration", "support")
 
 
 def modules(package: Path) -> dict[str, Path]:

@@ -24,6 +24,10 @@ def _close(got, want, name):
     assert err <= 1e-10, f"{name}: differs by {err:.3e} relative"
 
 
+# with -n, one worker runs this module (pyproject.toml: loadgroup): its fixture runs once
+pytestmark = pytest.mark.xdist_group("checkpoint")
+
+
 @pytest.fixture(scope="module")
 def reference():
     """The unsplit model's losses and its state after each of 3 AdamW steps."""

@@ -85,7 +85,7 @@ def test_a_folder_that_mirrors_no_package_folder_is_named(tmp_path, capsys):
         "tests/test_top.py": "from pkg import top, other\n",
         "tests/sub/test_x.py": "from pkg.sub import a, b, c\n",
         "tests/sbu/test_y.py": "",  # misspelt: its tests would count for no module
-        "tests/dist/cases.py": "", "tests/integration/test_z.py": "",  # allowed on purpose
+        "tests/distributed/cases.py": "", "tests/integration/test_z.py": "",  # allowed on purpose
         "tests/support/helpers.py": "", "tests/ci/test_w.py": "",
     })
     assert checker.untested(package, tests) == []
@@ -93,7 +93,7 @@ def test_a_folder_that_mirrors_no_package_folder_is_named(tmp_path, capsys):
     assert checker.main(["--package", str(package), "--tests", str(tests)]) == 1
     assert capsys.readouterr().out.splitlines() == [
         "tests/sbu/: mirrors no folder of pkg/; move its files into the folder they test, or "
-        "into one of ci, dist, integration, support"]
+        "into one of ci, distributed, integration, support"]
     (tests / "sbu" / "test_y.py").unlink()
     (tests / "sbu").rmdir()
     assert checker.main(["--package", str(package), "--tests", str(tests)]) == 0

@@ -114,7 +114,7 @@ def test_load_without_the_model_code_in_a_fresh_process(tmp_path):
         "print('ok')\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+                          cwd=tmp_path, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
 

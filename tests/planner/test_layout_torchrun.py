@@ -18,6 +18,9 @@ from pipecompile.runtime.data_parallel import replica_microbatches
 from tests.dist import free_port, run_ranks
 from tests.dist_layout_cases import CASES, WORLD, batch, model, run_all
 
+# with -n, one worker runs this module (pyproject.toml: loadgroup): its fixture runs once
+pytestmark = pytest.mark.xdist_group("layout-torchrun")
+
 FORCED = {"4x1": (4, 1, False), "2x2": (2, 2, False), "1x4 fsdp": (1, 4, True),
           "written": (2, 2, None)}
 
