@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import pipecompile as pc
 from pipecompile.errors import ConfigError
 from pipecompile.ir.rng import derive_seed, microbatch, seed_random_ops, seeded_call
-from tests.capture_models import NoisyMLP
+from tests.support.capture_models import NoisyMLP
 
 MICROBATCHES = 4
 

@@ -15,7 +15,7 @@ from pipecompile.passes.split import split
 from pipecompile.measure.ranks import Ranks
 from pipecompile.runtime.distributed import Topology
 from pipecompile.schedule.schedules import make_schedule
-from tests.dist import run_ranks
+from tests.distributed.ranks import run_ranks
 
 
 def _linear():

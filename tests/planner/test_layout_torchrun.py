@@ -15,8 +15,8 @@ import torch.nn.functional as F
 import pipecompile as pc
 from pipecompile.planner import layout_ranks
 from pipecompile.runtime.data_parallel import replica_microbatches
-from tests.dist import free_port, run_ranks
-from tests.dist_layout_cases import CASES, WORLD, batch, model, run_all
+from tests.distributed.ranks import free_port, run_ranks
+from tests.distributed.layout_cases import CASES, WORLD, batch, model, run_all
 
 # with -n, one worker runs this module (pyproject.toml: loadgroup): its fixture runs once
 pytestmark = pytest.mark.xdist_group("layout-torchrun")

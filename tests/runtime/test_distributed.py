@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from tests.dist import run_ranks
-from tests.dist_cases import different_models, die_in_loss, fail_in_loss, train
-from tests.models import CASES
-from tests.reference import reference_step
+from tests.distributed.ranks import run_ranks
+from tests.distributed.cases import different_models, die_in_loss, fail_in_loss, train
+from tests.support.models import CASES
+from tests.support.reference import reference_step
 
 SYNC = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 
@@ -109,8 +109,8 @@ def test_ranks_with_different_plans_are_named():
 def test_asynchronous_schedules_on_two_ranks_match_reference(schedule):
     from pipecompile import zoo
     from pipecompile.runtime.microbatch import split_microbatches
-    from tests.async_reference import AsyncReference
-    from tests.dist_cases import train_async
+    from tests.support.async_reference import AsyncReference
+    from tests.distributed.cases import train_async
     from tests.runtime.test_async import OPTIMIZERS, _batch, _model
 
     results = run_ranks(train_async, 2, schedule)
@@ -133,7 +133,7 @@ def test_asynchronous_schedules_on_two_ranks_match_reference(schedule):
 
 
 def test_another_batch_size_than_the_example_works_across_ranks():
-    from tests.dist_cases import other_batch_size
+    from tests.distributed.cases import other_batch_size
 
     results = run_ranks(other_batch_size, 2)
     torch.manual_seed(0)

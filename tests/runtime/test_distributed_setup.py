@@ -17,7 +17,7 @@ from pipecompile.passes.split import split
 from pipecompile.runtime import data_parallel, distributed
 from pipecompile.runtime.distributed import Topology
 from pipecompile.schedule.schedules import make_schedule
-from tests.dist import run_ranks
+from tests.distributed.ranks import run_ranks
 
 
 def _program(bounds, width=6):

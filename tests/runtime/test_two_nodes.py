@@ -15,7 +15,7 @@ import torch
 
 from pipecompile import zoo
 from pipecompile.weights.materialize import init_weights
-from tests.dist import free_port
+from tests.distributed.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_fsdp.py"

@@ -99,7 +99,7 @@ def meta_fsdp_train_and_save(rank: int, weights: str, directory: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from tests.dist_checkpoint_cases import OPTIONS
+    from tests.distributed.checkpoint_cases import OPTIONS
 
     replica = rank // 2
     with torch.device("meta"):
@@ -128,7 +128,7 @@ def resume_without_data_parallel(rank: int, directory: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from tests.dist_checkpoint_cases import OPTIONS
+    from tests.distributed.checkpoint_cases import OPTIONS
 
     x, y = batch(STEPS)
     pipe = pc.compile(model(), example_inputs=(x,), devices=4, loss_fn=zoo.lm_loss,

@@ -29,7 +29,7 @@ def free_port() -> int:
 
 
 # imported once by the forkserver; an import that fails there is retried in the rank
-_PRELOAD = ["torch", "torch.distributed", "pipecompile", "tests.dist", "tests.models",
+_PRELOAD = ["torch", "torch.distributed", "pipecompile", "tests.distributed.ranks", "tests.support.models",
             "transformers", "transformers.models.gpt2.modeling_gpt2"]
 
 

@@ -7,7 +7,7 @@ import os
 import torch
 
 import pipecompile as pc
-from tests.models import CASES
+from tests.support.models import CASES
 
 
 def _shard(case, replica, replicas):

@@ -11,10 +11,10 @@ import torch
 
 import pipecompile as pc
 from pipecompile import zoo
-from tests.dist import run_ranks
-from tests.dist_training_cases import sequence_lengths
-from tests.models import CASES
-from tests.reference import assert_grads_equal, reference_step
+from tests.distributed.ranks import run_ranks
+from tests.distributed.training_cases import sequence_lengths
+from tests.support.models import CASES
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 @pytest.mark.parametrize("name,schedule", [("llama", "1f1b"), ("gpt2", "zb-h1")])

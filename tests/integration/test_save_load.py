@@ -13,7 +13,7 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.schedule.actions import Schedule
-from tests.models import CASES
+from tests.support.models import CASES
 
 ROUND_TRIP = ["gpt", "residual_cnn", "keyword_tuple"]
 

@@ -15,8 +15,8 @@ from pipecompile import zoo
 from pipecompile.errors import ConfigError, StageExecutionError
 from pipecompile.runtime.compiled import CompiledStage, compiled_graphs
 
-from tests.dist import run_ranks
-from tests.reference import assert_grads_equal, reference_step
+from tests.distributed.ranks import run_ranks
+from tests.support.reference import assert_grads_equal, reference_step
 
 RTOL = 1e-6  # float32: relative to each gradient's largest entry
 

@@ -1,4 +1,4 @@
-"""Functions run on every rank by tests/test_meta_distributed.py (importable by spawned
+"""Functions run on every rank by tests/distributed/test_meta_distributed.py (importable by spawned
 processes): a model built on meta, materialised and initialised or loaded per rank."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import math
 import torch
 
 import pipecompile as pc
-from tests.models import CASES
+from tests.support.models import CASES
 
 
 def _loop(params):

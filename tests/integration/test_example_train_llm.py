@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 # with -n, one worker runs this module (pyproject.toml: loadgroup): its fixture runs once
 pytestmark = pytest.mark.xdist_group("train-llm")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_llm.py"
 STEPS, SAVED = 5, 3
 TINY = ["--layers", "2", "--dim", "16", "--heads", "2", "--vocab", "64", "--seq", "8",
