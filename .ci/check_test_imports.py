@@ -14,9 +14,14 @@ anywhere in a test file (also inside a test function):
 Only the named module counts: `import pipecompile.runtime.foo` does not count for
 `pipecompile.runtime`, nor does a test that reaches a module through another one.
 
+A folder of tests/ mirrors a folder of the package, or is one of `OTHER_FOLDERS` (tests that
+belong to no single folder: multi-rank jobs, whole-model runs, the CI checks, and the helpers
+they share); any other folder is reported, so that a misspelt tests/runtme/ is not read past.
+
 Usage: python .ci/check_test_imports.py [--package DIR] [--tests DIR]
 Prints each module imported by no test of its folder, with the folder its test belongs in, and
-exits 1; prints nothing and exits 0 otherwise.
+each folder of tests/ that mirrors none of the package, and exits 1; prints nothing and exits 0
+otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# folders of tests/ that mirror no package folder on purpose (see the module docstring)
+OTHER_FOLDERS = ("ci", "distributed", "integration", "support")
 
 
 def modules(package: Path) -> dict[str, Path]:
@@ -70,6 +78,19 @@ def untested(package: Path, tests: Path) -> list[tuple[str, Path]]:
     return [(name, folder) for name, folder in owners.items() if name not in covered[folder]]
 
 
+def unmirrored(package: Path, tests: Path) -> list[Path]:
+    """The folders of `tests` (relative to it) holding Python files that mirror no folder of
+    `package` and lie outside `OTHER_FOLDERS`, sorted."""
+    mirrored = set(modules(package).values())
+    found = set()
+    for path in tests.rglob("*.py"):
+        folder = path.parent.relative_to(tests)
+        if folder in mirrored or (folder.parts and folder.parts[0] in OTHER_FOLDERS):
+            continue
+        found.add(folder)
+    return sorted(found)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--package", default=str(ROOT / "pipecompile"))
@@ -80,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, folder in found:
         where = (Path(tests.name) / folder).as_posix()
         print(f"{name}: imported by no {where}/test_*.py; add a test there that imports it")
-    return 1 if found else 0
+    stray = unmirrored(Path(args.package), tests)
+    for folder in stray:
+        where = (Path(tests.name) / folder).as_posix()
+        print(f"{where}/: mirrors no folder of {Path(args.package).name}/; move its files into "
+              f"the folder they test, or into one of {', '.join(OTHER_FOLDERS)}")
+    return 1 if found or stray else 0
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     opts = parser.parse_args()
     steps = 3 if opts.quick else 10
-    from tests.dist import free_port  # noqa: PLC0415 - the repository's helper
+    from tests.distributed.ranks import free_port  # noqa: PLC0415 - the repository's helper
 
     single = _single(opts.quick, steps)
     ctx = mp.get_context("spawn")

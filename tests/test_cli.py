@@ -19,7 +19,7 @@ FACTORIES = str(ROOT / "examples" / "factories.py")
 
 def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipecompile", *args], capture_output=True,
-                          text=True, cwd=cwd or ROOT, timeout=300)
+                          text=True, cwd=cwd or ROOT, timeout=900)
 
 
 def test_inspect_json_with_code_and_drawing(tmp_path):

@@ -14,8 +14,8 @@ import pipecompile as pc
 from pipecompile.compiler import compile as compile_model
 from pipecompile.pipeline import Pipeline
 from pipecompile import zoo
-from tests.models import CASES
-from tests.reference import reference_step
+from tests.support.models import CASES
+from tests.support.reference import reference_step
 
 
 def _gpt_pipe(**options):

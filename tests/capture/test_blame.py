@@ -9,7 +9,7 @@ import torch
 
 from pipecompile.capture.blame import capture_error, failing_submodule, first_line, opaque_reason
 from pipecompile.errors import CaptureError
-from tests.capture_models import returns_tuple
+from tests.support.capture_models import returns_tuple
 
 
 class _Picky(torch.nn.Module):

@@ -13,8 +13,8 @@ import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.capture.capture import capture
 from pipecompile.capture.graph import flat_graph, output_names
-from tests.models import CASES
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.models import CASES
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 def test_export_marks_batch_dynamic_and_keeps_structure():
@@ -117,6 +117,6 @@ def test_flat_graph_returns_the_outputs_as_one_flat_tuple_in_order():
 def test_the_capture_folder_names_each_of_its_modules():
     import pipecompile.capture as folder
 
-    from tests.folders import unlisted
+    from tests.support.folders import unlisted
 
     assert unlisted(folder) == []

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 import pipecompile as pc
 from pipecompile.capture.capture import capture
-from tests import capture_models
-from tests.capture_models import ClampedNet
-from tests.reference import assert_grads_equal, reference_step
+from tests.support import capture_models
+from tests.support.capture_models import ClampedNet
+from tests.support.reference import assert_grads_equal, reference_step
 
 VOCAB = 64
 

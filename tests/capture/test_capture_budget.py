@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import pipecompile as pc
 from pipecompile.capture import bounded, export
 from pipecompile.capture.export import capture_export
-from tests.capture_models import TinyMaxVit
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.capture_models import TinyMaxVit
+from tests.support.reference import assert_grads_equal, reference_step
 
 _CUT = ("export with every input size symbolic did not finish within capture_budget=2 s; "
         "captured with only the batch symbolic")

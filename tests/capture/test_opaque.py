@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import pipecompile as pc
 from pipecompile.capture.capture import capture
 from pipecompile.errors import CaptureError
-from tests.capture_models import DataDependentRoot, MoEDecoder
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.capture_models import DataDependentRoot, MoEDecoder
+from tests.support.reference import assert_grads_equal, reference_step
 
 VOCAB = 32
 

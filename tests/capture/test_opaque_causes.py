@@ -17,9 +17,9 @@ from torch.autograd.function import Function
 import pipecompile as pc
 from pipecompile.capture.capture import capture
 from pipecompile.capture.opaque_causes import data_kept, data_writes, watching_functions
-from tests import capture_models
-from tests.capture_models import ClampedNet, RevNet
-from tests.reference import assert_grads_equal, reference_step
+from tests.support import capture_models
+from tests.support.capture_models import ClampedNet, RevNet
+from tests.support.reference import assert_grads_equal, reference_step
 
 _APPLY_LINE = inspect.getsourcelines(capture_models.RevBlock.forward)[1] + 1
 _FILE = capture_models.__file__

@@ -13,7 +13,7 @@ import torch.nn as nn
 import pipecompile as pc
 from pipecompile.capture.capture import capture
 from pipecompile.capture.unbacked import estimate
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 class _Routed(nn.Module):

@@ -88,6 +88,6 @@ def test_captured_model_sizes_and_structures():
 def test_the_ir_folder_names_each_of_its_modules():
     import pipecompile.ir as folder
 
-    from tests.folders import unlisted
+    from tests.support.folders import unlisted
 
     assert unlisted(folder) == []

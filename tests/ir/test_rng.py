@@ -13,7 +13,7 @@ import pipecompile as pc
 from pipecompile.errors import ConfigError
 from pipecompile.capture.capture import capture
 from pipecompile.ir.rng import derive_seed, microbatch, module_seed, seed_random_ops, seeded_call
-from tests.capture_models import NoisyMLP
+from tests.support.capture_models import NoisyMLP
 
 MICROBATCHES = 4
 

@@ -15,7 +15,7 @@ from pipecompile.passes.split import split
 from pipecompile.measure.ranks import Ranks
 from pipecompile.runtime.distributed import Topology
 from pipecompile.schedule.schedules import make_schedule
-from tests.dist import run_ranks
+from tests.distributed.ranks import run_ranks
 
 
 def _linear():
@@ -70,7 +70,7 @@ def _agree(rank):
 
 @pytest.mark.slow
 def test_rank_zeros_measurements_and_one_plan_on_two_gloo_ranks():
-    results = run_ranks(_agree, 2, timeout=120)
+    results = run_ranks(_agree, 2)
     blocks = len(_linear().blocks)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r)

@@ -6,7 +6,7 @@ import torch
 
 import pipecompile as pc
 from pipecompile.outputs.cuts import cuts, microbatch_size
-from tests.models import CASES
+from tests.support.models import CASES
 
 
 def test_unet_long_skip_crosses_every_cut_to_its_reader():

@@ -10,7 +10,7 @@ import torch
 
 import pipecompile as pc
 from pipecompile.outputs.draw import partition_dot
-from tests.models import CASES
+from tests.support.models import CASES
 
 
 @pytest.fixture(scope="module")

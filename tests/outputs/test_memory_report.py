@@ -1,6 +1,6 @@
 """memory_report.py: the per-device table of measured and predicted bytes, and the measured
 parameters, gradients and optimizer state counted from the tensors themselves
-(tests/test_memory_stats.py checks the activation peaks through `pipe.memory_stats()`)."""
+(tests/integration/test_memory_stats.py checks the activation peaks through `pipe.memory_stats()`)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import torch
 
 import pipecompile as pc
 import pipecompile.outputs.onnx_run as pco
-from tests.models import CASES
+from tests.support.models import CASES
 from tests.passes.test_eval_mode import DropoutMLP
 
 # transformers models: ~4-8 s each to compile and export two stages

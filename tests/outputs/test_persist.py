@@ -1,4 +1,4 @@
-"""persist.py at the plan level (tests/test_save_load.py saves and loads whole pipelines):
+"""persist.py at the plan level (tests/integration/test_save_load.py saves and loads whole pipelines):
 `load_plan(save_plan(plan))` gives back the plan's schedule, cuts, wiring, weights, options and
 the numbers its prediction is made of, and no block costs."""
 

@@ -51,6 +51,6 @@ def test_stage_table_values_add_up_to_the_model():
 def test_the_outputs_folder_names_each_of_its_modules():
     import pipecompile.outputs as folder
 
-    from tests.folders import unlisted
+    from tests.support.folders import unlisted
 
     assert unlisted(folder) == []

@@ -13,8 +13,8 @@ import torch
 import pipecompile as pc
 from pipecompile.outputs.trace import chrome_trace
 from pipecompile.schedule.actions import Action, Kind
-from tests.dist import run_ranks
-from tests.dist_observe_cases import observed_step
+from tests.distributed.ranks import run_ranks
+from tests.distributed.observe_cases import observed_step
 
 
 def _flows(trace):

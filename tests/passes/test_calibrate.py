@@ -14,8 +14,8 @@ from pipecompile.planner import decisions
 from pipecompile import zoo
 from pipecompile.ir.records import StageTimes
 from pipecompile.passes.calibrate import Calibration, calibrate_blocks, fit_calibration
-from tests.models import CASES
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.models import CASES
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 def _heavy_head_gpt(layers=2, vocab=2048):

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import pipecompile as pc
 from pipecompile.errors import InPlaceError
-from tests.capture_models import InplaceResNet, ViewWrite
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.capture_models import InplaceResNet, ViewWrite
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 def _check_step(model, x, y, loss_fn, **options):

@@ -178,6 +178,6 @@ def test_a_shared_tensor_is_owned_by_its_first_stage():
 def test_the_passes_folder_names_each_of_its_modules():
     import pipecompile.passes as folder
 
-    from tests.folders import unlisted
+    from tests.support.folders import unlisted
 
     assert unlisted(folder) == []

@@ -123,6 +123,6 @@ def test_no_layout_fitting_names_tensor_parallelism():
 def test_the_planner_folder_names_each_of_its_modules():
     import pipecompile.planner as folder
 
-    from tests.folders import unlisted
+    from tests.support.folders import unlisted
 
     assert unlisted(folder) == []

@@ -14,6 +14,9 @@ from pipecompile.planner import layout_options, layout_passes, throughput
 from pipecompile.planner.layout import Layout, layout_static
 from pipecompile.schedule.actions import Schedule
 
+# with -n, one worker runs this module (pyproject.toml: loadgroup): its fixture runs once
+pytestmark = pytest.mark.xdist_group("search-layouts")
+
 DEVICES = pc.cluster("h100", nodes=2, per_node=2)
 
 

@@ -15,8 +15,11 @@ import torch.nn.functional as F
 import pipecompile as pc
 from pipecompile.planner import ranks_passes
 from pipecompile.runtime.data_parallel import replica_microbatches
-from tests.dist import free_port, run_ranks
-from tests.dist_layout_cases import CASES, WORLD, batch, model, run_all
+from tests.distributed.ranks import free_port, run_ranks
+from tests.distributed.layout_cases import CASES, WORLD, batch, model, run_all
+
+# with -n, one worker runs this module (pyproject.toml: loadgroup): its fixture runs once
+pytestmark = pytest.mark.xdist_group("layout-torchrun")
 
 FORCED = {"4x1": (4, 1, False), "2x2": (2, 2, False), "1x4 fsdp": (1, 4, True),
           "written": (2, 2, None)}
@@ -24,7 +27,7 @@ FORCED = {"4x1": (4, 1, False), "2x2": (2, 2, False), "1x4 fsdp": (1, 4, True),
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    results = run_ranks(run_all, WORLD, timeout=300)
+    results = run_ranks(run_all, WORLD)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r)
     return results

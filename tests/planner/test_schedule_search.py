@@ -16,8 +16,8 @@ from pipecompile.passes.partition import PartitionMemoryError
 from pipecompile.pipeline import Pipeline
 from pipecompile.planner.schedule_search import (
     SYNC_SCHEDULES, BlockTable, Space, microbatch_choices, search)
-from tests.models import gpt
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.models import gpt
+from tests.support.reference import assert_grads_equal, reference_step
 from tests.test_cli import FACTORIES
 
 BATCH = 16

@@ -12,7 +12,7 @@ from pipecompile import zoo
 from pipecompile.runtime.microbatch import split_microbatches
 from pipecompile.schedule.schedules import make_schedule
 from pipecompile.schedule.simulate import StageCosts, simulate
-from tests.async_reference import AsyncReference
+from tests.support.async_reference import AsyncReference
 
 OPTIMIZERS = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),

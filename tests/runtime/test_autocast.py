@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import pipecompile as pc
 from pipecompile.runtime.training import AutocastState
-from tests.reference import reference_step
+from tests.support.reference import reference_step
 
 
 class MLP(nn.Module):

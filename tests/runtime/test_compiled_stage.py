@@ -1,4 +1,4 @@
-"""runtime/compiled.py without running inductor (tests/test_compile_stages.py compiles whole
+"""runtime/compiled.py without running inductor (tests/integration/test_compile_stages.py compiles whole
 pipelines): the wrapper keeps the graph's own tensors, marks the captured symbolic dims dynamic,
 hands dynamo a micro-batch view without its base, and turns a dynamo failure into an error that
 names the stage and the way out."""

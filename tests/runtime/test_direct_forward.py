@@ -21,8 +21,8 @@ from pipecompile.capture.capture import capture
 from pipecompile.runtime.direct_forward import DirectCalls, direct_forward
 from pipecompile.runtime.op_binding import _RESOLVED, binding, direct_call, schema_arguments
 
-from tests.models import bert, gpt, gpt2, llama, residual_cnn, t5, unet, vit
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.models import bert, gpt, gpt2, llama, residual_cnn, t5, unet, vit
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 class _Ops(TorchDispatchMode):

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from tests.dist import run_ranks
-from tests.dist_cases import different_models, die_in_loss, fail_in_loss, train
-from tests.models import CASES
-from tests.reference import reference_step
+from tests.distributed.ranks import run_ranks
+from tests.distributed.cases import different_models, die_in_loss, fail_in_loss, train
+from tests.support.models import CASES
+from tests.support.reference import reference_step
 
 SYNC = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 
@@ -83,7 +83,7 @@ def test_tied_copies_stay_bit_identical_with_an_optimizer():
 
 
 def test_exception_in_one_rank_stops_every_rank_with_its_name():
-    results = run_ranks(fail_in_loss, 2, timeout=120)
+    results = run_ranks(fail_in_loss, 2)
     for result in results:
         assert "error" in result, result
         assert "rank 1" in result["error"] and "1F0" in result["error"], result["error"]
@@ -91,14 +91,14 @@ def test_exception_in_one_rank_stops_every_rank_with_its_name():
 
 
 def test_killed_rank_makes_the_others_fail_naming_both():
-    results = run_ranks(die_in_loss, 2, timeout=120)
+    results = run_ranks(die_in_loss, 2)
     assert results[1].get("died") == 3, results[1]
     assert "error" in results[0], results[0]  # an error, not {"died": "hung"}
     assert "rank 0" in results[0]["error"] and "rank 1" in results[0]["error"]
 
 
 def test_ranks_with_different_plans_are_named():
-    results = run_ranks(different_models, 2, timeout=120)
+    results = run_ranks(different_models, 2)
     for result in results:
         assert "error" in result, result
         assert "different pipeline plans" in result["error"], result["error"]
@@ -109,8 +109,8 @@ def test_ranks_with_different_plans_are_named():
 def test_asynchronous_schedules_on_two_ranks_match_reference(schedule):
     from pipecompile import zoo
     from pipecompile.runtime.microbatch import split_microbatches
-    from tests.async_reference import AsyncReference
-    from tests.dist_cases import train_async
+    from tests.support.async_reference import AsyncReference
+    from tests.distributed.cases import train_async
     from tests.runtime.test_async import OPTIMIZERS, _batch, _model
 
     results = run_ranks(train_async, 2, schedule)
@@ -133,7 +133,7 @@ def test_asynchronous_schedules_on_two_ranks_match_reference(schedule):
 
 
 def test_another_batch_size_than_the_example_works_across_ranks():
-    from tests.dist_cases import other_batch_size
+    from tests.distributed.cases import other_batch_size
 
     results = run_ranks(other_batch_size, 2)
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from pipecompile.passes.split import split
 from pipecompile.runtime import data_parallel, distributed
 from pipecompile.runtime.distributed import Topology
 from pipecompile.schedule.schedules import make_schedule
-from tests.dist import run_ranks
+from tests.distributed.ranks import run_ranks
 
 
 def _program(bounds, width=6):
@@ -103,7 +103,7 @@ def _on_two_ranks(rank):
 
 @pytest.mark.slow
 def test_setup_and_reductions_on_two_gloo_ranks():
-    results = run_ranks(_on_two_ranks, 2, timeout=120)
+    results = run_ranks(_on_two_ranks, 2)
     want = _expected_grads()
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pipecompile as pc
-from tests.models import CASES
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.models import CASES
+from tests.support.reference import assert_grads_equal, reference_step
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 

@@ -9,8 +9,8 @@ import torch
 
 import pipecompile as pc
 from pipecompile import zoo
-from tests.dist import run_ranks
-from tests.dist_fsdp_cases import (
+from tests.distributed.ranks import run_ranks
+from tests.distributed.fsdp_cases import (
     CLIP,
     LR,
     STEPS,
@@ -24,7 +24,7 @@ from tests.dist_fsdp_cases import (
     train,
     train_tokens,
 )
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 def _reference(steps=STEPS, evaluate=False):

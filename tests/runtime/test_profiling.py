@@ -12,7 +12,7 @@ import torch
 
 import pipecompile as pc
 from pipecompile.runtime import profiling
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 def _owner(event):

@@ -148,12 +148,13 @@ def test_a_waiting_step_stops_when_another_row_fails() -> None:
             caught.append(exc)
 
     thread = threading.Thread(target=first_stage)
-    start = time.perf_counter()
     thread.start()
     time.sleep(0.1)
     round_.abort(RuntimeError("stage 1 failed"))
-    thread.join(5.0)
-    assert not thread.is_alive() and time.perf_counter() - start < 5.0
+    thread.join(25.0)
+    # stopped by the abort (an Aborted, not the timeout's StageExecutionError) before the 30 s
+    # timeout: no clock is read, so a loaded machine cannot fail it
+    assert not thread.is_alive()
     assert len(caught) == 1 and isinstance(caught[0], Aborted)
 
 

@@ -11,16 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist import run_ranks
-from tests.dist_training_cases import (
+from tests.distributed.ranks import run_ranks
+from tests.distributed.training_cases import (
     _loop,
     autocast_bf16_boundary,
     autocast_step,
     eval_mode,
     user_loop,
 )
-from tests.models import CASES
-from tests.reference import reference_step
+from tests.support.models import CASES
+from tests.support.reference import reference_step
 
 
 def _reference_loop(steps=3):

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pipecompile as pc
-from tests.models import CASES
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.models import CASES
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 class BatchNormDropout(nn.Module):

@@ -15,7 +15,7 @@ import torch
 
 from pipecompile import zoo
 from pipecompile.weights.materialize import init_weights
-from tests.dist import free_port
+from tests.distributed.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_fsdp.py"
@@ -61,7 +61,7 @@ def test_two_launchers_run_pipeline_x_fsdp_exactly(tmp_path):
          "--double", "--out", str(tmp_path / "out.json")],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)]
-    outputs = [p.communicate(timeout=300)[0] for p in launchers]
+    outputs = [p.communicate(timeout=900)[0] for p in launchers]
     for p, out in zip(launchers, outputs):
         assert p.returncode == 0, out[-4000:]
     result = json.loads((tmp_path / "out.json").read_text())

@@ -18,8 +18,8 @@ from pipecompile.schedule.messages import Dataflow, Message, message_of, transfe
 from pipecompile.schedule.schedules import SCHEDULES, interleaved_1f1b, make_schedule
 from pipecompile.schedule.simulate import StageCosts, Transfer, simulate
 from pipecompile.schedule.validate import validate
-from tests.models import CASES
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.models import CASES
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 def flow(*links: str, stages: int, no_grad: tuple[str, ...] = ()) -> Dataflow:

@@ -17,7 +17,7 @@ from pipecompile.errors import ConfigError, ScheduleError
 from pipecompile.schedule.actions import Action, Kind, Schedule
 from pipecompile.schedule.lowering import strip_communication
 from pipecompile.schedule.schedules import make_schedule, user_schedule
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.reference import assert_grads_equal, reference_step
 
 # 1F1B (PipeDream-Flush) for 2 devices and 4 micro-batches, written out by hand: stage 0 runs one
 # warm-up forward, then alternates; compute actions only (compile adds the messages and STEPs).

@@ -17,10 +17,10 @@ from pipecompile.schedule.schedules import make_schedule
 from pipecompile.schedule.simulate import StageCosts, simulate
 from pipecompile.runtime.split_backward import backward_input, backward_weight
 from pipecompile.schedule.zero_bubble import interleaved_zb, zb_v, zb_v_placement
-from tests.dist import run_ranks
-from tests.dist_cases import train
-from tests.models import CASES
-from tests.reference import assert_grads_equal, reference_step
+from tests.distributed.ranks import run_ranks
+from tests.distributed.cases import train
+from tests.support.models import CASES
+from tests.support.reference import assert_grads_equal, reference_step
 
 UNIT = StageCosts(forward=1.0, backward=2.0)  # F = I = W = 1
 SIZES = [(d, m) for d in (1, 2, 3, 4) for m in (1, 2, 4, 8)]

@@ -11,7 +11,7 @@ import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.weights.materialize import init_weights, meta_parameters, name_seed
 
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.reference import assert_grads_equal, reference_step
 
 SIZES = dict(vocab=64, dim=16, layers=4, heads=2, seq=8)
 

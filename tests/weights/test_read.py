@@ -235,6 +235,6 @@ def test_index_and_shard_header_that_disagree(tmp_path):
 def test_the_weights_folder_names_each_of_its_modules():
     import pipecompile.weights as folder
 
-    from tests.folders import unlisted
+    from tests.support.folders import unlisted
 
     assert unlisted(folder) == []

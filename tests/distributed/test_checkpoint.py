@@ -12,16 +12,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import pipecompile as pc
-from tests.dist import run_ranks
-from tests.dist_checkpoint_cases import OPTIONS, optimizer, resume, train_and_save
-from tests.models import CASES
-from tests.reference import reference_step
+from tests.distributed.ranks import run_ranks
+from tests.distributed.checkpoint_cases import OPTIONS, optimizer, resume, train_and_save
+from tests.support.models import CASES
+from tests.support.reference import reference_step
 
 
 def _close(got, want, name):
     scale = want.abs().max().item() or 1.0
     err = (got - want).abs().max().item() / scale
     assert err <= 1e-10, f"{name}: differs by {err:.3e} relative"
+
+
+# with -n, one worker runs this module (pyproject.toml: loadgroup): its fixture runs once
+pytestmark = pytest.mark.xdist_group("checkpoint")
 
 
 @pytest.fixture(scope="module")

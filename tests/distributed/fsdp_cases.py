@@ -37,7 +37,7 @@ def train(rank: int, fsdp: bool, steps: int = STEPS) -> dict:
     x, y = batch(0)
     pipe = pc.compile(model(), example_inputs=(x.chunk(2)[replica],), devices=2,
                       data_parallel=2, fsdp=fsdp, loss_fn=zoo.lm_loss, schedule="1f1b",
-                      microbatches=2, timeout=60)
+                      microbatches=2, timeout=300)
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
     losses, norms = [], []
     for step in range(steps):
@@ -87,7 +87,7 @@ def train_tokens(rank: int, fsdp: bool) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")) if fsdp else None
     pipe = pc.compile(model(), example_inputs=(x.chunk(2)[replica],), devices=2,
                       data_parallel=2, fsdp=fsdp, mesh=mesh, loss_fn=token_loss,
-                      schedule="1f1b", microbatches=2, timeout=60)
+                      schedule="1f1b", microbatches=2, timeout=300)
     loss = pipe.step(x.chunk(2)[replica], target=y.chunk(2)[replica], num_items_in_batch=n)
     grads = {name: full(p.grad).clone() for name, p in pipe.named_parameters()}
     return {"loss": loss.item(), "grads": grads}
@@ -99,7 +99,7 @@ def meta_fsdp_train_and_save(rank: int, weights: str, directory: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from tests.dist_checkpoint_cases import OPTIONS
+    from tests.distributed.checkpoint_cases import OPTIONS
 
     replica = rank // 2
     with torch.device("meta"):
@@ -107,7 +107,7 @@ def meta_fsdp_train_and_save(rank: int, weights: str, directory: str) -> dict:
     x, _ = batch(0)
     pipe = pc.compile(net, example_inputs=(x.chunk(2)[replica],), devices=2, data_parallel=2,
                       fsdp=True, loss_fn=zoo.lm_loss, schedule="1f1b", microbatches=2,
-                      timeout=60)
+                      timeout=300)
     pipe.to_empty()
     missing = pipe.load_weights(weights).missing_keys
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
@@ -128,11 +128,11 @@ def resume_without_data_parallel(rank: int, directory: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from tests.dist_checkpoint_cases import OPTIONS
+    from tests.distributed.checkpoint_cases import OPTIONS
 
     x, y = batch(STEPS)
     pipe = pc.compile(model(), example_inputs=(x,), devices=4, loss_fn=zoo.lm_loss,
-                      schedule="1f1b", microbatches=4, timeout=60)
+                      schedule="1f1b", microbatches=4, timeout=300)
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
     model_sd, optim_sd = get_state_dict(pipe, opt, options=OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
@@ -162,7 +162,7 @@ def bad_options(rank: int) -> dict:
         options = {"devices": 1, "data_parallel": 2, "fsdp": True, "loss_fn": zoo.lm_loss,
                    "microbatches": 2, **options}
         try:
-            pc.compile(model(), example_inputs=(x.chunk(2)[rank],), timeout=60, **options)
+            pc.compile(model(), example_inputs=(x.chunk(2)[rank],), timeout=300, **options)
         except pc.PipecompileError as exc:
             errors[name] = str(exc)
     return errors

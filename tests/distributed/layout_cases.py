@@ -51,7 +51,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _step(options: dict, lazy: bool) -> tuple[dict, pc.Pipeline]:
     x, y = batch()
     pipe = pc.compile(model(), **({} if lazy else {"example_inputs": (x,)}), loss_fn=F.mse_loss,
-                      timeout=60, **options)
+                      timeout=300, **options)
     loss = pipe.step(x, target=y).item()
     grads = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()}
     evaluated = pipe.eval_step(x, target=y).item()  # each replica its rows, the global mean

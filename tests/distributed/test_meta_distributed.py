@@ -8,9 +8,9 @@ from safetensors.torch import save_file
 
 from pipecompile import zoo
 from pipecompile.weights.materialize import init_weights
-from tests.dist import run_ranks
-from tests.dist_meta_cases import SIZES, ids, meta_gpt_steps
-from tests.reference import reference_step
+from tests.distributed.ranks import run_ranks
+from tests.distributed.meta_cases import SIZES, ids, meta_gpt_steps
+from tests.support.reference import reference_step
 
 
 def _check(results, model):

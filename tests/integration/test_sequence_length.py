@@ -13,10 +13,10 @@ import torch
 
 import pipecompile as pc
 from pipecompile import zoo
-from tests.dist import run_ranks
-from tests.dist_training_cases import sequence_lengths
-from tests.models import CASES
-from tests.reference import assert_grads_equal, reference_step
+from tests.distributed.ranks import run_ranks
+from tests.distributed.training_cases import sequence_lengths
+from tests.support.models import CASES
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 @pytest.mark.parametrize("name,schedule", [("llama", "1f1b"), ("gpt2", "zb-h1")])
@@ -63,7 +63,7 @@ def test_a_lazy_pipeline_makes_the_length_symbolic_when_a_call_changes_it():
 
 
 def test_other_sequence_lengths_on_two_ranks():
-    results = run_ranks(sequence_lengths, 2, timeout=240)
+    results = run_ranks(sequence_lengths, 2)
     torch.manual_seed(0)
     case = CASES["gpt"]()
     for seq in (5, 8, 3):

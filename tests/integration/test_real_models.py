@@ -1,4 +1,4 @@
-"""The real-model sweep: transformers families (tests/real_models.py), each trained the way its
+"""The real-model sweep: transformers families (tests/support/real_models.py), each trained the way its
 users train it (the model's own loss from `labels=`), exact against the unsplit eager model at 2
 and 4 stages in float64: the loss and every parameter's gradient.
 
@@ -27,8 +27,8 @@ import torch
 
 import pipecompile as pc
 
-from tests.real_models import FAMILIES, Family, lm_batch, own_loss, parakeet_ctc_loss, phimoe
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.real_models import FAMILIES, Family, lm_batch, own_loss, parakeet_ctc_loss, phimoe
+from tests.support.reference import assert_grads_equal, reference_step
 
 MICROBATCHES = 2
 

@@ -7,7 +7,7 @@ import os
 import torch
 
 import pipecompile as pc
-from tests.models import CASES
+from tests.support.models import CASES
 
 
 def _shard(case, replica, replicas):
@@ -32,7 +32,7 @@ def train(rank, name, schedules, devices, data_parallel=1, microbatches=4, steps
         opt = (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)) if optimizer else None
         pipe = pc.compile(case.model, args, kwargs, devices=devices, microbatches=microbatches,
                           schedule=schedule, loss_fn=case.loss_fn, data_parallel=data_parallel,
-                          optimizer=opt, timeout=60)
+                          optimizer=opt, timeout=300)
         losses = [pipe.step(*args, target=target, **kwargs) for _ in range(steps)]
         grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
         params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
@@ -45,11 +45,11 @@ def train(rank, name, schedules, devices, data_parallel=1, microbatches=4, steps
     return results
 
 
-def _step_with(loss_fn, timeout):
+def _step_with(loss_fn):
     torch.manual_seed(0)
     case = CASES["gpt"]()
     pipe = pc.compile(case.model, case.args, devices=2, microbatches=2, loss_fn=loss_fn,
-                      schedule="1f1b", timeout=timeout)
+                      schedule="1f1b", timeout=300)
     pipe.step(*case.args, target=case.target)
     return {"ok": True}
 
@@ -58,14 +58,14 @@ def fail_in_loss(rank):
     def loss_fn(out, y):
         raise RuntimeError("loss exploded")
 
-    return _step_with(loss_fn, timeout=60)
+    return _step_with(loss_fn)
 
 
 def die_in_loss(rank):
     def loss_fn(out, y):
         os._exit(3)  # the process vanishes mid-step, sockets close
 
-    return _step_with(loss_fn, timeout=20)
+    return _step_with(loss_fn)
 
 
 def different_models(rank):
@@ -73,7 +73,7 @@ def different_models(rank):
     from pipecompile import zoo
     model = zoo.GPT(vocab=32, dim=16, layers=2 + rank, heads=2, seq=8)
     x = torch.randint(0, 32, (8, 8))
-    pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=zoo.lm_loss, timeout=30)
+    pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=zoo.lm_loss, timeout=300)
     return {"ok": True}
 
 
@@ -85,7 +85,7 @@ def train_async(rank, schedule, steps=2):
     model = _model()
     x, _ = _batch(0)
     pipe = pc.compile(model, (x,), devices=2, microbatches=4, schedule=schedule,
-                      loss_fn=zoo.lm_loss, optimizer=OPTIMIZERS["adamw"], timeout=60)
+                      loss_fn=zoo.lm_loss, optimizer=OPTIMIZERS["adamw"], timeout=300)
     losses = []
     for step in range(steps):
         x, y = _batch(step)
@@ -100,7 +100,7 @@ def other_batch_size(rank):
     torch.manual_seed(0)
     case = CASES["gpt"]()
     pipe = pc.compile(case.model, case.args, devices=2, microbatches=4, schedule="1f1b",
-                      loss_fn=case.loss_fn, timeout=60)
+                      loss_fn=case.loss_fn, timeout=300)
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, 64, (12, 8), generator=g)
     y = torch.randint(0, 64, (12, 8), generator=g)

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import pipecompile as pc
-from tests.capture_models import PermutedGroupNormNet
-from tests.reference import assert_grads_equal, reference_step
+from tests.support.capture_models import PermutedGroupNormNet
+from tests.support.reference import assert_grads_equal, reference_step
 
 
 def main() -> None:

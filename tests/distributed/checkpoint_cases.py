@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint on gloo ranks, run by tests/test_checkpoint.py (importable by
+"""torch.distributed.checkpoint on gloo ranks, run by tests/distributed/test_checkpoint.py (importable by
 the spawned processes): AdamW steps then `dcp.save` of `get_state_dict(pipe, opt)`, and a
 pipeline of another stage count resumed with `dcp.load` + `set_state_dict`."""
 
@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 import pipecompile as pc
-from tests.models import CASES
+from tests.support.models import CASES
 
 # Each rank holds only its stages' parameters, so each rank's optimizer has its own param
 # group: flattened, the optimizer state is keyed by parameter name only and reshards.
@@ -25,7 +25,7 @@ def _pipeline(devices):
     torch.manual_seed(0)
     case = CASES["gpt"]()  # float64; wte.weight is lm_head.weight: first and last stage
     pipe = pc.compile(case.model, case.args, devices=devices, microbatches=2,
-                      loss_fn=case.loss_fn, schedule="1f1b", timeout=60)
+                      loss_fn=case.loss_fn, schedule="1f1b", timeout=300)
     return case, pipe, optimizer(pipe.parameters())
 
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import pipecompile as pc
-from tests.reference import assert_grads_equal, reference_step
-from tests.test_sequence_length import Branchy
+from tests.support.reference import assert_grads_equal, reference_step
+from tests.integration.test_sequence_length import Branchy
 
 
 class Scaled(torch.nn.Module):

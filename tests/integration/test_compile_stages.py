@@ -15,8 +15,8 @@ from pipecompile import zoo
 from pipecompile.errors import ConfigError, StageExecutionError
 from pipecompile.runtime.compiled import CompiledStage, compiled_graphs
 
-from tests.dist import run_ranks
-from tests.reference import assert_grads_equal, reference_step
+from tests.distributed.ranks import run_ranks
+from tests.support.reference import assert_grads_equal, reference_step
 
 RTOL = 1e-6  # float32: relative to each gradient's largest entry
 
@@ -137,7 +137,7 @@ def _rank_step(rank):
     """On each of 2 gloo ranks: its stage compiled, one zero-bubble step; loss and grads."""
     x, y = _batch()
     pipe = pipecompile.compile(_model(), (x,), devices=2, microbatches=4, schedule="zb-h1",
-                               loss_fn=zoo.lm_loss, compile_stages=True, timeout=120)
+                               loss_fn=zoo.lm_loss, compile_stages=True, timeout=300)
     loss = pipe.step(x, target=y)
     compiled = [isinstance(w.module, CompiledStage) for w in pipe.runtime.workers.values()]
     return {"loss": loss, "grads": _grads(pipe), "compiled": compiled}

@@ -147,7 +147,7 @@ def _rank_stats(rank):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_each_rank_reports_its_own_device():
-    from tests.dist import run_ranks
+    from tests.distributed.ranks import run_ranks
 
     results = run_ranks(_rank_stats, 2)
     local = [(d.device, d.stages, d.parameters, d.gradients, d.activations,

@@ -13,7 +13,7 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.schedule.actions import Schedule
-from tests.models import CASES
+from tests.support.models import CASES
 
 ROUND_TRIP = ["gpt", "residual_cnn", "keyword_tuple"]
 
@@ -114,7 +114,7 @@ def test_load_without_the_model_code_in_a_fresh_process(tmp_path):
         "print('ok')\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+                          cwd=tmp_path, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _checker():
@@ -76,3 +76,24 @@ def test_every_import_form_counts_and_then_the_check_passes(tmp_path, capsys):
     assert checker.untested(package, tests) == []
     assert checker.main(["--package", str(package), "--tests", str(tests)]) == 0
     assert capsys.readouterr().out == ""
+
+
+def test_a_folder_that_mirrors_no_package_folder_is_named(tmp_path, capsys):
+    checker = _checker()
+    package, tests = _tree(tmp_path, {
+        **PACKAGE,
+        "tests/test_top.py": "from pkg import top, other\n",
+        "tests/sub/test_x.py": "from pkg.sub import a, b, c\n",
+        "tests/sbu/test_y.py": "",  # misspelt: its tests would count for no module
+        "tests/distributed/cases.py": "", "tests/integration/test_z.py": "",  # allowed on purpose
+        "tests/support/helpers.py": "", "tests/ci/test_w.py": "",
+    })
+    assert checker.untested(package, tests) == []
+    assert checker.unmirrored(package, tests) == [Path("sbu")]
+    assert checker.main(["--package", str(package), "--tests", str(tests)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "tests/sbu/: mirrors no folder of pkg/; move its files into the folder they test, or "
+        "into one of ci, distributed, integration, support"]
+    (tests / "sbu" / "test_y.py").unlink()
+    (tests / "sbu").rmdir()
+    assert checker.main(["--package", str(package), "--tests", str(tests)]) == 0

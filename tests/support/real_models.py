@@ -1,5 +1,5 @@
 """Real model families from transformers, built as their users build them, for the sweep in
-tests/test_real_models.py.
+tests/integration/test_real_models.py.
 
 Each `Family` builds a tiny config with random weights (nothing is downloaded: hidden 16,
 1 or 2 layers per stack, vocab 96, sequence 8, batch 4) in float64, dropout 0, `use_cache=False`,

@@ -9,7 +9,7 @@ import math
 import torch
 
 import pipecompile as pc
-from tests.models import CASES
+from tests.support.models import CASES
 
 
 def _loop(params):
@@ -26,7 +26,7 @@ def user_loop(rank, devices, data_parallel, steps=3):
     x = case.args[0].chunk(data_parallel)[replica]
     y = case.target.chunk(data_parallel)[replica]
     pipe = pc.compile(case.model, (x,), devices=devices, microbatches=2, loss_fn=case.loss_fn,
-                      data_parallel=data_parallel, schedule="1f1b", timeout=60)
+                      data_parallel=data_parallel, schedule="1f1b", timeout=300)
     opt, sched = _loop(pipe.parameters())
     losses, norms = [], []
     for step in range(steps):
@@ -48,7 +48,7 @@ def autocast_step(rank):
     case = CASES["gpt"]()
     model = case.model.float()
     pipe = pc.compile(model, case.args, devices=2, microbatches=2, loss_fn=case.loss_fn,
-                      schedule="1f1b", timeout=60)
+                      schedule="1f1b", timeout=300)
     plain = pipe.step(*case.args, target=case.target)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = pipe.step(*case.args, target=case.target)
@@ -68,7 +68,7 @@ def autocast_bf16_boundary(rank):
     model = MLP()
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     pipe = pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=F.cross_entropy,
-                      schedule="1f1b", timeout=60)
+                      schedule="1f1b", timeout=300)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = pipe.step(x, target=y)
         out = pipe(x)
@@ -87,7 +87,7 @@ def eval_mode(rank):
     x = torch.randn(8, 6, dtype=torch.float64) * 2 + 1
     y = torch.randint(0, 3, (8,))
     pipe = pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=F.cross_entropy,
-                      split_points=["fc2"], timeout=60)
+                      split_points=["fc2"], timeout=300)
     for _ in range(2):
         pipe.step(x, target=y)
     val = pipe.eval_step(x, target=y)  # eval mode for this call only
@@ -105,7 +105,7 @@ def sequence_lengths(rank):
     torch.manual_seed(0)
     case = CASES["gpt"]()
     pipe = pc.compile(case.model, case.args, devices=2, microbatches=2, loss_fn=case.loss_fn,
-                      schedule="1f1b", timeout=60, symbolic_sizes="all")
+                      schedule="1f1b", timeout=300, symbolic_sizes="all")
     results = {}
     for seq in (5, 8, 3):
         x, y = case.args[0][:, :seq], case.target[:, :seq]

@@ -1,4 +1,4 @@
-"""Functions run on every rank by tests/test_meta_distributed.py (importable by spawned
+"""Functions run on every rank by tests/distributed/test_meta_distributed.py (importable by spawned
 processes): a model built on meta, materialised and initialised or loaded per rank."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def meta_gpt_step(rank, devices, weights=None):
         model = zoo.GPT(**SIZES).double()
     x = ids()
     pipe = pc.compile(model, example_inputs=(x,), devices=devices, loss_fn=zoo.lm_loss,
-                      schedule="1f1b", microbatches=4, timeout=60)
+                      schedule="1f1b", microbatches=4, timeout=300)
     meta_before = all(p.is_meta for p in pipe.parameters())
     pipe.to_empty()
     if weights is None:

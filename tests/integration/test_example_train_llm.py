@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import free_port
-
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+# with -n, one worker runs this module (pyproject.toml: loadgroup): its fixture runs once
+pytestmark = pytest.mark.xdist_group("train-llm")
+
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_llm.py"
 STEPS, SAVED = 5, 3
 TINY = ["--layers", "2", "--dim", "16", "--heads", "2", "--vocab", "64", "--seq", "8",
@@ -45,10 +46,10 @@ def _torchrun(cwd: Path, *extra: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT),
-         *TINY, *extra],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+        # --standalone: torchrun binds a free port itself (none chosen here and bound later)
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(SCRIPT), *TINY, *extra],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return done.stdout
 

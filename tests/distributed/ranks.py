@@ -1,0 +1,101 @@
+"""Start real torch.distributed processes (gloo on loopback) for tests.
+
+The ranks are forked from a forkserver that imported torch, pipecompile and the test models
+once per test process (`_PRELOAD`), so a job starts in well under a second instead of paying
+those imports again in every rank (seconds each, and more on a loaded machine). The server
+only imports: it runs no model and fills no cache, so what a rank computes does not depend on
+the jobs before it. Each rank gets the caller's environment and working directory and torch's
+fresh-process random state, as a spawned process would.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# imported once by the forkserver; an import that fails there is retried in the rank
+_PRELOAD = ["torch", "torch.distributed", "pipecompile", "tests.distributed.ranks", "tests.support.models",
+            "transformers", "transformers.models.gpt2.modeling_gpt2"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first job)
+    return ctx
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 900.0) -> list:
+    """Run fn(rank, *args) on `world_size` gloo ranks; returns each rank's result.
+
+    A rank that raised returns {"error": message}; a rank that died returns {"died": exitcode};
+    a rank still running `timeout` seconds after the start returns {"died": "hung"}. The limit
+    only catches a hang: it is far above what a job takes on a loaded machine, so that how
+    busy the machine is never decides a result.
+    """
+    port = free_port()
+    ctx = _context()
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_entry,
+                             args=(fn, rank, world_size, port, tmp, args, env, os.getcwd(),
+                                   list(sys.path)))
+                 for rank in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        results = []
+        for rank, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join()
+                results.append({"died": "hung"})
+                continue
+            path = os.path.join(tmp, f"rank{rank}.pt")
+            if os.path.exists(path):
+                results.append(torch.load(path, weights_only=False))
+            else:
+                results.append({"died": p.exitcode})
+        return results
+
+
+def _entry(fn, rank, world_size, port, tmp, args, env, cwd, path):
+    os.environ.clear()  # the caller's environment now, not the server's when it started
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
+    torch.manual_seed(torch.initial_seed())  # the random state of a fresh process
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        # rendezvous through a file of this job's own directory: no port is chosen before it
+        # is bound, so no other process can take it in between (MASTER_PORT stays set only
+        # because the library reads torchrun's variables to know it runs as one of several)
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
+                                rank=rank, world_size=world_size)
+        result = fn(rank, *args)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    try:
+        if dist.is_initialized() and "error" not in result:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
