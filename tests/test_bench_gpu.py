@@ -50,7 +50,7 @@ def test_every_section_ran_and_is_reported(report):
     assert env["dry_run"] is True and env["device"] == "cpu" and env["torch"]
 
 
-def test_exactness_float32_within_bar_and_bf16_reported(report):
+def test_exactness_float32_and_bf16_autocast_within_their_bars(report):
     result = _section(report, "exactness")
     rows = result["rows"]
     cases = {(r["model"], r["stages"], r["schedule"]) for r in rows}
@@ -63,16 +63,17 @@ def test_exactness_float32_within_bar_and_bf16_reported(report):
     assert result["float32_all_ok"] and result["float32_max_rel_err"] <= 1e-5
     bf16 = [r for r in rows if r["dtype"] == "bf16 autocast"]
     assert len(bf16) == 3
-    for row in bf16:  # measured or failed with its error recorded, never silent
-        assert "error" in row or row["grad_rel_err"] >= 0
+    for row in bf16:  # the unsplit model under the same autocast: the same bf16 arithmetic
+        assert row["ok"] and row["loss_rel_err"] <= 1e-5 and row["grad_rel_err"] <= 2e-2, row
+    assert result["bf16_autocast_all_ok"] and result["compile_failures"] == 0
 
 
 def test_overhead_numbers_present(report):
     result = _section(report, "overhead")
     assert [r["variant"] for r in result["rows"]] == ["fp32 weights, bf16 autocast",
                                                       "bf16 weights"]
-    bf16 = result["rows"][1]
-    assert bf16["plain_ms"] > 0 and bf16["pipe_ms"] > 0 and bf16["ratio"] > 0
+    for row in result["rows"]:
+        assert row["plain_ms"] > 0 and row["pipe_ms"] > 0 and row["ratio"] > 0, row
     assert [r["devices"] for r in result["action_cost"]] == [1, 2]
     assert all(isinstance(r["us_per_action"], float) for r in result["action_cost"])
 
