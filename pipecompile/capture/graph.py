@@ -19,12 +19,24 @@ if TYPE_CHECKING:
 __all__ = ["flat_graph", "values_from_meta", "value_info", "symbols", "ranges", "output_names"]
 
 
+# torch.export's checks that a tensor has the dtype and device it had while traced (emitted
+# before each `.to(...)`): under the caller's torch.autocast a stage's inputs and its
+# linears' outputs are bfloat16 where the trace saw float32, so the check fails although the
+# conversion that follows computes what the eager model computes; on another device than the
+# traced one the device check fails the same way. Guards, not computation: dropped with them.
+_METADATA_CHECKS = tuple(getattr(torch.ops.aten, name).default
+                         for name in ("_assert_tensor_metadata",)
+                         if hasattr(torch.ops.aten, name))
+
+
 def flat_graph(graph: fx.Graph, *, drop_guards: bool) -> fx.Graph:
-    """A copy of `graph` with plain codegen, no export guard calls and a flat tuple output."""
+    """A copy of `graph` with plain codegen, a flat tuple output and, with `drop_guards`, no
+    export guard calls and no trace-time metadata checks (`_METADATA_CHECKS`)."""
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
-        if node.op == "call_module" and drop_guards and node.target == "_guards_fn":
+        if drop_guards and (node.op == "call_module" and node.target == "_guards_fn"
+                            or node.op == "call_function" and node.target in _METADATA_CHECKS):
             continue
         if node.op == "output":
             flat = pytree.tree_leaves(node.args[0], is_leaf=lambda x: isinstance(x, fx.Node))
