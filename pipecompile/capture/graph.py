@@ -16,7 +16,7 @@ from ..ir.records import ValueInfo
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
-__all__ = ["flat_graph", "values_from_meta", "value_info", "symbols", "ranges", "output_names"]
+__all__ = ["flat_graph", "drop_body_checks", "values_from_meta", "value_info", "symbols", "ranges", "output_names"]
 
 
 # torch.export's checks that a tensor has the dtype and device it had while traced (emitted
@@ -45,6 +45,25 @@ def flat_graph(graph: fx.Graph, *, drop_guards: bool) -> fx.Graph:
         env[node] = new.node_copy(node, lambda n: env[n])
     new.lint()
     return new
+
+
+def drop_body_checks(gm: fx.GraphModule) -> int:
+    """Remove `_METADATA_CHECKS` from the bodies of `gm`'s higher-order ops (the graph modules
+    it holds: a `torch.no_grad()` or `torch.autocast(enabled=False)` region of the model, as
+    `wrap_with_set_grad_enabled` / `wrap_with_autocast` calls); `flat_graph` drops the top
+    level's. Returns how many were removed."""
+    removed = 0
+    for name, sub in gm.named_modules():
+        if not name or not isinstance(sub, fx.GraphModule):
+            continue
+        checks = [n for n in sub.graph.nodes
+                  if n.op == "call_function" and n.target in _METADATA_CHECKS and not n.users]
+        for node in checks:
+            sub.graph.erase_node(node)
+        if checks:
+            sub.recompile()
+            removed += len(checks)
+    return removed
 
 
 def values_from_meta(graph: fx.Graph) -> dict[str, ValueInfo]:
