@@ -20,7 +20,8 @@ import torch
 
 import pipecompile as pc
 
-from _gpu_common import (LLAMA_100M, TINY, Ctx, alternating, gpt2, grad_errors, llama, log,
+from _gpu_common import (LLAMA_100M, TINY, Ctx, alternating, fresh_thread_state, gpt2,
+                         grad_errors, llama, log,
                          med, own_loss, param_count, plain_step, reference, rel_error,
                          token_ids)
 
@@ -82,6 +83,7 @@ def exactness(ctx: Ctx, out: dict[str, Any]) -> None:
             row: dict[str, Any] = dict(model=family, stages=stages, schedule=schedule,
                                        dtype=mode, bar=bar)
             try:
+                fresh_thread_state()  # one case's failure cannot reach the next
                 with ctx.autocast(amp):
                     loss = pipe.step(ids, labels=ids)
                 ref_loss, ref_grads = refs[name, mode]

@@ -76,6 +76,14 @@ class Ctx:
             torch.cuda.synchronize()
 
 
+def fresh_thread_state() -> None:
+    """Grad mode on, no autocast: what a section or an exactness case starts from, whatever a
+    failure before it left behind."""
+    torch.set_grad_enabled(True)
+    for device_type in ("cpu", "cuda"):
+        torch.set_autocast_enabled(device_type, False)
+
+
 def release(ctx: Ctx) -> None:
     """Free what the last section left (its models are out of scope once it returns)."""
     gc.collect()

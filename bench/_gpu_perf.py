@@ -40,7 +40,7 @@ PEAK_BF16 = H100.peak("bfloat16")
 
 def overhead(ctx: Ctx, out: dict[str, Any]) -> None:
     size = ctx.size(LLAMA_100M)
-    m, reps = size["m"], (3 if ctx.dry else 10)
+    m, reps = size["m"], (3 if ctx.dry else 5)
     rows: list[dict[str, Any]] = []
     out.update(rows=rows, aim="pipe / plain <= 1.03",
                model=f"llama hidden {size['hidden']} x {size['layers']} layers, vocab "
@@ -85,7 +85,7 @@ def overhead(ctx: Ctx, out: dict[str, Any]) -> None:
 def _action_cost(ctx: Ctx, out: dict[str, Any]) -> None:
     """Fixed seconds per action from the slope of step time against m (tiny MLP)."""
     ms = [2, 8] if ctx.dry else [2, 8, 32]
-    reps = 3 if ctx.dry else 10
+    reps = 3 if ctx.dry else 5
     rows: list[dict[str, Any]] = []
     out["action_cost"] = rows
     for devices, actions in ((1, 2), (2, 8)):  # actions per micro-batch in this process
@@ -171,7 +171,7 @@ def _compare(name: str, predicted: float, measured: float, **extra: Any) -> dict
 
 
 def preset_vs_gpu(ctx: Ctx, out: dict[str, Any]) -> None:
-    reps = 2 if ctx.dry else 5
+    reps = 2 if ctx.dry else 3
     rows: list[dict[str, Any]] = []
     out.update(preset=pc.preset("h100").hardware, rows=rows,
                note="error_pct = predicted / measured - 1 (positive: the preset is slower)")

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ["env", "exactness", "overhead", "preset", "memory", "compiled", "tp"]
+SECTIONS = ["env", "exactness", "overhead", "preset", "memory", "tp", "compiled"]
 
 
 @pytest.fixture(scope="module")
