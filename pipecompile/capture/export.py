@@ -44,7 +44,7 @@ from .blame import (
     first_line,
     opaque_reason,
 )
-from .graph import flat_graph, output_names, ranges, symbols, values_from_meta
+from .graph import drop_body_checks, flat_graph, output_names, ranges, symbols, values_from_meta
 from .bounded import Outcome, finishes_within
 from ..errors import CaptureError
 from ..ir.records import CapturedModel
@@ -136,6 +136,7 @@ def _captured(model: torch.nn.Module, ep: ExportedProgram, calls: dict,
     module = ep.module()
     signature = ep.module_call_graph[0].signature
     gm = fx.GraphModule(module, flat_graph(module.graph, drop_guards=True))
+    drop_body_checks(gm)
     if specs:
         opaque_modules.restore(gm, specs, calls, model)
         notes = notes + [f"opaque module {s.path!r} ({s.type_name}): {s.reason}"

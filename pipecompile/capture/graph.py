@@ -16,15 +16,27 @@ from ..ir.records import ValueInfo
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
-__all__ = ["flat_graph", "values_from_meta", "value_info", "symbols", "ranges", "output_names"]
+__all__ = ["flat_graph", "drop_body_checks", "values_from_meta", "value_info", "symbols", "ranges", "output_names"]
+
+
+# torch.export's checks that a tensor has the dtype and device it had while traced (emitted
+# before each `.to(...)`): under the caller's torch.autocast a stage's inputs and its
+# linears' outputs are bfloat16 where the trace saw float32, so the check fails although the
+# conversion that follows computes what the eager model computes; on another device than the
+# traced one the device check fails the same way. Guards, not computation: dropped with them.
+_METADATA_CHECKS = tuple(getattr(torch.ops.aten, name).default
+                         for name in ("_assert_tensor_metadata",)
+                         if hasattr(torch.ops.aten, name))
 
 
 def flat_graph(graph: fx.Graph, *, drop_guards: bool) -> fx.Graph:
-    """A copy of `graph` with plain codegen, no export guard calls and a flat tuple output."""
+    """A copy of `graph` with plain codegen, a flat tuple output and, with `drop_guards`, no
+    export guard calls and no trace-time metadata checks (`_METADATA_CHECKS`)."""
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
-        if node.op == "call_module" and drop_guards and node.target == "_guards_fn":
+        if drop_guards and (node.op == "call_module" and node.target == "_guards_fn"
+                            or node.op == "call_function" and node.target in _METADATA_CHECKS):
             continue
         if node.op == "output":
             flat = pytree.tree_leaves(node.args[0], is_leaf=lambda x: isinstance(x, fx.Node))
@@ -33,6 +45,25 @@ def flat_graph(graph: fx.Graph, *, drop_guards: bool) -> fx.Graph:
         env[node] = new.node_copy(node, lambda n: env[n])
     new.lint()
     return new
+
+
+def drop_body_checks(gm: fx.GraphModule) -> int:
+    """Remove `_METADATA_CHECKS` from the bodies of `gm`'s higher-order ops (the graph modules
+    it holds: a `torch.no_grad()` or `torch.autocast(enabled=False)` region of the model, as
+    `wrap_with_set_grad_enabled` / `wrap_with_autocast` calls); `flat_graph` drops the top
+    level's. Returns how many were removed."""
+    removed = 0
+    for name, sub in gm.named_modules():
+        if not name or not isinstance(sub, fx.GraphModule):
+            continue
+        checks = [n for n in sub.graph.nodes
+                  if n.op == "call_function" and n.target in _METADATA_CHECKS and not n.users]
+        for node in checks:
+            sub.graph.erase_node(node)
+        if checks:
+            sub.recompile()
+            removed += len(checks)
+    return removed
 
 
 def values_from_meta(graph: fx.Graph) -> dict[str, ValueInfo]:

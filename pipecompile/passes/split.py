@@ -66,6 +66,7 @@ def split(
     producer, consumers = wiring.at(bounds)
     placement = TensorPlacement([torch.device(d) for d in devices],
                            {} if placed is None else placed)
+    traced = linear.captured.traced_device or _held_device(gm)
     stages = []
     for j in range(len(bounds) - 1):
         members = [n for n in graph.nodes if stage_of.get(n.name) == j]
@@ -80,7 +81,7 @@ def split(
         module = fx.GraphModule(root, stage_graph, class_name=f"Stage{j}")
         if _clone_written_inputs(module.graph):
             module.recompile()
-        _meta_to(module, placement.devices[j], linear.captured.traced_device)
+        _meta_to(module, placement.devices[j], traced)
         names = tuple(name for name, _ in module.named_parameters())
         stages.append(Stage(j, module, placement.devices[j], inputs, outputs,
                             tuple(range(bounds[j], bounds[j + 1])), names))
@@ -204,15 +205,22 @@ def _clone_written_inputs(graph: fx.Graph) -> bool:
     return True
 
 
+def _held_device(gm: fx.GraphModule) -> torch.device | None:
+    """The one device the captured module's parameters and buffers are on (the device its
+    graph's literals name, such as a position table made on the embedding's device), or None
+    when they are on several (a literal may then mean any of them: left as it is)."""
+    devices = {t.device for t in (*gm.parameters(), *gm.buffers())}
+    return devices.pop() if len(devices) == 1 else None
+
+
 def _meta_to(module: fx.GraphModule, device: torch.device,
              traced: torch.device | None) -> None:
-    """Point the device literals of a model captured from the meta device (a position table
-    made on its embedding's device) at the stage's device, in the stage graph and the graphs of
-    its higher-order ops (`wrap_with_set_grad_enabled` bodies): `device=meta`, or the device
-    its tensors claimed while traced (`traced`, see capture/claimed_device.py)."""
+    """Point the device literals of the captured graph (a position table made on its
+    embedding's device) at the stage's device, in the stage graph and the graphs of its
+    higher-order ops (`wrap_with_set_grad_enabled` bodies): `device=meta`, or the device the
+    model's tensors were on, or claimed, while traced (`traced`, see capture/claimed_device.py): a
+    model left on the CPU and compiled for a GPU otherwise made such tables on the CPU."""
     meta = torch.device("meta")
-    if device == meta:
-        return
     claimed = {meta} | ({traced} if traced is not None else set())
 
     def move(value: Any) -> Any:

@@ -40,6 +40,7 @@ import torch
 from ..errors import ConfigError, PipecompileError, StageExecutionError
 from ..schedule.actions import Action, Kind, Schedule
 from .mailbox import Aborted
+from .thread_state import kept_thread_state
 from ..schedule.messages import Dataflow, Message
 from ..schedule.simulate import Event
 from .codegen import DeviceCode, StageCode, emit, failed_action, load
@@ -183,8 +184,8 @@ class Executor:
              entered: Callable[[], Any]) -> None:
         """Run one row's generated function in this thread; a failure aborts the others (their
         receives, and a STEP waiting for this row's stages)."""
-        try:
-            with _device_stream(device), entered():
+        try:  # a failure inside a no-grad region must not leave this thread without grad
+            with kept_thread_state((device.type,)), _device_stream(device), entered():
                 code.fn(*args)
         except Aborted:
             return
@@ -201,7 +202,7 @@ class Executor:
         receive whose message has not arrived; no row moving in a whole round is a deadlock."""
         running = {r: code.fn(*args[r]) for r, code in enumerate(program.rows)}
         waiting: dict[int, int] = {}  # row -> the action index it waits at
-        with entered():
+        with kept_thread_state(d.type for d in program.devices), entered():
             while running:
                 moved = False
                 for r, generator in list(running.items()):

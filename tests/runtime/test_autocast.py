@@ -129,3 +129,36 @@ def test_bf16_parameters_train():
     for name, p in pipe.named_parameters():
         assert not torch.equal(p, before[name]), f"{name}: unchanged by training"
         torch.testing.assert_close(p, params[name], rtol=2**-8, atol=1e-5, msg=name)
+
+
+class Upcast(nn.Module):
+    """The pattern of transformers' norms and losses: `.float()` on a linear's output (float32
+    while traced, bfloat16 under autocast), a norm in float32, a linear again."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x).float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.b(h).float()
+
+
+def test_upcasts_traced_in_float32_run_under_autocast():
+    """torch.export checks, before each `.to(...)`, the dtype its input had while traced;
+    capture drops those checks (capture/graph.py), so the conversion runs as the eager model
+    runs it: the same loss and gradients as the unsplit model under the same autocast."""
+    torch.manual_seed(0)
+    model = Upcast()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    reference = copy.deepcopy(model)
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2, loss_fn=F.cross_entropy,
+                      schedule="1f1b", split_points=["b"])
+    assert not any("_assert_tensor_metadata" in stage.module.code for stage in pipe.stages)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pipe.step(x, target=y)
+    want, grads = _reference_step(reference, x, y)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6, msg=name)
