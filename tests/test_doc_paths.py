@@ -21,6 +21,8 @@ NOT_OURS = {
     "my_model.py",  # a user's script, in an example command line
     "FILE.py",  # the CLI's placeholder for the user's script
     "stage0.py",  # written by pipe.save()
+    "stageN.py",  # written by pipe.save(), one per stage
+    "loss_ctc.py",  # transformers' CTC loss, named in a capture error's example
     "stage.py",  # torch.distributed.pipelining's own module
     "transformers/utils/generic.py",  # a transformers file named in a traceback example
 }

@@ -44,7 +44,8 @@ from .blame import (
     first_line,
     opaque_reason,
 )
-from .graph import drop_body_checks, flat_graph, output_names, ranges, symbols, values_from_meta
+from .graph import (drop_body_checks, flat_graph, output_names, ranges, symbols,
+                    values_from_meta)
 from .bounded import Outcome, finishes_within
 from ..errors import CaptureError
 from ..ir.records import CapturedModel
