@@ -56,7 +56,7 @@ def test_inspect_gpt2_text():
     assert "cuts (tensors sent between stages, per micro-batch):" in out
     for j in range(3):
         assert f"cut {j} (stage {j} | {j + 1}" in out
-    assert "[batch, input_ids.size(1), 64]  = (2, 32, 64)  float32  16.00 KiB" in out
+    assert "[batch, 32, 64]  = (2, 32, 64)  float32  16.00 KiB" in out  # the batch symbolic
 
 
 def test_plan_prints_the_schedule_and_draws_the_prediction(tmp_path, capsys):

@@ -53,7 +53,7 @@ class _PerSample(torch.nn.Module):
 def _plan(microbatches, model=None, batch=8, **capture_options):
     captured = capture(model or _Model(), (torch.randn(batch, 4),), **capture_options)
     return SimpleNamespace(program=SimpleNamespace(captured=captured),
-                           options=SimpleNamespace(microbatches=microbatches))
+                           resolved=SimpleNamespace(microbatches=microbatches))
 
 
 def test_cannot_run_says_why_a_kept_plan_does_not_fit_a_call():

@@ -68,8 +68,9 @@ def test_other_sizes_reuse_the_code_and_updates_reach_it():
     model = _model()
     x, y = _batch()
     opt = lambda ps: torch.optim.SGD(ps, lr=0.5)  # noqa: E731
-    plain = _pipe(copy.deepcopy(model), x, "1f1b", optimizer=opt)
-    pipe = _pipe(copy.deepcopy(model), x, "1f1b", optimizer=opt, compile_stages=True)
+    plain = _pipe(copy.deepcopy(model), x, "1f1b", optimizer=opt, symbolic_sizes="all")
+    pipe = _pipe(copy.deepcopy(model), x, "1f1b", optimizer=opt, compile_stages=True,
+                 symbolic_sizes="all")
     graph_params = {id(p) for w in pipe.runtime.workers.values() for p in w.module.parameters()}
     assert {id(p) for p in pipe.parameters()} == graph_params
     pipe.step(x, target=y)

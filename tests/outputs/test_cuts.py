@@ -12,7 +12,7 @@ from tests.support.models import CASES
 def test_unet_long_skip_crosses_every_cut_to_its_reader():
     torch.manual_seed(0)
     case = CASES["unet"]()  # batch 8, float64, 8x8 images, width 4
-    pipe = pc.compile(case.model, case.args, devices=3, microbatches=4)
+    pipe = pc.compile(case.model, case.args, devices=3, microbatches=4, symbolic_sizes="all")
     assert microbatch_size(pipe.program, 4) == 2
     result = cuts(pipe.program, microbatches=4)
     assert [c.index for c in result] == [0, 1]

@@ -17,7 +17,7 @@ from tests.support.models import CASES
 def unet_pipe():
     torch.manual_seed(0)
     case = CASES["unet"]()
-    return pc.compile(case.model, case.args, devices=3, microbatches=2)
+    return pc.compile(case.model, case.args, devices=3, microbatches=2, symbolic_sizes="all")
 
 
 def test_matplotlib_svg_and_png(unet_pipe, tmp_path):

@@ -20,7 +20,7 @@ def _stage_module():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
     x = torch.randn(8, 5, 4)  # batch and sequence symbolic
-    linear = linearize(capture(model, (x,)), granularity="layer")
+    linear = linearize(capture(model, (x,), sizes="all"), granularity="layer")
     return split(linear, (0, 1, linear.num_blocks), ["cpu", "cpu"]).stages[1].module
 
 
