@@ -11,14 +11,7 @@ import torch
 import pipecompile as pc
 from pipecompile import zoo
 from pipecompile.schedule.actions import COMPUTE_KINDS
-
-
-def _range(event):
-    """The PP: range an event ran under, or None."""
-    parent = event.cpu_parent
-    while parent is not None and not parent.name.startswith("PP:"):
-        parent = parent.cpu_parent
-    return None if parent is None else parent.name
+from tests.support.ranges import pp_range
 
 
 def observed_step(rank, path):
@@ -27,13 +20,13 @@ def observed_step(rank, path):
     model = zoo.GPT(vocab=32, dim=16, layers=4, heads=2, seq=8)
     x = torch.randint(0, 32, (8, 8))
     pipe = pc.compile(model, (x,), devices=2, microbatches=4, schedule="1f1b",
-                      loss_fn=zoo.lm_loss, timeout=60)
+                      loss_fn=zoo.lm_loss, timeout=300)
     pipe.step(x, target=x)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         loss = pipe.step(x, target=x)
     events = prof.events()
     ranges = Counter(e.name for e in events if e.name.startswith("PP:"))
-    forward_ops = Counter(_range(e) for e in events if e.name == "aten::addmm")
+    forward_ops = Counter(pp_range(e) for e in events if e.name == "aten::addmm")
     metrics = pipe.metrics()
     pipe.write_chrome_trace(path)
     timeline = pipe.timeline()

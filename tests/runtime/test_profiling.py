@@ -13,14 +13,7 @@ import torch
 import pipecompile as pc
 from pipecompile.runtime import profiling
 from tests.support.reference import assert_grads_equal, reference_step
-
-
-def _owner(event):
-    """The `PP:` range an event ran under (its nearest such ancestor), or None."""
-    parent = event.cpu_parent
-    while parent is not None and not parent.name.startswith("PP:"):
-        parent = parent.cpu_parent
-    return None if parent is None else parent.name
+from tests.support.ranges import pp_range
 
 
 def _pipe(schedule, model):
@@ -44,7 +37,7 @@ def test_a_profiled_step_has_one_range_per_action_holding_its_operators(schedule
     assert ranges == Counter(actions) and set(ranges.values()) == {1}
     # each forward ran two Linear layers (addmm); the backward's matrix products sit under B or
     # I/W, the loss's backward under the last stage's
-    owners = Counter((e.name, _owner(e)) for e in events
+    owners = Counter((e.name, pp_range(e)) for e in events
                      if e.name in ("aten::addmm", "aten::mm", "aten::mse_loss_backward"))
     for stage in (0, 1):
         for mb in (0, 1):
