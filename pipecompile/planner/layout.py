@@ -52,10 +52,11 @@ class Layout:
     inner: str = "pipeline"  # "pipeline" | "data": the dimension kept inside a node
     pipeline_rank: int | None = None
     data_rank: int | None = None
+    tensor_parallel: int = 1  # T ranks shard each layer of a stage (1: none)
 
     @property
     def devices(self) -> int:
-        return self.pipeline * self.data_parallel
+        return self.pipeline * self.data_parallel * self.tensor_parallel
 
     def __str__(self) -> str:
         mode = "FSDP" if self.fsdp else "replicated" if self.data_parallel > 1 else "no DP"

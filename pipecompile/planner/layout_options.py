@@ -54,6 +54,10 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
     given = request.keywords()
     devices, data_parallel, fsdp = (given.pop(name) for name in ("devices", "data_parallel",
                                                                 "fsdp"))
+    tensor_parallel = given.pop("tensor_parallel")
+    if tensor_parallel != 1:
+        raise ConfigError(f"tensor_parallel={tensor_parallel!r}: tensor parallelism is not "
+                          f"built yet; leave tensor_parallel=1")
     if isinstance(devices, (str, torch.device, DeviceSpec)):
         devices = [devices]
     microbatches, schedule, virtual_stages, checkpoint, memory_limit, bandwidth, timeout, \

@@ -7,7 +7,7 @@
     capture   how the model becomes a graph: method, symbolic_sizes, budget, verbose, rng,
               rng_seed
     layout    where it runs: devices, data_parallel, fsdp, mesh, memory_limit, bandwidth,
-              split_points, granularity (tensor parallelism will be its next axis)
+              split_points, granularity, tensor_parallel
     schedule  how a step runs: schedule, microbatches, virtual_stages, checkpoint, vertical_sync
     training  what a step computes and how long a wait may last: loss_fn, optimizer, timeout,
               compile_stages
@@ -86,8 +86,9 @@ class CaptureRequest:
 
 @dataclass(frozen=True)
 class LayoutRequest:
-    """Where the model runs: `compile(devices=, data_parallel=, fsdp=, mesh=, memory_limit=,
-    bandwidth=, split_points=, granularity=)`. `devices` and `data_parallel` None: not given."""
+    """Where the model runs: `compile(devices=, data_parallel=, tensor_parallel=, fsdp=, mesh=,
+    memory_limit=, bandwidth=, split_points=, granularity=)`. `devices` and `data_parallel`
+    None: not given."""
 
     devices: "int | Sequence[str | torch.device | DeviceSpec] | Cluster | None" = None
     data_parallel: int | str | None = None  # replicas, "auto" (searched) or None (not given)
@@ -97,11 +98,16 @@ class LayoutRequest:
     bandwidth: float | None = None  # bytes/s between devices (None: measured or assumed)
     split_points: tuple[str, ...] | None = None  # module names: a cut right before each
     granularity: str | None = None  # the blocks' size (None: the coarsest that balances)
+    # ranks that shard each layer of a stage (1: none; "auto": searched with the layout)
+    tensor_parallel: int | str = 1
 
     def __post_init__(self) -> None:
         if self.data_parallel not in (None, AUTO) and not _positive_int(self.data_parallel):
             raise ConfigError(f"data_parallel must be a positive int or 'auto', got "
                               f"{self.data_parallel!r}")
+        if self.tensor_parallel != AUTO and not _positive_int(self.tensor_parallel):
+            raise ConfigError(f"tensor_parallel must be a positive int or 'auto', got "
+                              f"{self.tensor_parallel!r}")
         if self.fsdp not in (True, False, AUTO):
             raise ConfigError(f"fsdp must be True, False or 'auto', got {self.fsdp!r}")
         if self.split_points is not None and not isinstance(self.split_points, tuple):
@@ -181,6 +187,7 @@ class Options(TypedDict, total=False):
     checkpoint: bool | str
     vertical_sync: bool
     data_parallel: int | str | None
+    tensor_parallel: int | str
     timeout: float
     verbose: bool
     rng: str
@@ -196,9 +203,9 @@ _WHERE: dict[str, tuple[str, str]] = {
     "capture": ("capture", "method"), "symbolic_sizes": ("capture", "symbolic_sizes"),
     "capture_budget": ("capture", "budget"), "verbose": ("capture", "verbose"),
     "rng": ("capture", "rng"), "rng_seed": ("capture", "rng_seed"),
-    **{name: ("layout", name) for name in ("devices", "data_parallel", "fsdp", "mesh",
-                                           "memory_limit", "bandwidth", "split_points",
-                                           "granularity")},
+    **{name: ("layout", name) for name in ("devices", "data_parallel", "tensor_parallel",
+                                           "fsdp", "mesh", "memory_limit", "bandwidth",
+                                           "split_points", "granularity")},
     **{name: ("schedule", name) for name in ("schedule", "microbatches", "virtual_stages",
                                              "checkpoint", "vertical_sync")},
     **{name: ("training", name) for name in ("loss_fn", "optimizer", "timeout",
