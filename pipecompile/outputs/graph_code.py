@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch.fx.graph import _custom_builtins
 
 from ..errors import ConfigError
+from ..ir.rng import seeded_call
 from .stage_check import check_stage_source
 
 __all__ = ["module_source", "build_module", "install"]
@@ -177,6 +178,18 @@ class _OpsRecorder:
         return self._tracer.create_proxy("call_function", self._obj, args, kwargs)
 
 
+class _CallRecorder:
+    """A function the saved graph calls (`seeded_call`) seen through a tracer: calling it
+    records one node calling it, instead of tracing through its body."""
+
+    def __init__(self, fn: Any, tracer: fx.Tracer):
+        self._fn, self._tracer = fn, tracer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(a._obj if isinstance(a, _OpsRecorder) else a for a in args)
+        return self._tracer.create_proxy("call_function", self._fn, args, kwargs)
+
+
 class _TorchRecorder:
     """The `torch` module, except that `torch.ops` records (see `_OpsRecorder`)."""
 
@@ -255,7 +268,9 @@ def _trace(root: torch.nn.Module, cls: type[torch.nn.Module], class_name: str,
     tracer = _Tracer()
     forward = cls.forward
     assert isinstance(forward, types.FunctionType), f"{class_name}.forward is not a function"
-    recorded = types.FunctionType(forward.__code__, {**forward.__globals__,
+    calls = {name: _CallRecorder(value, tracer) for name, value in forward.__globals__.items()
+             if value is seeded_call}  # kept as a call: it reads the micro-batch at run time
+    recorded = types.FunctionType(forward.__code__, {**forward.__globals__, **calls,
                                                      "torch": _TorchRecorder(tracer)},
                                   forward.__name__, forward.__defaults__, forward.__closure__)
     root.__class__ = type(class_name, (torch.nn.Module,), {"forward": recorded})

@@ -85,6 +85,7 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
                        else options.checkpoint),  # per stage, or one flag for all
         "timeout": float(options.timeout), "vertical_sync": options.vertical_sync,
         "compile_stages": options.compile_stages,
+        "rng": options.rng, "rng_seed": options.rng_seed,  # the seeded ops' streams
         "layout": _layout_to_json(plan),
         "schedule": "schedule.json", "bounds": list(program.bounds), "stages": stages,
         "producer": dict(program.producer),
@@ -147,6 +148,7 @@ def load_plan(
                                           else bool(data["checkpoint"])),
         timeout=data["timeout"],
         vertical_sync=data.get("vertical_sync", False),
+        rng=data.get("rng", "global"), rng_seed=int(data.get("rng_seed", 0)),
         compile_stages=(bool(data.get("compile_stages", False)) if compile_stages is None
                         else compile_stages),
         virtual_stages=schedule.num_stages // schedule.num_devices,
@@ -347,6 +349,7 @@ def _captured_to_json(program: StagedProgram) -> dict[str, Any]:
         "example_sizes": {str(k): int(v) for k, v in c.example_sizes.items()},
         "size_ranges": {str(k): list(v) for k, v in c.size_ranges.items()},
         "captured_batch_size": c.captured_batch_size,
+        "estimated_sizes": {str(k): str(v) for k, v in c.estimated_sizes.items()},
         "parameter_names": list(c.parameter_names), "state_keys": list(c.state_keys),
         "notes": list(c.notes),
         "values": {n: {"shape": [str(d) for d in v.shape],
@@ -362,6 +365,9 @@ def _captured_from_json(data: dict[str, Any], state: dict[str, torch.Tensor],
     if data["batch_symbol"]:
         symbols.setdefault(data["batch_symbol"],
                            sympy.Symbol(data["batch_symbol"], integer=True, positive=True))
+    estimated = data.get("estimated_sizes", {})  # data-dependent sizes (capture/unbacked.py)
+    for name in estimated:
+        symbols.setdefault(name, sympy.Symbol(name, integer=True, nonnegative=True))
 
     def dim(text: str) -> Any:
         return int(text) if text.lstrip("-").isdigit() else sympy.sympify(text, locals=symbols)
@@ -379,6 +385,8 @@ def _captured_from_json(data: dict[str, Any], state: dict[str, torch.Tensor],
         example_sizes={symbols[k]: v for k, v in data["example_sizes"].items()},
         size_ranges={symbols[k]: (v[0], v[1]) for k, v in data.get("size_ranges", {}).items()},
         captured_batch_size=data["captured_batch_size"],
+        estimated_sizes={symbols[k]: sympy.sympify(v, locals=symbols)
+                         for k, v in estimated.items()},
         parameter_names=tuple(data["parameter_names"]), state_keys=tuple(data["state_keys"]),
         # no model code, so no state-dict hooks: the checkpoint keys are the tensor names
         checkpoint_keys=tuple(data["state_keys"]), notes=tuple(data["notes"]),

@@ -78,3 +78,19 @@ def test_a_model_routing_by_data_dependent_splits_trains_exactly():
     loss = pipe.step(x, target=y)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
     assert sorted(assert_grads_equal(pipe, ref_grads)) == sorted(ref_grads)
+
+
+def test_a_saved_program_keeps_its_size_estimates(tmp_path):
+    """The estimates of data-dependent sizes are saved with the program and read back."""
+    model = _model()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = pc.compile(model, (x,), devices=2, microbatches=2, schedule="1f1b", loss_fn=_loss)
+    pipe.save(tmp_path / "saved")
+    loaded = pc.load(tmp_path / "saved", loss_fn=_loss)
+    before = pipe.plan.captured.estimated_sizes
+    after = loaded.plan.captured.estimated_sizes
+    assert before and sorted(map(str, after)) == sorted(map(str, before))
+    assert ({str(k): str(v) for k, v in after.items()}
+            == {str(k): str(v) for k, v in before.items()})
+    sizes = {str(k): v for k, v in loaded.plan.captured.sizes_at(8).items()}
+    assert sizes == {str(k): v for k, v in pipe.plan.captured.sizes_at(8).items()}
