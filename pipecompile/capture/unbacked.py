@@ -6,8 +6,10 @@ routes tokens to its experts with `x.split(counts.tolist())`, so the graph holds
 expressions then carry those symbols, and no input size binds them. Capture prices each one:
 
     a size of a split (split_with_sizes)    an even split: the split dimension / number of
-                                            pieces (even routing), in the other size symbols,
-                                            so it follows the micro-batch size
+                                            pieces, rounded down, the last piece taking the
+                                            rest (even routing; the pieces add up, as export's
+                                            runtime asserts demand), in the other size
+                                            symbols, so it follows the micro-batch size
     any other data-dependent size           1 (nothing to derive it from)
 
     estimate(graph) -> ({symbol: expression}, notes)
@@ -45,13 +47,14 @@ def estimate(graph: fx.Graph, names: Mapping[sympy.Symbol, sympy.Symbol] | None 
         value = source.meta.get("val") if isinstance(source, fx.Node) else None
         if not isinstance(value, torch.Tensor):
             continue
-        share = sympy.sympify(_expr(value.shape[dim])) / len(sizes)
-        for size in sizes:
+        total = sympy.sympify(_expr(value.shape[dim]))
+        share = sympy.floor(total / len(sizes))  # whole rows; the last piece takes the rest,
+        for i, size in enumerate(sizes):  # so the pieces add up to what they split
             symbol = _expr(size.meta.get("val")) if isinstance(size, fx.Node) else None
             if isinstance(symbol, sympy.Symbol) and _unbacked(symbol) and symbol not in found:
-                found[symbol] = share
-                total = sympy.sympify(_expr(value.shape[dim])).subs(dict(names or {}))
-                example = example or f"{symbol} in {_module(node)!r}: {total} / {len(sizes)}"
+                found[symbol] = share if i < len(sizes) - 1 else total - (len(sizes) - 1) * share
+                shown = total.subs(dict(names or {}))
+                example = example or f"{symbol} in {_module(node)!r}: {shown} / {len(sizes)}"
     split = sorted(found, key=str)
     rest = sorted((s for s in _unbacked_in(graph) if s not in found), key=str)
     found.update({s: sympy.Integer(1) for s in rest})

@@ -204,10 +204,9 @@ def symbolic_block_costs(linear: LinearGraph, *, optimizer_factor: float = 0.0,
 
 
 def _cost_key(linear: LinearGraph, optimizer_factor: float) -> str:
-    """A hash of everything the symbolic costs depend on: the graph's code, every value's
-    symbolic shape and dtype (which also names the size symbols), the blocks, and the
-    parameters' and buffers' shapes, dtypes, devices and whether they train, and the device a
-    meta model's tensors claimed while traced (the fake passes run there)."""
+    """A hash of what the symbolic costs depend on: the graph's code, each value's symbolic
+    shape and dtype (naming the size symbols), the blocks, the parameters' and buffers' shapes,
+    dtypes, devices and training, and the device a meta model's tensors claimed in tracing."""
     gm = linear.captured.module
     values = tuple((name, str(info.shape), str(info.dtype))
                    for name, info in linear.captured.values.items())
@@ -222,11 +221,11 @@ def _symbolic_block_costs(linear: LinearGraph, optimizer_factor: float, fused: b
                           ) -> tuple[tuple[BlockCost, ...], tuple[str, ...]]:
     """The blocks' costs, and for each block that could not run on fake tensors its name and
     the reason (its FLOPs are then 0: the caller warns)."""
-    gm = linear.captured.module
-    nodes = {n.name: n for n in gm.graph.nodes}
-    costs = []
+    captured = linear.captured
+    gm, nodes, costs = captured.module, {n.name: n for n in captured.module.graph.nodes}, []
     measured: dict[tuple, tuple] = {}  # repeated layers have one signature: run them once
-    fakes = FakeValues(fake_mode_of(gm.graph), linear.captured.traced_device)
+    fakes = FakeValues(fake_mode_of(gm.graph), captured.traced_device,
+                       estimates=captured.estimated_sizes)
     estimated: list[str] = []
     saved_inputs = []
     for block in linear.blocks:
@@ -421,6 +420,8 @@ def _run_block_fake(block_nodes, nodes, roles, gm, fakes: FakeValues, fused: boo
                     causal = fused and node.target in ATTENTION_OPS and is_causal_mask(node)
                     if fused and node.target in ATTENTION_OPS:
                         env[name] = fused_attention(args, kwargs, causal)
+                    elif (scalar := fakes.data_scalar(node.meta.get("val"))) is not None:
+                        env[name] = scalar  # a data-dependent size: its stated estimate
                     else:
                         env[name] = call_node(gm, node, args, kwargs)
                 if fused:

@@ -63,18 +63,31 @@ class FakeValues:
 
     def __init__(self, mode: Any, device: torch.device | None, *,
                  specialize: Mapping[sympy.Symbol, int] | None = None,
-                 hints: Mapping[sympy.Symbol, int] | None = None) -> None:
+                 hints: Mapping[sympy.Symbol, int] | None = None,
+                 estimates: Mapping[sympy.Symbol, Any] | None = None) -> None:
         self.mode = mode
         self.device = device if device is not None and device.type != "meta" else None
         self.specialize = {s: sympy.Integer(v) for s, v in (specialize or {}).items()}
         self.hints = {s: sympy.Integer(v) for s, v in (hints or {}).items()}
+        self.estimates = dict(estimates or {})  # data-dependent sizes (capture/unbacked.py)
         self._made: dict[int, torch.Tensor] = {}  # id(own tensor) -> its fake (ties: one)
 
     def specialized(self, sizes: Mapping[sympy.Symbol, int],
                     hints: Mapping[sympy.Symbol, int]) -> "FakeValues":
         """The same stand-ins with the symbols of `sizes` set to those values; `hints` are
         the example's value of every symbol (what a size left symbolic is traced at)."""
-        return FakeValues(self.mode, self.device, specialize=sizes, hints=hints)
+        return FakeValues(self.mode, self.device, specialize=sizes, hints=hints,
+                          estimates=self.estimates)
+
+    def data_scalar(self, val: Any) -> int | None:
+        """The estimate of a data-dependent size (`x.split(counts.tolist())`'s `u0`) where
+        every size it depends on is concrete here, else None. A fake run cannot read data,
+        and a new unbacked size on each run fails the first guard that compares two
+        (JetMoE's routed experts); the estimate makes the block's shapes concrete."""
+        if not isinstance(val, torch.SymInt) or val.node.expr not in self.estimates:
+            return None
+        value = sympy.sympify(self.estimates[val.node.expr]).xreplace(self.specialize)
+        return int(value) if value.is_number else None
 
     def module_tensor(self, real: torch.Tensor) -> torch.Tensor:
         """A fake of a parameter or buffer (not yet requiring grad)."""
