@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import pty
 import re
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,15 +43,23 @@ def test_on_a_terminal_a_bar_is_rewritten_in_place_and_ends_with_a_newline():
     finally:
         os.close(follower)
     chunks = []
-    while True:
-        try:
-            data = os.read(leader, 65536)
-        except OSError:  # the child closed the terminal (EIO on Linux)
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(leader)
+    deadline = time.monotonic() + 900  # far above a loaded machine's time: a hang fails
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 5.0)
+            if not ready:
+                continue
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # the child closed the terminal (EIO on Linux)
+                break
+            if not data:
+                break
+            chunks.append(data)
+        else:
+            run.kill()
+    finally:
+        os.close(leader)
     out, _ = run.communicate(timeout=900)
     assert run.returncode == 0
     assert out.startswith(b"Pipeline: 2 stages")  # stdout is not the terminal: untouched
