@@ -18,7 +18,8 @@ and peak in-flight micro-batches per stage, and the plans the search compared (-
 --microbatches default to "auto"); --gantt draws the predicted timeline. `export` writes ONNX
 files and a manifest (--onnx) and/or the saved program (--save, read back by
 `pipecompile.load`). --json prints one JSON object on stdout instead of text. Progress goes to
-stderr: pipecompile's INFO log lines, each pass as it ends with its time. Any failure (a bad
+stderr: on a terminal a progress bar (passes done, or a long search's count of candidates),
+otherwise pipecompile's INFO log lines, each pass as it ends with its time. Any failure (a bad
 FILE, FACTORY or option, a model that cannot be compiled) prints a one-line error on stderr and
 exits with status 2; --debug prints the traceback first. `--version` prints the version.
 
@@ -46,10 +47,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Sequence, TextIO
+from typing import Any, Sequence
 
 from .errors import PipecompileError
 from .ir.formats import format_bytes
+from .ir.progress import reporting_every
+from .outputs.progress_bar import ProgressBar, progress_handler
 from .outputs.report import explain_search
 from .outputs.table import format_table
 from .schedule.schedules import SCHEDULE_NAMES
@@ -57,6 +60,7 @@ from .schedule.schedules import SCHEDULE_NAMES
 __all__ = ["main"]
 
 log = logging.getLogger("pipecompile.cli")
+_BAR_EVERY_S = 0.2  # seconds between two counts of a long loop while a bar is drawn
 
 
 class UsageError(Exception):
@@ -290,35 +294,25 @@ def _predicted_json(pipe) -> dict[str, Any]:
             "peak_inflight": [t.peak_inflight(s) for s in range(len(pipe.program.stages))]}
 
 
-class _Stderr(logging.StreamHandler):
-    """Writes to whatever sys.stderr is at the time (main() may run many times in a process)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(logging.Formatter("pipecompile: %(message)s"))
-
-    @property
-    def stream(self) -> TextIO:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
 @contextlib.contextmanager
 def _progress_on_stderr():
-    """Show pipecompile's INFO log lines (progress) on stderr while a command runs."""
+    """Show pipecompile's INFO log lines (progress) on stderr while a command runs: a bar
+    rewritten in place on a terminal, plain lines otherwise (`outputs.progress_bar`)."""
     logger = logging.getLogger("pipecompile")
     saved = logger.level, logger.propagate
-    handler = _Stderr()
+    handler = progress_handler(lambda: sys.stderr)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    # a bar wants frequent counts from the long loops; plain lines keep the library's pace
+    every = (reporting_every(_BAR_EVERY_S) if isinstance(handler, ProgressBar)
+             else contextlib.nullcontext())
     try:
-        yield
+        with every:
+            yield
     finally:
         logger.removeHandler(handler)
+        handler.close()
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
 

@@ -1,19 +1,24 @@
 """Quiet export: keep torch's output for a failing export off the terminal, for one thread.
 
 A failing torch.export logs warnings (symbolic shapes, guards) and prints the partial graph it
-traced (up to thousands of lines) to stderr; capture makes several attempts, so a user would
-see each. `quiet()` collects, from the calling thread only and for the length of the call:
+traced (up to thousands of lines, once per nested export call) to stderr; capture makes several
+attempts, so a user would see each. `quiet()` collects, from the calling thread only and for
+the length of the call:
 
     records below ERROR of torch's export loggers   a filter on the handlers they reach (torch
                                                     gives many of its loggers a handler of its
                                                     own); no logger's level changes
-    what the thread writes to sys.stderr            one routing stream shared by every quiet
-                                                    thread: each one's writes go to its own
-                                                    buffer, every other thread's to the stream
-                                                    that was there before
+    the partial graph torch.export prints           torch.export's own module (`_trace`) sees,
+                                                    as its `sys`, a stand-in whose `stderr` is
+                                                    the quiet thread's buffer (any other thread:
+                                                    sys.stderr itself)
 
-The collected text becomes the error's details (`compile(..., verbose=True)` shows it as it
-happens). With ``TORCH_LOGS`` set, the user asked torch to log: nothing is collected.
+Nothing replaces the process's `sys.stderr` or file descriptor 2: another thread's writes, and
+this thread's own, go where they went. Python warnings are left to the `warnings` module and
+the user's filters (`warnings.catch_warnings` changes them for every thread). The collected
+text becomes the error's details (`compile(..., verbose=True)` shows it as it happens). With
+``TORCH_LOGS`` set, the user asked torch to log: nothing is collected, and torch's loggers keep
+the levels it gave them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Iterator, TextIO
+from typing import Any, Iterator, TextIO
 
 __all__ = ["quiet", "NOISY_LOGGERS"]
 
@@ -34,23 +39,24 @@ NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch
 
 @contextlib.contextmanager
 def quiet(verbose: bool) -> Iterator[io.StringIO]:
-    """Collect what torch's export logs below ERROR and writes to stderr from this thread,
-    into the buffer yielded (see the module docstring); with `verbose` or ``TORCH_LOGS`` set,
+    """Collect what torch's export logs below ERROR and prints to stderr from this thread, into
+    the buffer yielded (see the module docstring); with `verbose` or ``TORCH_LOGS`` set,
     collect nothing."""
     buffer = io.StringIO()
     if verbose or os.environ.get("TORCH_LOGS"):
         yield buffer
         return
-    thread = threading.get_ident()
-    collect = _Collect(buffer, thread)
+    collect = _Collect(buffer, threading.get_ident())
     handlers = _handlers(NOISY_LOGGERS)
     for handler in handlers:
         handler.addFilter(collect)
-    _Routed.enter(thread, buffer)
+    _ExportSys.install()
+    held = _ExportSys.held()
+    held.append(buffer)
     try:
         yield buffer
     finally:
-        _Routed.leave(thread)
+        held.pop()
         for handler in handlers:
             handler.removeFilter(collect)
 
@@ -84,42 +90,35 @@ def _handlers(names: tuple[str, ...]) -> list[logging.Handler]:
     return found
 
 
-class _Routed(io.TextIOBase):
-    """sys.stderr while some thread is quiet: each quiet thread's writes go to its buffer, the
-    others' to the stream that was sys.stderr before the first quiet thread came."""
+class _ExportSys:
+    """`torch.export._trace`'s `sys`: the `sys` module in every respect but `stderr`, which for
+    a thread inside `quiet()` is its innermost buffer. Installed once and left: outside
+    `quiet()` it is `sys` (a thread-local stack, so threads never see each other's buffers)."""
 
+    _local = threading.local()
     _lock = threading.Lock()
-    _buffers: dict[int, list[io.StringIO]] = {}  # per thread, innermost quiet call last
-    _installed: "_Routed | None" = None
-
-    def __init__(self, original: TextIO):
-        super().__init__()
-        self.original = original
-
-    def write(self, text: str) -> int:
-        buffers = self._buffers.get(threading.get_ident())
-        return (buffers[-1] if buffers else self.original).write(text)
-
-    def flush(self) -> None:
-        self.original.flush()
 
     @classmethod
-    def enter(cls, thread: int, buffer: io.StringIO) -> None:
-        with cls._lock:
-            cls._buffers.setdefault(thread, []).append(buffer)
-            if cls._installed is None or sys.stderr is not cls._installed:
-                cls._installed = cls(sys.stderr)
-                sys.stderr = cls._installed
+    def held(cls) -> list[io.StringIO]:
+        """This thread's buffers, innermost last."""
+        if not hasattr(cls._local, "buffers"):
+            cls._local.buffers = []
+        return cls._local.buffers
+
+    @property
+    def stderr(self) -> TextIO:
+        buffers = self.held()
+        return buffers[-1] if buffers else sys.stderr
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys, name)
 
     @classmethod
-    def leave(cls, thread: int) -> None:
+    def install(cls) -> None:
+        """Stand in for `sys` in torch.export's tracing module, when it imports `sys` as this
+        torch does (another torch keeps printing its partial graph: harmless)."""
+        from torch.export import _trace
+
         with cls._lock:
-            held = cls._buffers.get(thread, [])
-            if held:
-                held.pop()
-            if not held:
-                cls._buffers.pop(thread, None)
-            if not cls._buffers and cls._installed is not None:
-                if sys.stderr is cls._installed:
-                    sys.stderr = cls._installed.original
-                cls._installed = None
+            if getattr(_trace, "sys", None) is sys:
+                setattr(_trace, "sys", cls())

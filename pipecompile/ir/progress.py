@@ -12,19 +12,41 @@ environment variable torchrun sets; no process group is needed) logs these at IN
 ranks log them at DEBUG. ``PIPECOMPILE_LOG_RANKS=all`` (or a comma-separated list of ranks)
 gives those ranks INFO too. A library adds no handler: ``logging.basicConfig(level="INFO")``
 shows the lines.
+
+Each record also carries its numbers for a handler drawing a progress bar (the CLI's, on a
+terminal): a pass's record ``record.pipecompile_pass = (name, seconds, index, count)`` (its
+place among the passes compile runs), a loop's ``record.pipecompile_progress = (what, count,
+total, unit, seconds)``. `reporting_every` shortens the interval between a loop's lines for
+such a handler.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import time
+from typing import Iterator
 
-__all__ = ["PROGRESS_EVERY_S", "Progress", "level", "pass_done"]
+__all__ = ["PROGRESS_EVERY_S", "Progress", "level", "pass_done", "passes_done", "reporting_every"]
 
 PROGRESS_EVERY_S = 5.0  # seconds between two progress lines of one loop
 
 _log = logging.getLogger("pipecompile.passes")
+_log_all = logging.getLogger("pipecompile.compile")
+_every: contextvars.ContextVar[float | None] = contextvars.ContextVar("every", default=None)
+
+
+@contextlib.contextmanager
+def reporting_every(seconds: float) -> Iterator[None]:
+    """Within this block (in this thread or task), loops log their counts every `seconds`
+    instead of `PROGRESS_EVERY_S`: a progress bar wants frequent updates, a log file few."""
+    token = _every.set(seconds)
+    try:
+        yield
+    finally:
+        _every.reset(token)
 
 
 def level(environ: "os._Environ[str] | dict[str, str] | None" = None) -> int:
@@ -37,9 +59,19 @@ def level(environ: "os._Environ[str] | dict[str, str] | None" = None) -> int:
     return logging.INFO if shown else logging.DEBUG
 
 
-def pass_done(name: str, seconds: float, summary: str) -> None:
-    """Log the end of a compiler pass: ``pass capture: 1.23 s: <summary>``."""
-    _log.log(level(), "pass %s: %.2f s%s", name, seconds, f": {summary}" if summary else "")
+def pass_done(name: str, seconds: float, summary: str, *, index: int | None = None,
+              count: int | None = None) -> None:
+    """Log the end of a compiler pass: ``pass capture: 1.23 s: <summary>``; `index` (from 1)
+    of `count` passes, when known, rides on the record for a progress bar."""
+    _log.log(level(), "pass %s: %.2f s%s", name, seconds, f": {summary}" if summary else "",
+             extra={"pipecompile_pass": (name, seconds, index, count)})
+
+
+def passes_done(ran: int, count: int, seconds: float) -> None:
+    """Log the end of compile's passes: ``passes: 14 of 16 ran in 4.80 s`` (the others did
+    not apply to this plan); a progress bar shows all `count` done."""
+    _log_all.log(level(), "passes: %d of %d ran in %.2f s", ran, count, seconds,
+                 extra={"pipecompile_pass": ("all", seconds, count, count)})
 
 
 class Progress:
@@ -48,7 +80,8 @@ class Progress:
     def __init__(self, logger: logging.Logger, what: str, total: int | None = None, *,
                  unit: str = "", every: float | None = None):
         self.logger, self.what, self.total, self.unit = logger, what, total, unit
-        self.every = PROGRESS_EVERY_S if every is None else every
+        chosen = every if every is not None else _every.get()
+        self.every: float = PROGRESS_EVERY_S if chosen is None else chosen
         self.count = 0
         self.start = self.last = time.perf_counter()
         self.level = level()
@@ -71,4 +104,6 @@ class Progress:
         of = f"/{self.total}" if self.total is not None else ""
         unit = f" {self.unit}" if self.unit else ""
         self.logger.log(self.level, "%s: %d%s%s (%.1f s)%s", self.what, self.count, of, unit,
-                        now - self.start, f", {note}" if note else "")
+                        now - self.start, f", {note}" if note else "",
+                        extra={"pipecompile_progress": (self.what, self.count, self.total,
+                                                        self.unit, now - self.start)})

@@ -4,7 +4,9 @@ Input: a `LinearGraph`, its `CostTable` and one real micro-batch. Output: a new 
 whose block times are medians of measured runs (`NumericBlockCost.measured` is True).
 
 The captured graph is first run once on the micro-batch to get every intermediate value; then
-each block is timed on its own with those values as inputs:
+each block is timed on its own with those values as inputs (`clock.elapsed`: CUDA events on
+a GPU; not torch.utils.benchmark, as a forward, its input gradient and its weight gradient run
+once each in turn, the first's graph feeding the others):
 
     forward   the block's nodes, autograd recording
     I         autograd.grad(outputs, block inputs, retain_graph=True)
@@ -17,7 +19,6 @@ leaves the model as it found it. Blocks run where the model's parameters live.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Mapping
 
 import torch
@@ -28,6 +29,7 @@ from ..ir.records import CostTable, LinearGraph, NodeRole
 from ..runtime.microbatch import split_microbatches
 from ..passes.annotate import with_measured_times
 from ..ir.nodes import call_node, getattr_path as _getattr_path, preserve_buffers
+from .clock import elapsed, sync_device
 
 __all__ = ["profile_blocks", "record_values", "sync_device"]
 
@@ -122,33 +124,26 @@ def _run_once(block_nodes, nodes, roles, gm, env) -> tuple[float, float, float]:
                     value = value.detach().requires_grad_(True)
                     inputs.append(value)
             local[arg.name] = value
-    sync_device()
-    t0 = time.perf_counter()
-    for name in block_nodes:
-        node = nodes[name]
-        a = fx.node.map_arg(node.args, lambda n: local[n.name])
-        k = fx.node.map_arg(node.kwargs, lambda n: local[n.name])
-        local[name] = call_node(gm, node, a, k)
-    sync_device()
-    t1 = time.perf_counter()
+    device = next((v.device for v in (*inputs, *params.values())), None)
+
+    def forward() -> None:
+        for name in block_nodes:
+            node = nodes[name]
+            a = fx.node.map_arg(node.args, lambda n: local[n.name])
+            k = fx.node.map_arg(node.kwargs, lambda n: local[n.name])
+            local[name] = call_node(gm, node, a, k)
+
+    t_f = elapsed(forward, device)
     outputs = [local[n] for n in block_nodes
                if isinstance(local[n], torch.Tensor) and local[n].requires_grad
                and any(u.name not in block for u in nodes[n].users)]
     grads = [torch.ones_like(o) for o in outputs]
     t_i = t_all = 0.0
     if outputs and inputs:
-        torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
-        sync_device()
-        t_i = time.perf_counter() - t1
-    t2 = time.perf_counter()
+        t_i = elapsed(lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True,
+                                                  allow_unused=True), device)
     if outputs and (inputs or params):
-        torch.autograd.grad(outputs, inputs + list(params.values()), grads, allow_unused=True)
-        sync_device()
-        t_all = time.perf_counter() - t2
-    return t1 - t0, t_i, max(t_all - t_i, 0.0)
+        t_all = elapsed(lambda: torch.autograd.grad(outputs, inputs + list(params.values()),
+                                                    grads, allow_unused=True), device)
+    return t_f, t_i, max(t_all - t_i, 0.0)
 
-
-def sync_device() -> None:
-    """Wait for queued GPU work, so that a wall-clock interval measures it."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()

@@ -9,6 +9,7 @@ import time
 import torch
 
 from ..ir.compile_cache import CompileCache
+from .clock import kernel_seconds
 from ..passes.linearize import linearize
 from ..schedule.schedules import make_schedule
 from ..schedule.simulate import StageCosts, simulate
@@ -18,22 +19,15 @@ __all__ = ["matmul_rate", "action_overhead"]
 
 def matmul_rate(device: str, n: int = 512, repeats: int = 5, *,
                 cache: CompileCache | None = None) -> float:
-    """FLOP/s of an n×n×n fp32 matmul on `device` (median of a few runs, ~10 ms on a CPU)."""
+    """FLOP/s of an n×n×n fp32 matmul on `device`: the median run by
+    `torch.utils.benchmark.Timer` (`clock.kernel_seconds`) over 20 ms per repeat (about 0.1 s
+    on a CPU, with torch's threads)."""
     if cache is not None:
         return cache.get(("matmul_rate", device, n, repeats),
                          lambda: matmul_rate(device, n, repeats))
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        if a.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        a @ b
-        if a.is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / sorted(times[1:])[repeats // 2]
+    return 2 * n**3 / kernel_seconds(lambda: a @ b, min_run_time=0.02 * repeats)
 
 
 def action_overhead(device: str, repeats: int = 7, *, cache: CompileCache | None = None) -> float:
@@ -45,7 +39,9 @@ def action_overhead(device: str, repeats: int = 7, *, cache: CompileCache | None
     time over the simulator's makespan of that schedule when every action and message costs
     one unit is the overhead the simulator then charges per action and message (about 0.3 s
     of compile time, once per `cache`). On a small model this is a large part of every
-    action's time, so fewer micro-batches win."""
+    action's time, so fewer micro-batches win. Timed by hand, not by torch.utils.benchmark: a
+    step is many actions on several device threads, whose wall time (not one kernel's) is
+    the point."""
     if cache is not None:
         return cache.get(("action_overhead", device, repeats),
                          lambda: action_overhead(device, repeats))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import statistics
 import threading
-import time
 from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Mapping, Sequence
 
 import torch
@@ -28,7 +27,7 @@ import torch
 from ..ir.records import StageTimes
 from ..runtime.stage_worker import LossSpec, StageWorker
 from ..ir.tensors import to_device as _to
-from .profile import sync_device
+from .clock import elapsed
 
 if TYPE_CHECKING:
     from ..ir.records import StagedProgram
@@ -62,7 +61,8 @@ def measure_stages(
             worker, inputs = _worker(program, index, values, grad_values,
                                      loss if with_loss else None)
             device = program.stages[index].device
-            result[index] = _time_stage(worker, inputs, _to(target, device), repeats, statistic)
+            result[index] = _time_stage(worker, inputs, _to(target, device), repeats, statistic,
+                                        device)
     return result
 
 
@@ -153,7 +153,14 @@ def _restoring(program):
 
 
 def _time_stage(worker: StageWorker, inputs, target, repeats: int,
-                statistic: Callable[[list[float]], float]) -> StageTimes:
+                statistic: Callable[[list[float]], float], device: torch.device) -> StageTimes:
+    """F, B, I, W and the loss, each run once per round in the order the runtime runs them
+    (one's saved state feeds the next), so timed call by call (`clock.elapsed`: CUDA events on
+    a GPU) rather than by torch.utils.benchmark, which repeats one statement."""
+
+    def _clock(fn) -> float:
+        return elapsed(fn, device)
+
     samples = []
     for _ in range(repeats + 1):  # the first round warms up
         t_f = _clock(lambda: worker.forward(0, inputs, target))
@@ -172,12 +179,13 @@ def _time_stage(worker: StageWorker, inputs, target, repeats: int,
             t_w = _clock(lambda: worker.backward_weight(0))
         finally:
             worker.split_weights = False
-        t_loss = _time_loss(worker, outputs, target) if worker.loss is not None else 0.0
+        t_loss = _time_loss(worker, outputs, target, device) if worker.loss is not None else 0.0
         samples.append((t_f, t_b, t_i, t_w, t_loss))
     return StageTimes(*(statistic([s[k] for s in samples[1:]]) for k in range(5)))
 
 
-def _time_loss(worker: StageWorker, outputs: Mapping[str, Any], target) -> float:
+def _time_loss(worker: StageWorker, outputs: Mapping[str, Any], target,
+               device: torch.device) -> float:
     """Seconds of the loss's forward and backward alone, on the stage's outputs."""
     leaves = [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor)
               else v for v in outputs.values()]
@@ -187,12 +195,10 @@ def _time_loss(worker: StageWorker, outputs: Mapping[str, Any], target) -> float
         if loss.requires_grad:
             loss.backward()
 
-    return _clock(run)
+    return elapsed(run, device)
 
 
 def _clock(fn) -> float:
-    sync_device()
-    start = time.perf_counter()
-    fn()
-    sync_device()
-    return time.perf_counter() - start
+    """Wall-clock seconds of `fn()`: device threads contending for this machine's CPU cores
+    (`thread_efficiency`), several at once, not one device's events."""
+    return elapsed(fn)

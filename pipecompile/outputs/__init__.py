@@ -15,4 +15,5 @@
     metrics.py        `pipe.metrics()`: the last step as a flat dict of floats for a logger
     trace.py          one Chrome trace for the job: every rank's actions, sends joined to receives
     table.py          the plain-text table formatter every report uses
+    progress_bar.py   compile's progress on the CLI's stderr: a bar on a terminal, else lines
 """

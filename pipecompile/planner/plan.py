@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .resolved import Choices, resolve
 from .options import CompileOptions
-from ..ir.progress import pass_done
+from ..ir.progress import pass_done, passes_done
 from ..ir.records import Example
 
 if TYPE_CHECKING:
@@ -232,7 +232,8 @@ def run_passes(plan: Plan, passes: Sequence[Pass], example: Example) -> Plan:
     is timed and recorded."""
     check_contracts(passes, plan.produced)
     producer = {name: p.name for p in passes for name in p.produces}
-    for p in passes:
+    began, ran = time.perf_counter(), 0
+    for index, p in enumerate(passes, 1):
         for name in (*p.requires, *p.updates):
             if name not in _STARTED and name not in plan.produced:
                 raise PassContractError(
@@ -245,9 +246,11 @@ def run_passes(plan: Plan, passes: Sequence[Pass], example: Example) -> Plan:
         advanced, summary = result
         _check_outputs(p, plan, advanced)
         record = PassRecord(p.name, time.perf_counter() - start, summary)
-        pass_done(record.name, record.seconds, summary)
+        pass_done(record.name, record.seconds, summary, index=index, count=len(passes))
+        ran += 1
         plan = replace(advanced, passes=(*plan.passes, record),
                        produced=plan.produced | set(p.produces))
+    passes_done(ran, len(passes), time.perf_counter() - began)
     return plan
 
 

@@ -47,3 +47,19 @@ def test_a_call_past_the_deadline_is_killed_and_reaped(monkeypatch):
 
 def test_a_child_killed_by_a_signal_died():
     assert finishes_within(30, lambda: os.kill(os.getpid(), signal.SIGKILL)) is Outcome.DIED
+
+
+def test_the_fork_warning_is_silenced_by_one_narrow_filter_not_catch_warnings():
+    import inspect
+    import warnings
+
+    from pipecompile.capture import bounded
+
+    assert finishes_within(30, lambda: None) is Outcome.FINISHED
+    message = ("This process (pid=12) is multi-threaded, use of fork() may lead to deadlocks "
+               "in the child.")
+    assert any(action == "ignore" and text is not None and text.match(message)
+               and category is DeprecationWarning and module is not None
+               and module.match(bounded.__name__)
+               for action, text, category, module, _ in warnings.filters)
+    assert "catch_warnings" not in inspect.getsource(bounded.finishes_within)

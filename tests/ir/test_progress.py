@@ -65,3 +65,29 @@ def test_other_ranks_log_passes_at_debug(caplog, monkeypatch):
         progress.pass_done("capture", 1.5, "3 nodes")
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.DEBUG, "pass capture: 1.50 s: 3 nodes")]
+
+
+def test_reporting_every_sets_a_loops_interval_within_its_block(monkeypatch):
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 7.0)
+    logger = logging.getLogger("pipecompile.test")
+    with progress.reporting_every(0.25):
+        inside = Progress(logger, "search", 2)
+        assert Progress(logger, "search", 2, every=3.0).every == 3.0  # an explicit one wins
+    assert inside.every == 0.25
+    assert Progress(logger, "search", 2).every == 7.0
+
+
+def test_records_carry_their_numbers_for_a_progress_bar(caplog):
+    logger = logging.getLogger("pipecompile.test")
+    with caplog.at_level(logging.INFO, logger="pipecompile"):
+        progress.pass_done("split", 0.5, "2 stage graphs", index=3, count=9)
+        progress.passes_done(7, 9, 2.25)
+        loop = Progress(logger, "layout search", 4, unit="layouts", every=0.0)
+        loop.advance(3)
+    split, ended, looped = caplog.records
+    assert split.pipecompile_pass == ("split", 0.5, 3, 9)
+    assert ended.name == "pipecompile.compile"
+    assert ended.getMessage() == "passes: 7 of 9 ran in 2.25 s"
+    assert ended.pipecompile_pass == ("all", 2.25, 9, 9)
+    what, count, total, unit, seconds = looped.pipecompile_progress
+    assert (what, count, total, unit) == ("layout search", 3, 4, "layouts") and seconds >= 0
