@@ -1,5 +1,5 @@
 """Predicted against published: torchtitan's FSDP2 Llama 3 runs on 64 A100 80GB, and the
-pipeline-only 1F1B runs of the Zero Bubble paper on 8 A100 80GB, planned here.
+pipeline-only runs of the Zero Bubble paper on 8, 16 and 32 A100 80GB, planned here.
 
 Published (pytorch/torchtitan docs/performance.md, "Llama 3 performance numbers", FSDP2 only,
 64 A100 80GB, local batch 1, sequence 8192, so a global batch of 64 sequences):
@@ -11,8 +11,8 @@ The prediction uses the planner's own pieces, nothing fitted to these numbers:
 - per-block costs on `cluster("a100", nodes=8, per_node=8)` (passes/kernel_prices.py: each
   GEMM by tile and wave quantisation under the best cuBLAS rate, 0.859 of the A100's peak;
   FlashAttention-2 by sequence, mask and head dimension, forward and backward; other ops by
-  their bytes at 0.9 of HBM bandwidth, at least 4 us per kernel), taken from a compile of the model with `data_parallel=64,
-  fsdp=True` (one replica per GPU, no pipeline). The model is captured with 2 layers: every
+  their bytes at 0.62 of HBM bandwidth, at least 4 us per kernel), taken from a compile of
+  the model with `data_parallel=64, fsdp=True` (one replica per GPU, no pipeline). The model is captured with 2 layers: every
   layer costs the same, so a layer's cost times the layer count is the model's;
 - the collectives by the same alpha-beta model (planner/collectives.py) over the 8 x 8 group;
 - torchtitan's runtime as it runs: FSDP2 per transformer block, `reshard_after_forward=True`
@@ -26,19 +26,38 @@ The prediction uses the planner's own pieces, nothing fitted to these numbers:
 
 Pipeline parallelism, no data or tensor parallelism (Qi, Wan, Huang and Lin, "Zero Bubble
 Pipeline Parallelism", ICLR 2024, arXiv 2401.10241): Table 3 gives the GPT-3-like models
-(Megatron-LM, fp16, sequence 1024), Table 4 the samples per GPU per second of Megatron-LM's
-1F1B on 8 A100 SXM 80GB in one node (its "1F1B" row):
+(Megatron-LM, fp16, sequence 1024; the pipeline is the whole job: 8 GPUs in one node, 16 in
+2 nodes, 32 in 4, "interconnected by a RoCE RDMA network"), Table 4 ("Experiment result
+details") the samples per GPU per second, copied exactly:
 
-    1.5B: 22 layers, hidden 2304, 24 heads, micro-batch 6;  m = 24: 11.8,  m = 64: 13.6
-    6.2B: 30 layers, hidden 4096, 32 heads, micro-batch 3;  m = 24: 3.50,  m = 64: 4.03
+    model  layers hidden heads  GPUs  micro-batch  m     1F1B   ZB-1p
+    1.5B   22     2304   24     8     6            24    11.8   12.9
+                                                   64    13.6
+    6.2B   30     4096   32     8     3            24    3.50   3.88
+                                                   64    4.03
+    14.6B  46     5120   40     16    1            48    1.40   1.61
+                                                   128   1.64
+    28.3B  62     6144   48     32    1            96    0.76
+                                                   256   0.88
 
-The model is transformers' GPT-2 at those sizes (learned positions, LayerNorm, GELU MLP of
-4 x hidden, biases, dropout 0.1, embedding tied to the head as in the repository's
-Megatron script of the time, vocabulary 32,000: the SentencePiece tokenizer's, which gives
-the parameter counts the paper names, 1.48B and 6.18B), bfloat16 on meta, compiled for
-`cluster("a100", nodes=1, per_node=8)` with `data_parallel=1, schedule="1f1b",
-microbatches=m, checkpoint=False`: the plan's own placement (it puts one layer fewer on the
-first and last stages, as the paper's runs do) and its predicted step, messages over NVLink.
+The first four rows were checked by the first version of this script; the other seven were
+added after every price was set (nobody priced or fitted anything against them). ZB-1p is
+predicted as pipecompile's zb-h1: the paper's Table 5 gives ZB-1p the same bubble rate as
+ZB-H1 in every setting (its searched schedule under the 1F1B memory limit is ZB-H1). Its
+ZB-2p and 1F1B-I rows are not checked: ZB-2p is searched per run (Table 5: below ZB-H2's
+bubble), and 1F1B-I there interleaves one layer per chunk, padding the layer count.
+Samples per GPU per second convert to a step as step = micro-batch x m / (GPUs x rate).
+
+The model is transformers' GPT-2 at those sizes as Megatron-LM's kernels of the time ran it
+(bench/_megatron_gpt.py: the paper's script passes no --use-flash-attn and Megatron's
+default was off, so attention is the unfused batched-GEMM, fused-softmax, dropout, batched-
+GEMM path; GELU is one fused kernel), learned positions, LayerNorm, biases, dropout 0.1,
+embedding tied to the head as in the script of the time, vocabulary 32,000 (the
+SentencePiece tokenizer's; it gives the parameter counts the paper names: 1.48B, 6.18B,
+14.64B, 28.29B), bfloat16 on meta, compiled for `cluster("a100", nodes=GPUs / 8,
+per_node=8)` (NVLink inside a node, one HDR 200 Gb/s NIC per GPU across: the paper's RoCE
+network's speed is not given) with `data_parallel=1, schedule=..., microbatches=m,
+checkpoint=False`: the plan's own placement and its predicted step.
 
 Each table ends with the mean absolute error of its rows, and the script with the mean over
 all rows (every error is signed: + is a prediction faster than published).
