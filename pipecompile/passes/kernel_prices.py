@@ -33,8 +33,13 @@ a head-dimension factor d (128 + a) / (128 (d + a)), a = 16 (the softmax's non-m
 score at 1/16 of the tensor-core rate, FA2 section 3.1). `top` is the long-sequence efficiency
 at head dimension 128: forward and backward separately.
 
-Memory-bound kernels move their bytes at `memory_efficiency` of the HBM bandwidth; every kernel
-lasts at least `launch` seconds (a small kernel costs its launch, not its bytes).
+Memory-bound kernels move their bytes at `memory_efficiency` of the HBM bandwidth: 0.62, what
+eager PyTorch's memory-bound attention kernels sustained on the A100 in FlashAttention's
+Figure 2 (Dao et al. 2022: standard attention, forward + backward, 40.3 GB of HBM reads and
+writes in 41.7 ms, 0.97 TB/s of the 1.5 TB/s the paper gives for its A100 40GB), not a
+STREAM copy's 0.9: training's memory-bound kernels are reductions (softmax, norms), multi-
+output (dropout and its mask) and strided, not plain copies. Every kernel lasts at least
+`launch` seconds (a small kernel costs its launch, not its bytes).
 """
 
 from __future__ import annotations
@@ -44,8 +49,13 @@ from dataclasses import dataclass, replace
 
 __all__ = ["Chip", "Attention", "CHIPS", "matmul_seconds", "matmul_efficiency",
            "attention_seconds", "attention_efficiency", "memory_seconds", "optimizer_seconds", "ADAMW_PASSES", "CLIP_PASSES",
-           "FLASH_BLOCK", "SOFTMAX_HEAD_DIM"]
+           "FLASH_BLOCK", "SOFTMAX_HEAD_DIM",
+           "MEMORY_EFFICIENCY"]
 
+#: Sustained / peak HBM bandwidth of eager memory-bound kernels (module docstring): standard
+#: attention's 40.3 GB in 41.7 ms on a 1.555 TB/s A100 40GB (FlashAttention, Dao et al. 2022,
+#: Figure 2 left). Measured on the A100; the H100's is assumed the same until measured.
+MEMORY_EFFICIENCY = 40.3e9 / 41.7e-3 / 1555e9
 #: FlashAttention-2's query and key block (rows) at head dimension 128 on A100/H100.
 FLASH_BLOCK = 128
 #: The softmax's non-matmul work per score, in units of head dimension (module docstring).
@@ -78,7 +88,7 @@ class Chip:
     memory_bandwidth: float  # bytes/s, datasheet
     ceiling: float  # best cuBLAS GEMM / dense peak
     attention: Attention
-    memory_efficiency: float = 0.9
+    memory_efficiency: float = MEMORY_EFFICIENCY
     launch: float = 4e-6
     tiles: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128), (64, 64))
 

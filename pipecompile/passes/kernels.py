@@ -9,7 +9,7 @@ records, per op, what the device would do (`Recorder`), and prices the block (`K
                 and the log-sum-exp, O(s), never the s x s scores), recorded with its batch x
                 heads, sequences, head dimension and whether its mask is causal
     memory      every other op that makes a new tensor (norms, softmax, elementwise, the loss):
-                the bytes it reads and writes
+                the bytes it reads and writes (dropout: and its one-byte mask per element)
     view        an op whose output shares an input's storage (view, transpose, expand): free
 
 On a preset (`HardwareRates.chip`) each kernel is priced by its shape (passes/kernel_prices.py:
@@ -45,6 +45,9 @@ ATTENTION_OPS = (_aten.scaled_dot_product_attention.default,)
 _COMPARISONS = {_aten.le.Tensor, _aten.lt.Tensor, _aten.ge.Tensor, _aten.gt.Tensor}
 _BATCHED = {_aten.bmm.default, _aten.baddbmm.default}
 _MATMUL = {_aten.matmul.default}
+#: Dropout as recorded: one op whose CUDA kernel also writes a one-byte mask per element
+#: (aten native_dropout: the bool mask that backward reads), which the op's output omits.
+_DROPOUT = _aten.dropout.default
 #: FlashAttention's backward runs 2.5x its forward FLOPs (recomputes QK^T; dQ, dK, dV, dP).
 FLASH_BACKWARD = 2.5
 
@@ -233,6 +236,8 @@ class Recorder:
         if all(StorageWeakRef(t.untyped_storage()) in storages for t in outputs):
             return  # a view: no kernel
         moved = sum((self._bytes(t) for t in [*inputs, *outputs]), sympy.Integer(0))
+        if node.target is _DROPOUT and _training(args, kwargs):
+            moved += self.sym(outputs[0].numel())  # the mask: one byte per element
         flops = self.sym(flops)
         if flops != 0:
             self.matmuls.append((flops, moved))
@@ -274,6 +279,13 @@ class Recorder:
                        gemms=tuple((*g, n) for g, n in _counts(self.gemms).items()),
                        flash=tuple((*a, n) for a, n in _counts(self.flash).items()),
                        moves=tuple(_counts(self.moves).items()))
+
+
+def _training(args: Any, kwargs: Any) -> bool:
+    """Whether aten.dropout(input, p, train) drops anything (train and p > 0)."""
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.0)
+    train = kwargs.get("train", args[2] if len(args) > 2 else False)
+    return bool(train) and float(p) > 0
 
 
 def _counts(items: list) -> dict:

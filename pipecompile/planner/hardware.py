@@ -21,7 +21,8 @@ table and the reasoning):
                 sources): GEMMs by tile and wave quantisation under the best cuBLAS rate
                 (MAMF: 0.859 of the A100's peak, 0.801 of the H100's), FlashAttention-2 by
                 sequence, causal mask and head dimension (forward up to 0.73 / 0.35 of peak,
-                backward 0.63 / 0.30), memory-bound kernels at 0.9 of HBM bandwidth, at least
+                backward 0.63 / 0.30), memory-bound kernels at 0.62 of HBM bandwidth (eager
+                kernels as FlashAttention's Figure 2 measured them on the A100), at least
                 4 us per kernel; links at LINK_EFFICIENCY = 0.8 (nccl-tests reach 0.8-0.9).
                 A spec's `flops` is the best GEMM's rate.
     memory      the datasheet's 80 GB as 80e9 bytes: the devices report about 85.5e9 (81,559
@@ -142,7 +143,7 @@ def preset(name: str, *, efficiency: float | None = None, link: str = "nvlink",
     FP32 19.5, 80 GB HBM2e at 2.039 TB/s, NVLink 600 GB/s (300 per direction); DGX H100 / A100:
     one ConnectX-7 NDR 400 Gb/s (50 GB/s) / ConnectX-6 HDR 200 Gb/s (25 GB/s) per GPU.
     Kernel constants (passes/kernel_prices.CHIPS): the best GEMM, FlashAttention-2's
-    efficiencies, 0.9 of HBM bandwidth, 4 us per kernel at least; assumed: 0.8 of link
+    efficiencies, 0.62 of HBM bandwidth, 4 us per kernel at least; assumed: 0.8 of link
     bandwidth, 10/20 us per NVLink/InfiniBand message, 50 us per pipeline action (the module
     docstring and docs/hardware.md give the sources and reasons)."""
     return _accelerator(name).spec(efficiency=efficiency, link=link, device=device)

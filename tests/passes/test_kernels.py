@@ -121,3 +121,22 @@ def test_each_kernel_is_recorded_with_its_shape(gpt_plan):
     ((heads, s_q, s_k, d, causal, count),) = kernels.flash
     assert (value(heads), value(s_q), value(s_k), value(d), causal, count) == (
         16.0, 128.0, 128.0, 8.0, True, 1)
+
+
+def test_dropout_in_training_also_writes_its_one_byte_mask():
+    """aten.dropout's CUDA kernel writes the output and a bool mask (read again by backward):
+    bf16 in + out + mask = 5 bytes per element; in eval or at p = 0, in + out only."""
+    import torch.fx as fx
+
+    from pipecompile.passes.kernels import Recorder
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(torch.ops.aten.dropout.default, (x, 0.1, True))
+    t = torch.empty(4, 8, dtype=torch.bfloat16, device="meta")
+    moved = []
+    for args in ((t, 0.1, True), (t, 0.1, False), (t, 0.0, True)):
+        recorder = Recorder(sym=lambda v: sympy.Integer(int(v)))
+        recorder.record(node, args, {}, torch.empty_like(t), 0, False)
+        moved += recorder.moves
+    assert moved == [4 * 8 * 5, 4 * 8 * 4, 4 * 8 * 4]
