@@ -4,6 +4,8 @@ was, and is kept in a cache only for the same graph, inputs, loss and setting.""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -35,8 +37,10 @@ def test_the_probe_measures_and_leaves_the_model_alone():
     assert calibration.factor > 0 and calibration.loss_timed
     assert calibration.loss_time > 0  # the loss ran on the last stage with the target
     assert calibration.microbatch_size == 8  # 32 samples in 4 micro-batches
-    # (I + W) / B of a real backward: near 1 (0.13 to 0.8 seen under load on 2 shared cores)
-    assert 0.05 < found.split_ratio < 20
+    # (I + W) / B of a real backward: a positive, finite ratio. Its size is a timing: near 1
+    # on an idle machine, but 56 was seen on 2 cores under a load of 14 (the split forward's
+    # Python, charged to I, preempted in every round), so no bound on it is asserted here
+    assert 0 < found.split_ratio < math.inf
     assert found.efficiency == 1.0  # one thread, no sharing to measure
     assert str(found).endswith(f"(I+W)/B {found.split_ratio:.2f}, device threads at 1.00 of "
                                f"their share")
