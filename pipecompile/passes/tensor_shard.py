@@ -1,0 +1,493 @@
+"""Tensor parallelism as a graph pass: choose each parameter's placement over T ranks from a
+stage's captured ATen graph (`choose`), then rewrite the graph into what each rank runs
+(`lower`): local shards plus Megatron's two collectives.
+
+    choose(gm, T)  -> ShardPlan   column/row pairs found by propagating "this value is split
+                                  along dim d" from every matmul with a parameter weight
+    lower(gm, plan, copy=f, reduce=g, local=to_local) -> fx.GraphModule (the rank's graph)
+
+A column-parallel matmul (linear's W[out, in] split on out; GPT-2's Conv1D addmm W[in, out]
+split on out) makes its output split along its last dim. The split is followed through ops
+whose rule is known (elementwise, views into heads, transposes, attention over heads, GQA's
+expand of kv heads, a fused projection's split into its parts) until a row-parallel matmul
+reduces that dim (its W split on in). Any value of the region that reaches an op without a
+rule, a graph output, a shape that T does not divide (heads, kv heads), or mixes with a
+parameter-derived replicated value (its gradient would be partial) removes the columns it came
+from: those layers stay REPLICATED (never wrong), and the plan says why in `notes`.
+
+A fused projection (qkv in one weight, gate/up) is split part by part: rank r holds the r-th
+slice of each part, concatenated, so that its local split gives its q, k and v heads.
+
+Lowering (Megatron-LM, Shoeybi et al. 2019): `copy` (identity forward, all-reduce backward)
+on a column's input, `reduce` (all-reduce forward, identity backward) on a row's output before
+its bias; view/expand/split sizes of the split dim divided by T. Collectives are handed in as
+callables: this module imports no process group.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+__all__ = ["Placement", "ShardPlan", "choose", "lower", "local_slice"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One parameter's split over T ranks: along `dim`, `parts` its fused parts' sizes (one
+    part: a plain split); `role` says why ("column", "row", "column bias")."""
+
+    dim: int
+    parts: tuple[int, ...]
+    role: str
+
+    def __repr__(self) -> str:
+        fused = f", parts={list(self.parts)}" if len(self.parts) > 1 else ""
+        return f"Placement({self.role}, dim={self.dim}{fused})"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What `choose` decided for one stage graph at degree T."""
+
+    degree: int
+    params: Mapping[str, Placement]  # parameter name (get_attr target) -> split; others whole
+    columns: tuple[str, ...] = ()  # matmul nodes split on their output features
+    rows: tuple[str, ...] = ()  # matmul nodes split on their input features (reduce after)
+    split: Mapping[str, int] = field(default_factory=dict)  # region node -> its split dim
+    notes: tuple[str, ...] = ()  # layers left replicated, and why
+
+    def summary(self) -> str:
+        pairs = len(self.rows)
+        if not self.params:
+            return (f"nothing to shard at T={self.degree}: every parameter replicated"
+                    + (f" ({'; '.join(self.notes)})" if self.notes else ""))
+        return (f"{len(self.columns)} column- and {pairs} row-parallel matmuls, "
+                f"{len(self.params)} parameters split over {self.degree}"
+                + (f"; replicated: {'; '.join(self.notes)}" if self.notes else ""))
+
+
+# -- which ops a split value may pass through -------------------------------------------------
+
+_SAME = {aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default,
+         aten.sigmoid.default, aten.neg.default, aten.clone.default, aten.contiguous.default,
+         aten.dropout.default, aten.alias.default, aten.to.dtype, aten.to.dtype_layout,
+         aten._to_copy.default, aten.pow.Tensor_Scalar, aten.mul.Scalar, aten.div.Scalar,
+         aten.add.Scalar, aten.sub.Scalar, aten.type_as.default, aten.cos.default,
+         aten.sin.default, aten.exp.default, aten.rsqrt.default, aten.sqrt.default}
+_BINARY = {aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor, aten.div.Tensor}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+_ATTENTION = {aten.scaled_dot_product_attention.default}
+
+
+@dataclass(frozen=True)
+class _State:
+    """A value split along `dim` (`parts`: the fused parts still whole in it)."""
+
+    dim: int
+    parts: tuple[int, ...]
+    origins: frozenset[str]  # the column matmuls it came from
+    fresh: bool = True  # the split dim is the column's output features, untouched
+
+
+class _Refused(Exception):
+    def __init__(self, node: fx.Node, origins: frozenset[str], why: str):
+        super().__init__(why)
+        self.node, self.origins, self.why = node, origins, why
+
+
+def _shape(node: Any) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _matmul(node: fx.Node, params: Mapping[str, torch.nn.Parameter]
+            ) -> tuple[fx.Node, str, int, str | None] | None:
+    """(input, weight name, the weight's output-features dim, bias name) of a matmul whose
+    weight is a 2-D parameter."""
+    def param(arg: Any) -> str | None:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr" and arg.target in params:
+            return str(arg.target)
+        return None
+
+    if node.op != "call_function":
+        return None
+    if node.target is aten.linear.default:
+        x, w, b = (list(node.args) + [None])[:3]
+        out, bias = 0, param(b) if b is not None else None
+        if b is not None and bias is None:
+            return None
+    elif node.target is aten.addmm.default and not node.kwargs:
+        b, x, w = node.args[:3]
+        out, bias = 1, param(b)
+        if bias is None:
+            return None
+    elif node.target is aten.mm.default:
+        x, w = node.args[:2]
+        out, bias = 1, None
+    else:
+        return None
+    weight = param(w)
+    if weight is None or params[weight].dim() != 2 or not isinstance(x, fx.Node):
+        return None
+    return x, weight, out, bias
+
+
+def _carries_grad(gm: fx.GraphModule, params: Mapping[str, Any],
+                  constant: frozenset[str]) -> set[fx.Node]:
+    """Nodes whose value depends on a parameter or a floating-point stage input."""
+    marked: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            marked.add(node)
+        elif node.op == "placeholder" and node.target not in constant:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                marked.add(node)
+        elif any(i in marked for i in node.all_input_nodes):
+            marked.add(node)
+    return marked
+
+
+def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozenset(),
+           constant_inputs: frozenset[str] = frozenset()) -> ShardPlan:
+    """The placements of `gm`'s parameters over `degree` ranks (module docstring); parameters
+    in `exclude` (tied to another stage's copy) stay whole; `constant_inputs` are stage inputs
+    that need no gradient (a floating-point input otherwise counts as carrying one)."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    reads: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            reads[node.target] = reads.get(node.target, 0) + len(node.users)
+    ids: dict[int, int] = {}
+    for p in params.values():
+        ids[id(p)] = ids.get(id(p), 0) + 1
+    exclusive = {n for n, p in params.items()
+                 if reads.get(n) == 1 and ids[id(p)] == 1 and n not in exclude}
+    matmuls = {}
+    for node in gm.graph.nodes:
+        found = _matmul(node, params)
+        if found is not None and found[1] in exclusive and (found[3] is None
+                                                            or found[3] in exclusive):
+            matmuls[node.name] = found
+    grads = _carries_grad(gm, params, constant_inputs)
+    columns = {name for name, (_, w, out, _) in matmuls.items()
+               if params[w].shape[out] % degree == 0}
+    parts: dict[str, tuple[int, ...]] = {}
+    notes: list[str] = []
+    while True:
+        try:
+            split, rows = _propagate(gm, degree, matmuls, columns, parts, grads, params)
+            break
+        except _Refused as refused:
+            if refused.why.startswith("fused:"):
+                parts.update(_fused(refused.why))
+                continue
+            columns -= refused.origins
+            notes.append(f"{_where(gm, refused.origins, matmuls)}: {refused.why} at "
+                         f"{refused.node.name}")
+    used = {c for c in columns if any(c in s.origins for s in split.values())}
+    placements: dict[str, Placement] = {}
+    for name in sorted(used):
+        _, weight, out, bias = matmuls[name]
+        size = params[weight].shape[out]
+        p = parts.get(name, (size,))
+        placements[weight] = Placement(out, p, "column")
+        if bias is not None:
+            placements[bias] = Placement(0, p, "column bias")
+    for name in rows:
+        _, weight, out, _ = matmuls[name]
+        placements[weight] = Placement(1 - out, (params[weight].shape[1 - out],), "row")
+    return ShardPlan(degree, placements, tuple(sorted(used)), tuple(rows),
+                     {n: s.dim for n, s in split.items()}, tuple(notes))
+
+
+def _fused(why: str) -> dict[str, tuple[int, ...]]:
+    _, column, sizes = why.split(":")
+    return {column: tuple(int(s) for s in sizes.split(","))}
+
+
+def _where(gm: fx.GraphModule, origins: frozenset[str], matmuls: Mapping[str, Any]) -> str:
+    names = sorted(matmuls[o][1].rsplit(".", 1)[0] for o in origins if o in matmuls)
+    return ", ".join(names) or "a layer"
+
+
+def _propagate(gm: fx.GraphModule, degree: int, matmuls: Mapping[str, Any],
+               columns: set[str], parts: Mapping[str, tuple[int, ...]], grads: set[fx.Node],
+               params: Mapping[str, Any]) -> tuple[dict[str, _State], list[str]]:
+    """Follow the split from every column through the graph, in order; raise `_Refused` at
+    the first node that cannot take it."""
+    state: dict[fx.Node, _State] = {}
+    rows: list[str] = []
+    for node in gm.graph.nodes:
+        split_in = {i: state[i] for i in node.all_input_nodes if i in state}
+        origins = frozenset().union(*(s.origins for s in split_in.values())) if split_in \
+            else frozenset()
+        if node.name in matmuls and (node.name in columns or split_in):
+            x, weight, out, _ = matmuls[node.name]
+            if node.name in columns and not split_in:
+                size = params[weight].shape[out]
+                state[node] = _State(len(_shape(node) or ()) - 1, parts.get(node.name, (size,)),
+                                     frozenset({node.name}))
+                continue
+            s = state.get(x)
+            rank = len(_shape(x) or ())
+            if (s is None or s.dim != rank - 1 or len(s.parts) > 1
+                    or set(split_in) != {x} or params[weight].shape[1 - out] % degree):
+                raise _Refused(node, origins, "a matmul reads the split value other than "
+                                              "along its input features")
+            rows.append(node.name)
+            continue
+        if not split_in:
+            continue
+        if node.op == "output":
+            raise _Refused(node, origins, "a split value leaves the stage")
+        result = _rule(node, split_in, degree, grads)
+        if isinstance(result, str):
+            raise _Refused(node, origins, result)
+        state[node] = result
+    return {n.name: s for n, s in state.items()}, rows
+
+
+def _rule(node: fx.Node, split_in: Mapping[fx.Node, _State], degree: int,
+          grads: set[fx.Node]) -> _State | str:
+    """The split of `node`'s output, or why it cannot be followed."""
+    target = node.target
+    if node.op != "call_function":
+        return f"{node.op} {target}"
+    first = node.args[0] if node.args else None
+    s = next(iter(split_in.values()))
+    if target is operator.getitem:
+        return s  # a split's piece: its state was put on the split node per piece
+    if target in _SAME and set(split_in) == {first}:
+        return s
+    if target in _BINARY or target is aten.cat.default or target in _ATTENTION:
+        return _broadcast(node, split_in, grads)
+    if len(split_in) != 1 or first not in split_in:
+        return f"{target} reads the split value other than as its first input"
+    shape, out = _shape(first), _shape(node)
+    if shape is not None and target in _SPLITS:
+        return _split(node, s, shape, degree)
+    if shape is None or out is None:
+        return "no shape recorded"
+    if target in _VIEWS:
+        return _view(s, shape, out, degree)
+    if target is aten.transpose.int:
+        a, b = (d % len(shape) for d in node.args[1:3])
+        return _moved(s, {a: b, b: a}.get(s.dim, s.dim))
+    if target is aten.permute.default:
+        return _moved(s, [d % len(shape) for d in node.args[1]].index(s.dim))
+    if target is aten.t.default:
+        return _moved(s, 1 - s.dim)
+    if target is aten.unsqueeze.default:
+        d = node.args[1] % len(out)
+        return _moved(s, s.dim + (1 if d <= s.dim else 0), fresh=s.fresh)
+    if target is aten.expand.default:
+        return _moved(s, s.dim + len(out) - len(shape), fresh=s.fresh)
+    if target is aten.slice.Tensor:
+        d = (node.args[1] if len(node.args) > 1 else 0) % len(shape)
+        return s if d != s.dim else "a slice along the split dim"
+    if target in (aten.softmax.int, aten._softmax.default, aten.mean.dim, aten.sum.dim_IntList):
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        if any(d % len(shape) == s.dim for d in dims):
+            return "a reduction along the split dim"
+        keep = node.args[2] if len(node.args) > 2 and target is not aten._softmax.default \
+            else target in (aten.softmax.int, aten._softmax.default)
+        return s if keep else "a reduction that drops dims"
+    return f"no rule for {target}"
+
+
+def _moved(s: _State, dim: int, *, fresh: bool = False) -> _State:
+    return _State(dim, s.parts, s.origins, fresh and s.fresh)
+
+
+def _view(s: _State, shape: tuple, out: tuple, degree: int) -> _State | str:
+    """A view keeps the split where the split dim is the outermost of the output dims that
+    cover it (heads out of features, features out of heads)."""
+    outer = 1
+    for d in shape[: s.dim]:
+        outer = outer * d
+    size, prefix = shape[s.dim], 1
+    for k, d in enumerate(out):
+        if _same(prefix, outer):
+            if len(s.parts) > 1:
+                return _State(k, s.parts, s.origins, s.fresh) if _same(d, size) else \
+                    "a view of a fused projection before its split"
+            if not (_divides(d, size) or _divides(size, d)) or not _divides(degree, d):
+                return f"{d} (heads) does not divide by T={degree}"
+            return _State(k, s.parts, s.origins, s.fresh and _same(d, size))
+        prefix = prefix * d
+    return "a view that moves the split dim inward"
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an undecidable symbolic comparison
+        return False
+
+
+def _divides(d: Any, n: Any) -> bool:
+    try:
+        return int(n) % int(d) == 0
+    except Exception:  # noqa: BLE001 - symbolic: not a dim this pass splits
+        return False
+
+
+def _broadcast(node: fx.Node, split_in: Mapping[fx.Node, _State], grads: set[fx.Node]
+               ) -> _State | str:
+    """Elementwise ops, cat and attention: every split input split alike (right-aligned);
+    each other tensor input constant along the split dim and carrying no gradient."""
+    out = _shape(node)
+    if out is None:
+        return "no shape recorded"
+    states = list(split_in.values())
+    aligned = {len(out) - len(_shape(n) or ()) + s.dim for n, s in split_in.items()}
+    first = states[0]
+    if len(aligned) != 1 or any(s.parts != first.parts for s in states):
+        return "inputs split along different dims"
+    dim = aligned.pop()
+    tensors = [a for a in node.args if isinstance(a, fx.Node)]
+    if node.target is aten.cat.default:
+        tensors = list(node.args[0])
+        if node.args[1] % len(out) == dim if len(node.args) > 1 else dim == 0:
+            return "a cat along the split dim"
+    if node.target in _ATTENTION:
+        tensors = [a for a in node.args[:4] if isinstance(a, fx.Node)]
+        if any(a not in split_in for a in node.args[:3]) or dim != 1:
+            return "attention over heads needs q, k and v split by heads"
+    for t in tensors:
+        if t in split_in:
+            continue
+        shape = _shape(t)
+        if shape is None:
+            return f"{t.name} has no shape"
+        at = dim - (len(out) - len(shape))
+        if at >= 0 and not _same(shape[at], 1):
+            return f"{t.name} is not constant along the split dim"
+        if t in grads:
+            return f"{t.name} (replicated) would get a partial gradient"
+    fresh = node.target in _BINARY and all(s.fresh for s in states)
+    return _State(dim, first.parts, frozenset().union(*(s.origins for s in states)), fresh)
+
+
+def _split(node: fx.Node, s: _State, shape: tuple, degree: int) -> _State | str:
+    """split/chunk: along another dim, each piece split alike; along the split dim, the
+    pieces are the fused parts (the column learns them, or they must match)."""
+    target, args = node.target, node.args
+    dim = (args[2] if len(args) > 2 else node.kwargs.get("dim", 0)) % len(shape)
+    if dim != s.dim:
+        return s
+    size = int(shape[dim])
+    if target is aten.split.Tensor:
+        pieces = [args[1]] * (size // args[1]) + ([size % args[1]] if size % args[1] else [])
+    elif target is aten.chunk.default:
+        step = -(-size // args[1])
+        pieces = [min(step, size - i) for i in range(0, size, step)]
+    else:
+        pieces = list(args[1])
+    if tuple(pieces) == s.parts and all(p % degree == 0 for p in pieces):
+        return _State(s.dim, (pieces[0],), s.origins, fresh=False)  # each piece: one part
+    if len(s.parts) == 1 and s.fresh and len(s.origins) == 1 and all(
+            p % degree == 0 for p in pieces):
+        (column,) = s.origins
+        return f"fused:{column}:{','.join(str(p) for p in pieces)}"
+    return f"a split into {pieces} that T={degree} does not divide part by part"
+
+
+def local_slice(value: torch.Tensor, placement: Placement, degree: int, rank: int
+                ) -> torch.Tensor:
+    """Rank `rank`'s slice of a parameter: of each fused part its r-th 1/T, concatenated."""
+    if len(value.shape) == 1 and placement.dim != 0:
+        raise AssertionError("a 1-D parameter splits along dim 0")
+    pieces = value.split(list(placement.parts), dim=placement.dim)
+    return torch.cat([p.chunk(degree, dim=placement.dim)[rank] for p in pieces],
+                     dim=placement.dim).contiguous()
+
+
+def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callable,
+          local: Callable | None = None) -> fx.GraphModule:
+    """The graph rank r runs for `plan` (module docstring); the parameters stay `gm`'s
+    (the caller replaces them by their local slices). `local`, if given, wraps every
+    parameter read (a DTensor parameter's local tensor)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    T = plan.degree
+    copied: dict[fx.Node, fx.Node] = {}
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    split = plan.split
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in params and local is not None:
+            got = graph.get_attr(node.target)
+            got.meta = dict(node.meta)
+            env[node] = graph.call_function(local, (got,))
+            env[node].meta = dict(node.meta)
+            continue
+        args = fx.map_arg(node.args, lambda n: env[n])
+        kwargs = fx.map_arg(node.kwargs, lambda n: env[n])
+        if node.name in plan.columns:
+            x = node.args[0] if node.target is aten.linear.default or \
+                node.target is aten.mm.default else node.args[1]
+            if x not in copied:
+                copied[x] = graph.call_function(copy, (env[x],))
+            at = 0 if node.target is not aten.addmm.default else 1
+            args = (*args[:at], copied[x], *args[at + 1:])
+        if node.name in plan.rows:
+            env[node] = _row(graph, node, args, reduce)
+            continue
+        if node.name in split or (node.op == "call_function" and node.target in _SPLITS
+                                  and node.args[0].name in split):
+            args = _local_sizes(node, args, split, T)
+        new = graph.node_copy(node, lambda n: env[n])
+        new.args, new.kwargs = args, kwargs
+        env[node] = new
+    lowered = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    return lowered
+
+
+def _row(graph: fx.Graph, node: fx.Node, args: tuple, reduce: Callable) -> fx.Node:
+    """A row-parallel matmul: the local product, all-reduced, then the bias (added once)."""
+    if node.target is aten.addmm.default:
+        bias, x, w = args[:3]
+        y = graph.call_function(aten.mm.default, (x, w))
+    elif node.target is aten.mm.default:
+        bias, (x, w) = None, args[:2]
+        y = graph.call_function(aten.mm.default, (x, w))
+    else:
+        x, w, bias = (list(args) + [None])[:3]
+        y = graph.call_function(aten.linear.default, (x, w))
+    y = graph.call_function(reduce, (y,))
+    if bias is not None:
+        y = graph.call_function(aten.add.Tensor, (y, bias))
+    y.meta = dict(node.meta)
+    return y
+
+
+def _local_sizes(node: fx.Node, args: tuple, split: Mapping[str, int], T: int) -> tuple:
+    """The size arguments of a region op at one rank: the split dim's size divided by T."""
+    target = node.target
+    if target in _VIEWS or target is aten.expand.default:
+        sizes = list(args[1])
+        k = split[node.name]
+        if isinstance(sizes[k], int) and sizes[k] != -1:
+            sizes[k] = sizes[k] // T
+        elif isinstance(sizes[k], fx.Node):
+            raise AssertionError(f"{node.name}: a symbolic size on the split dim")
+        return (args[0], sizes, *args[2:])
+    if target in _SPLITS:
+        source = node.args[0]
+        dim = (node.args[2] if len(node.args) > 2 else 0) % len(_shape(source) or (0,))
+        if dim != split[source.name]:
+            return args
+        if target is aten.split.Tensor:
+            return (args[0], args[1] // T, *args[2:])
+        if target is aten.split_with_sizes.default:
+            return (args[0], [p // T for p in args[1]], *args[2:])
+    return args
