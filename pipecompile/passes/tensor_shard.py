@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
-__all__ = ["Placement", "ShardPlan", "choose", "lower", "local_slice"]
+__all__ = ["Placement", "ShardPlan", "choose", "lower"]
 
 aten = torch.ops.aten
 
@@ -400,16 +400,6 @@ def _split(node: fx.Node, s: _State, shape: tuple, degree: int) -> _State | str:
         (column,) = s.origins
         return f"fused:{column}:{','.join(str(p) for p in pieces)}"
     return f"a split into {pieces} that T={degree} does not divide part by part"
-
-
-def local_slice(value: torch.Tensor, placement: Placement, degree: int, rank: int
-                ) -> torch.Tensor:
-    """Rank `rank`'s slice of a parameter: of each fused part its r-th 1/T, concatenated."""
-    if len(value.shape) == 1 and placement.dim != 0:
-        raise AssertionError("a 1-D parameter splits along dim 0")
-    pieces = value.split(list(placement.parts), dim=placement.dim)
-    return torch.cat([p.chunk(degree, dim=placement.dim)[rank] for p in pieces],
-                     dim=placement.dim).contiguous()
 
 
 def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callable,

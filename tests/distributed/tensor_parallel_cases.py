@@ -1,0 +1,89 @@
+"""Functions run on every rank by tests/distributed/test_tensor_parallel.py: pipeline x tensor
+parallelism on gloo in float64, against the unsplit model on the same batch."""
+
+from __future__ import annotations
+
+import torch
+
+import pipecompile as pc
+from pipecompile.ir.tensors import local_tensor
+
+BATCH, SEQ = 4, 8
+
+
+def _ids(vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def gpt() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    from pipecompile import zoo
+
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab=64, dim=16, layers=2, heads=2, seq=SEQ).double()
+    return model, (_ids(64, 1),), {}, _ids(64, 2), zoo.lm_loss
+
+
+def llama() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    """GQA: 4 query heads over 2 key/value heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=32, vocab_size=64,
+                      max_position_embeddings=16, use_cache=False, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).double()
+    return model, (_ids(64, 1),), {}, _ids(64, 2), _logits_loss
+
+
+def gpt2() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    """GPT-2: fused c_attn (Conv1D [h, 3h]), tied embeddings."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
+                     use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).double(), (_ids(64, 1),), {}, _ids(64, 2), _logits_loss
+
+
+def _logits_loss(out, target):
+    logits = out.logits if hasattr(out, "logits") else out
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             target.reshape(-1))
+
+
+MODELS = {"gpt": gpt, "llama": llama, "gpt2": gpt2}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def run_cases(rank: int, cases: list[tuple[str, int, str]]) -> dict:
+    """Each case (model, pipeline devices P, schedule) on P x (world / P) ranks: one step's
+    loss and full gradients, the local and whole sizes of each parameter, the clipped norm."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    results = {}
+    for name, P, schedule in cases:
+        T = dist.get_world_size() // P
+        model, args, kwargs, target, loss_fn = MODELS[name]()
+        pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=P,
+                          tensor_parallel=T, loss_fn=loss_fn, schedule=schedule,
+                          microbatches=2, timeout=300)
+        loss = pipe.step(*args, target=target, **kwargs)
+        grads = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()
+                 if p.grad is not None}
+        sizes = {n: (local_tensor(p).numel(), p.numel(), type(p).__name__)
+                 for n, p in pipe.named_parameters()}
+        values = {n: _full(p).detach().clone() for n, p in pipe.named_parameters()}
+        norm = pipe.clip_grad_norm_(1e9).item()
+        results[(name, P, schedule)] = {
+            "loss": loss.item(), "grads": grads, "sizes": sizes, "values": values,
+            "norm": norm, "explain": pipe.explain(),
+            "dtensor": all(isinstance(p, DTensor) for p in pipe.parameters())}
+        dist.barrier()
+    return results

@@ -1,0 +1,98 @@
+"""Tensor parallelism (tensor_parallel=T) on gloo in float64: one step's loss and gradients
+equal the unsplit model's on the same batch; each rank holds 1/T of every split weight, and
+the parameters are DTensors whose full_tensor() is the unsplit value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.ranks import run_ranks
+from tests.distributed.tensor_parallel_cases import MODELS, run_cases
+from tests.support.reference import reference_step
+
+TP2 = [("gpt", 1, "gpipe"), ("llama", 1, "1f1b"), ("gpt2", 1, "1f1b")]
+PP2_TP2 = [("gpt", 2, "gpipe"), ("gpt", 2, "1f1b"), ("llama", 2, "1f1b"), ("gpt2", 2, "gpipe"),
+           ("gpt", 2, "zb-h1")]
+
+
+def _reference(name):
+    model, args, kwargs, target, loss_fn = MODELS[name]()
+    loss, grads = reference_step(model, args, kwargs, target, loss_fn, 2)
+    return loss.item(), grads, dict(model.named_parameters())
+
+
+def _ranks(world, cases):
+    results = run_ranks(run_cases, world, cases, timeout=900)
+    for rank, r in enumerate(results):
+        assert "error" not in r and "died" not in r, (rank, r.get("trace", r))
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    return _ranks(2, TP2)
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2():
+    return _ranks(4, PP2_TP2)
+
+
+def _check(results, case):
+    loss, grads, params = _reference(case[0])
+    for rank, r in enumerate(results):
+        got = r[case]
+        assert abs(got["loss"] - loss) <= 1e-10, (rank, got["loss"], loss)
+    # gradients: every parameter, from the ranks that hold its stage (all, in full_tensor())
+    seen = set()
+    for r in results:
+        for name, g in r[case]["grads"].items():
+            want = grads[name]
+            err = (g - want).abs().max().item() / max(want.abs().max().item(), 1e-300)
+            assert err <= 1e-9, (case, name, err)
+            seen.add(name)
+    assert seen == set(grads), set(grads) - seen
+
+
+@pytest.mark.parametrize("case", TP2, ids=lambda c: "-".join(map(str, c)))
+def test_tp2_step_equals_the_unsplit_model(tp2, case):
+    _check(tp2, case)
+
+
+@pytest.mark.parametrize("case", PP2_TP2, ids=lambda c: "-".join(map(str, c)))
+def test_pp2_tp2_step_equals_the_unsplit_model(pp2_tp2, case):
+    _check(pp2_tp2, case)
+
+
+def test_each_rank_holds_half_of_every_split_weight(tp2):
+    """The GPT's attention and MLP weights are split in two; embeddings, norms and the output
+    layer stay whole; every parameter is a DTensor whose full_tensor() is the model's."""
+    _, _, params = _reference("gpt")
+    sizes = tp2[0][("gpt", 1, "gpipe")]["sizes"]
+    split = {n for n, (local, whole, _) in sizes.items() if local * 2 == whole}
+    assert split == {f"layers.{i}.{m}" for i in range(2) for m in (
+        "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "mlp.fc.weight",
+        "mlp.fc.bias", "mlp.proj.weight")}
+    assert all(local == whole for n, (local, whole, _) in sizes.items() if n not in split)
+    assert all(kind == "DTensor" for _, _, kind in sizes.values())
+    for r in tp2:
+        assert r[("gpt", 1, "gpipe")]["dtensor"]
+        for name, value in r[("gpt", 1, "gpipe")]["values"].items():
+            assert torch.equal(value, params[name].detach()), name
+
+
+def test_gqa_attention_is_split_by_heads(tp2):
+    """Llama with 4 query and 2 key/value heads: q, k, v, o and the MLP all split."""
+    sizes = tp2[0][("llama", 1, "1f1b")]["sizes"]
+    for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        local, whole, _ = sizes[f"model.layers.0.{m}.weight"]
+        assert local * 2 == whole, m
+
+
+def test_clipped_norm_counts_each_shard_once(tp2):
+    _, grads, _ = _reference("gpt")
+    want = torch.sqrt(sum((g * g).sum() for g in grads.values())).item()
+    for r in tp2:
+        assert abs(r[("gpt", 1, "gpipe")]["norm"] - want) <= 1e-9 * want
