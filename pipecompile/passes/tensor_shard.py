@@ -351,8 +351,10 @@ def _broadcast(node: fx.Node, split_in: Mapping[fx.Node, _State], grads: set[fx.
     states = list(split_in.values())
     aligned = {len(out) - len(_shape(n) or ()) + s.dim for n, s in split_in.items()}
     first = states[0]
-    if len(aligned) != 1 or any(s.parts != first.parts for s in states):
+    if len(aligned) != 1:
         return "inputs split along different dims"
+    if any(len(s.parts) > 1 for s in states) and any(s.parts != first.parts for s in states):
+        return "fused projections mixed before their split"
     dim = aligned.pop()
     tensors = [a for a in node.args if isinstance(a, fx.Node)]
     if node.target is aten.cat.default:
