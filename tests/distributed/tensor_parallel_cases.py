@@ -61,9 +61,25 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def _comm_counts(pipe, args) -> dict:
+    """Collectives of the first stage's graph alone (TP only: the whole model), forward, then
+    forward and backward, counted by torch's CommDebugMode."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    module = pipe.runtime.workers[0].module
+    with torch.no_grad(), CommDebugMode() as forward:
+        module(*args)
+    with CommDebugMode() as both:
+        sum(o.sum() for o in module(*args) if o.is_floating_point()).backward()
+    pipe.zero_grad(set_to_none=True)
+    return {"forward": {str(k): v for k, v in forward.get_comm_counts().items()},
+            "both": {str(k): v for k, v in both.get_comm_counts().items()}}
+
+
 def run_cases(rank: int, cases: list[tuple[str, int, str]]) -> dict:
     """Each case (model, pipeline devices P, schedule) on P x (world / P) ranks: one step's
-    loss and full gradients, the local and whole sizes of each parameter, the clipped norm."""
+    loss and full gradients, the local and whole sizes of each parameter, the clipped norm,
+    then the user's AdamW step and the next step's loss."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -74,16 +90,25 @@ def run_cases(rank: int, cases: list[tuple[str, int, str]]) -> dict:
         pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=P,
                           tensor_parallel=T, loss_fn=loss_fn, schedule=schedule,
                           microbatches=2, timeout=300)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        comms = _comm_counts(pipe, args) if P == 1 else None
         loss = pipe.step(*args, target=target, **kwargs)
         grads = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()
                  if p.grad is not None}
         sizes = {n: (local_tensor(p).numel(), p.numel(), type(p).__name__)
                  for n, p in pipe.named_parameters()}
         values = {n: _full(p).detach().clone() for n, p in pipe.named_parameters()}
+        state = {k: _full(v).detach().clone() for k, v in pipe.state_dict().items()}
         norm = pipe.clip_grad_norm_(1e9).item()
+        torch_norm = (_full(torch.nn.utils.clip_grad_norm_(pipe.parameters(), 1e9)).item()
+                      if P == 1 else None)
+        opt.step()
+        opt.zero_grad()
+        loss2 = pipe.step(*args, target=target, **kwargs)
         results[(name, P, schedule)] = {
             "loss": loss.item(), "grads": grads, "sizes": sizes, "values": values,
-            "norm": norm, "explain": pipe.explain(),
+            "state": state, "norm": norm, "torch_norm": torch_norm, "comms": comms,
+            "loss2": loss2.item(), "explain": pipe.explain(),
             "dtensor": all(isinstance(p, DTensor) for p in pipe.parameters())}
         dist.barrier()
     return results

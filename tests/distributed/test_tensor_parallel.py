@@ -17,9 +17,15 @@ PP2_TP2 = [("gpt", 2, "gpipe"), ("gpt", 2, "1f1b"), ("llama", 2, "1f1b"), ("gpt2
 
 
 def _reference(name):
+    """The unsplit model's loss and gradients, and its loss after one AdamW step."""
     model, args, kwargs, target, loss_fn = MODELS[name]()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss, grads = reference_step(model, args, kwargs, target, loss_fn, 2)
-    return loss.item(), grads, dict(model.named_parameters())
+    grads = {n: g.clone() for n, g in grads.items()}
+    opt.step()
+    loss2, _ = reference_step(model, args, kwargs, target, loss_fn, 2)
+    return loss.item(), grads, params, loss2.item()
 
 
 def _ranks(world, cases):
@@ -40,10 +46,11 @@ def pp2_tp2():
 
 
 def _check(results, case):
-    loss, grads, params = _reference(case[0])
+    loss, grads, params, loss2 = _reference(case[0])
     for rank, r in enumerate(results):
         got = r[case]
         assert abs(got["loss"] - loss) <= 1e-10, (rank, got["loss"], loss)
+        assert abs(got["loss2"] - loss2) <= 1e-9, (rank, got["loss2"], loss2)  # after AdamW
     # gradients: every parameter, from the ranks that hold its stage (all, in full_tensor())
     seen = set()
     for r in results:
@@ -68,7 +75,7 @@ def test_pp2_tp2_step_equals_the_unsplit_model(pp2_tp2, case):
 def test_each_rank_holds_half_of_every_split_weight(tp2):
     """The GPT's attention and MLP weights are split in two; embeddings, norms and the output
     layer stay whole; every parameter is a DTensor whose full_tensor() is the model's."""
-    _, _, params = _reference("gpt")
+    _, _, params, _ = _reference("gpt")
     sizes = tp2[0][("gpt", 1, "gpipe")]["sizes"]
     split = {n for n, (local, whole, _) in sizes.items() if local * 2 == whole}
     assert split == {f"layers.{i}.{m}" for i in range(2) for m in (
@@ -79,7 +86,9 @@ def test_each_rank_holds_half_of_every_split_weight(tp2):
     for r in tp2:
         assert r[("gpt", 1, "gpipe")]["dtensor"]
         for name, value in r[("gpt", 1, "gpipe")]["values"].items():
-            assert torch.equal(value, params[name].detach()), name
+            assert torch.equal(value, params[name]), name
+        state = r[("gpt", 1, "gpipe")]["state"]  # state_dict(): original keys, DTensors
+        assert all(torch.equal(state[n], params[n]) for n in params)
 
 
 def test_gqa_attention_is_split_by_heads(tp2):
@@ -91,8 +100,26 @@ def test_gqa_attention_is_split_by_heads(tp2):
         assert local * 2 == whole, m
 
 
-def test_clipped_norm_counts_each_shard_once(tp2):
-    _, grads, _ = _reference("gpt")
+def test_clipped_norm_counts_each_shard_once(tp2, pp2_tp2):
+    """pipe.clip_grad_norm_ (and torch's own on the DTensors, TP alone) is the unsplit
+    model's gradient norm: split gradients' shards summed, replicated ones counted once."""
+    _, grads, _, _ = _reference("gpt")
     want = torch.sqrt(sum((g * g).sum() for g in grads.values())).item()
     for r in tp2:
         assert abs(r[("gpt", 1, "gpipe")]["norm"] - want) <= 1e-9 * want
+        assert abs(r[("gpt", 1, "gpipe")]["torch_norm"] - want) <= 1e-9 * want
+    for r in pp2_tp2:
+        assert abs(r[("gpt", 2, "1f1b")]["norm"] - want) <= 1e-9 * want
+
+
+def test_a_column_row_pair_costs_one_all_reduce(tp2):
+    """GPT, 2 layers: 4 pairs (attention, MLP). Forward: one all-reduce per pair and no
+    all-gather; backward adds one per column input (ln1's and ln2's outputs)."""
+    comms = tp2[0][("gpt", 1, "gpipe")]["comms"]
+    assert comms["forward"] == {"c10d.allreduce_": 4}, comms
+    assert comms["both"] == {"c10d.allreduce_": 8}, comms
+
+
+def test_explain_names_the_tensor_parallel_pass(tp2):
+    text = tp2[0][("llama", 1, "1f1b")]["explain"]
+    assert "0 of 2 tensor-parallel ranks" in text and "row-parallel" in text
