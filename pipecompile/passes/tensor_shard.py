@@ -103,6 +103,11 @@ class _Refused(Exception):
         self.node, self.origins, self.why = node, origins, why
 
 
+def _a(node: fx.Node) -> tuple[Any, ...]:
+    """A node's positional arguments, untyped (fx's argument union is not worth narrowing)."""
+    return tuple(node.args)
+
+
 def _shape(node: Any) -> tuple | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
@@ -120,17 +125,17 @@ def _matmul(node: fx.Node, params: Mapping[str, torch.nn.Parameter]
     if node.op != "call_function":
         return None
     if node.target is aten.linear.default:
-        x, w, b = (list(node.args) + [None])[:3]
+        x, w, b = (list(_a(node)) + [None])[:3]
         out, bias = 0, param(b) if b is not None else None
         if b is not None and bias is None:
             return None
     elif node.target is aten.addmm.default and not node.kwargs:
-        b, x, w = node.args[:3]
+        b, x, w = _a(node)[:3]
         out, bias = 1, param(b)
         if bias is None:
             return None
     elif node.target is aten.mm.default:
-        x, w = node.args[:2]
+        x, w = _a(node)[:2]
         out, bias = 1, None
     else:
         return None
@@ -198,10 +203,10 @@ def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozens
     for name in sorted(used):
         _, weight, out, bias = matmuls[name]
         size = params[weight].shape[out]
-        p = parts.get(name, (size,))
-        placements[weight] = Placement(out, p, "column")
+        fused = parts.get(name, (int(size),))
+        placements[weight] = Placement(out, fused, "column")
         if bias is not None:
-            placements[bias] = Placement(0, p, "column bias")
+            placements[bias] = Placement(0, fused, "column bias")
     for name in rows:
         _, weight, out, _ = matmuls[name]
         placements[weight] = Placement(1 - out, (params[weight].shape[1 - out],), "row")
@@ -262,7 +267,7 @@ def _rule(node: fx.Node, split_in: Mapping[fx.Node, _State], degree: int,
     target = node.target
     if node.op != "call_function":
         return f"{node.op} {target}"
-    first = node.args[0] if node.args else None
+    first = _a(node)[0] if _a(node) else None
     s = next(iter(split_in.values()))
     if target is operator.getitem:
         return s  # a split's piece: its state was put on the split node per piece
@@ -280,25 +285,25 @@ def _rule(node: fx.Node, split_in: Mapping[fx.Node, _State], degree: int,
     if target in _VIEWS:
         return _view(s, shape, out, degree)
     if target is aten.transpose.int:
-        a, b = (d % len(shape) for d in node.args[1:3])
+        a, b = (d % len(shape) for d in _a(node)[1:3])
         return _moved(s, {a: b, b: a}.get(s.dim, s.dim))
     if target is aten.permute.default:
-        return _moved(s, [d % len(shape) for d in node.args[1]].index(s.dim))
+        return _moved(s, [d % len(shape) for d in _a(node)[1]].index(s.dim))
     if target is aten.t.default:
         return _moved(s, 1 - s.dim)
     if target is aten.unsqueeze.default:
-        d = node.args[1] % len(out)
+        d = _a(node)[1] % len(out)
         return _moved(s, s.dim + (1 if d <= s.dim else 0), fresh=s.fresh)
     if target is aten.expand.default:
         return _moved(s, s.dim + len(out) - len(shape), fresh=s.fresh)
     if target is aten.slice.Tensor:
-        d = (node.args[1] if len(node.args) > 1 else 0) % len(shape)
+        d = (_a(node)[1] if len(_a(node)) > 1 else 0) % len(shape)
         return s if d != s.dim else "a slice along the split dim"
     if target in (aten.softmax.int, aten._softmax.default, aten.mean.dim, aten.sum.dim_IntList):
-        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        dims = _a(node)[1] if isinstance(_a(node)[1], (list, tuple)) else [_a(node)[1]]
         if any(d % len(shape) == s.dim for d in dims):
             return "a reduction along the split dim"
-        keep = node.args[2] if len(node.args) > 2 and target is not aten._softmax.default \
+        keep = _a(node)[2] if len(_a(node)) > 2 and target is not aten._softmax.default \
             else target in (aten.softmax.int, aten._softmax.default)
         return s if keep else "a reduction that drops dims"
     return f"no rule for {target}"
@@ -356,14 +361,14 @@ def _broadcast(node: fx.Node, split_in: Mapping[fx.Node, _State], grads: set[fx.
     if any(len(s.parts) > 1 for s in states) and any(s.parts != first.parts for s in states):
         return "fused projections mixed before their split"
     dim = aligned.pop()
-    tensors = [a for a in node.args if isinstance(a, fx.Node)]
+    tensors = [a for a in _a(node) if isinstance(a, fx.Node)]
     if node.target is aten.cat.default:
-        tensors = list(node.args[0])
-        if node.args[1] % len(out) == dim if len(node.args) > 1 else dim == 0:
+        tensors = list(_a(node)[0])
+        if _a(node)[1] % len(out) == dim if len(_a(node)) > 1 else dim == 0:
             return "a cat along the split dim"
     if node.target in _ATTENTION:
-        tensors = [a for a in node.args[:4] if isinstance(a, fx.Node)]
-        if any(a not in split_in for a in node.args[:3]) or dim != 1:
+        tensors = [a for a in _a(node)[:4] if isinstance(a, fx.Node)]
+        if any(a not in split_in for a in _a(node)[:3]) or dim != 1:
             return "attention over heads needs q, k and v split by heads"
     for t in tensors:
         if t in split_in:
@@ -383,8 +388,9 @@ def _broadcast(node: fx.Node, split_in: Mapping[fx.Node, _State], grads: set[fx.
 def _split(node: fx.Node, s: _State, shape: tuple, degree: int) -> _State | str:
     """split/chunk: along another dim, each piece split alike; along the split dim, the
     pieces are the fused parts (the column learns them, or they must match)."""
-    target, args = node.target, node.args
-    dim = (args[2] if len(args) > 2 else node.kwargs.get("dim", 0)) % len(shape)
+    target, args = node.target, _a(node)
+    given: Any = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
+    dim = int(given) % len(shape)
     if dim != s.dim:
         return s
     size = int(shape[dim])
@@ -422,11 +428,11 @@ def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callab
             env[node] = graph.call_function(local, (got,))
             env[node].meta = dict(node.meta)
             continue
-        args = fx.map_arg(node.args, lambda n: env[n])
+        args = fx.map_arg(_a(node), lambda n: env[n])
         kwargs = fx.map_arg(node.kwargs, lambda n: env[n])
         if node.name in plan.columns:
-            x = node.args[0] if node.target is aten.linear.default or \
-                node.target is aten.mm.default else node.args[1]
+            x = _a(node)[0] if node.target is aten.linear.default or \
+                node.target is aten.mm.default else _a(node)[1]
             if x not in copied:
                 copied[x] = graph.call_function(copy, (env[x],))
             at = 0 if node.target is not aten.addmm.default else 1
@@ -435,7 +441,7 @@ def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callab
             env[node] = _row(graph, node, args, reduce)
             continue
         if node.name in split or (node.op == "call_function" and node.target in _SPLITS
-                                  and node.args[0].name in split):
+                                  and _a(node)[0].name in split):
             args = _local_sizes(node, args, split, T)
         new = graph.node_copy(node, lambda n: env[n])
         new.args, new.kwargs = args, kwargs
@@ -474,8 +480,8 @@ def _local_sizes(node: fx.Node, args: tuple, split: Mapping[str, int], T: int) -
             raise AssertionError(f"{node.name}: a symbolic size on the split dim")
         return (args[0], sizes, *args[2:])
     if target in _SPLITS:
-        source = node.args[0]
-        dim = (node.args[2] if len(node.args) > 2 else 0) % len(_shape(source) or (0,))
+        source = _a(node)[0]
+        dim = (_a(node)[2] if len(_a(node)) > 2 else 0) % len(_shape(source) or (0,))
         if dim != split[source.name]:
             return args
         if target is aten.split.Tensor:

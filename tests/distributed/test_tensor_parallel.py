@@ -13,7 +13,7 @@ from tests.support.reference import reference_step
 
 TP2 = [("gpt", 1, "gpipe"), ("llama", 1, "1f1b"), ("gpt2", 1, "1f1b")]
 PP2_TP2 = [("gpt", 2, "gpipe"), ("gpt", 2, "1f1b"), ("llama", 2, "1f1b"), ("gpt2", 2, "gpipe"),
-           ("gpt", 2, "zb-h1")]
+           ("gpt", 2, "zb-h1"), ("gpt", 2, "interleaved-1f1b")]
 
 
 def _reference(name):
