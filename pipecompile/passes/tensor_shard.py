@@ -21,12 +21,11 @@ slice of each part, concatenated, so that its local split gives its q, k and v h
 Lowering (Megatron-LM, Shoeybi et al. 2019): `copy` (identity forward, all-reduce backward)
 on a column's input, `reduce` (all-reduce forward, identity backward) on a row's output before
 its bias; view/expand/split sizes of the split dim divided by T. Collectives are handed in as
-callables: this module imports no process group.
+callables: this module imports no process group. The per-op rules are passes/tensor_rules.py.
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -34,6 +33,8 @@ import torch
 import torch.fx as fx
 
 __all__ = ["Placement", "ShardPlan", "choose", "lower"]
+
+from .tensor_rules import SPLITS, VIEWS, State, node_args, rule, shape_of
 
 aten = torch.ops.aten
 
@@ -73,44 +74,10 @@ class ShardPlan:
                 + (f"; replicated: {'; '.join(self.notes)}" if self.notes else ""))
 
 
-# -- which ops a split value may pass through -------------------------------------------------
-
-_SAME = {aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default,
-         aten.sigmoid.default, aten.neg.default, aten.clone.default, aten.contiguous.default,
-         aten.dropout.default, aten.alias.default, aten.to.dtype, aten.to.dtype_layout,
-         aten._to_copy.default, aten.pow.Tensor_Scalar, aten.mul.Scalar, aten.div.Scalar,
-         aten.add.Scalar, aten.sub.Scalar, aten.type_as.default, aten.cos.default,
-         aten.sin.default, aten.exp.default, aten.rsqrt.default, aten.sqrt.default}
-_BINARY = {aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor, aten.div.Tensor}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
-_ATTENTION = {aten.scaled_dot_product_attention.default}
-
-
-@dataclass(frozen=True)
-class _State:
-    """A value split along `dim` (`parts`: the fused parts still whole in it)."""
-
-    dim: int
-    parts: tuple[int, ...]
-    origins: frozenset[str]  # the column matmuls it came from
-    fresh: bool = True  # the split dim is the column's output features, untouched
-
-
 class _Refused(Exception):
     def __init__(self, node: fx.Node, origins: frozenset[str], why: str):
         super().__init__(why)
         self.node, self.origins, self.why = node, origins, why
-
-
-def _a(node: fx.Node) -> tuple[Any, ...]:
-    """A node's positional arguments, untyped (fx's argument union is not worth narrowing)."""
-    return tuple(node.args)
-
-
-def _shape(node: Any) -> tuple | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _matmul(node: fx.Node, params: Mapping[str, torch.nn.Parameter]
@@ -125,17 +92,17 @@ def _matmul(node: fx.Node, params: Mapping[str, torch.nn.Parameter]
     if node.op != "call_function":
         return None
     if node.target is aten.linear.default:
-        x, w, b = (list(_a(node)) + [None])[:3]
+        x, w, b = (list(node_args(node)) + [None])[:3]
         out, bias = 0, param(b) if b is not None else None
         if b is not None and bias is None:
             return None
     elif node.target is aten.addmm.default and not node.kwargs:
-        b, x, w = _a(node)[:3]
+        b, x, w = node_args(node)[:3]
         out, bias = 1, param(b)
         if bias is None:
             return None
     elif node.target is aten.mm.default:
-        x, w = _a(node)[:2]
+        x, w = node_args(node)[:2]
         out, bias = 1, None
     else:
         return None
@@ -192,7 +159,8 @@ def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozens
             split, rows = _propagate(gm, degree, matmuls, columns, parts, grads, params)
             break
         except _Refused as refused:
-            if refused.why.startswith("fused:"):
+            if refused.why.startswith("fused:") and not _fused(refused.why).items() <= \
+                    parts.items():
                 parts.update(_fused(refused.why))
                 continue
             columns -= refused.origins
@@ -226,10 +194,10 @@ def _where(gm: fx.GraphModule, origins: frozenset[str], matmuls: Mapping[str, An
 
 def _propagate(gm: fx.GraphModule, degree: int, matmuls: Mapping[str, Any],
                columns: set[str], parts: Mapping[str, tuple[int, ...]], grads: set[fx.Node],
-               params: Mapping[str, Any]) -> tuple[dict[str, _State], list[str]]:
+               params: Mapping[str, Any]) -> tuple[dict[str, State], list[str]]:
     """Follow the split from every column through the graph, in order; raise `_Refused` at
     the first node that cannot take it."""
-    state: dict[fx.Node, _State] = {}
+    state: dict[fx.Node, State] = {}
     rows: list[str] = []
     for node in gm.graph.nodes:
         split_in = {i: state[i] for i in node.all_input_nodes if i in state}
@@ -239,11 +207,11 @@ def _propagate(gm: fx.GraphModule, degree: int, matmuls: Mapping[str, Any],
             x, weight, out, _ = matmuls[node.name]
             if node.name in columns and not split_in:
                 size = params[weight].shape[out]
-                state[node] = _State(len(_shape(node) or ()) - 1, parts.get(node.name, (size,)),
+                state[node] = State(len(shape_of(node) or ()) - 1, parts.get(node.name, (size,)),
                                      frozenset({node.name}))
                 continue
             s = state.get(x)
-            rank = len(_shape(x) or ())
+            rank = len(shape_of(x) or ())
             if (s is None or s.dim != rank - 1 or len(s.parts) > 1
                     or set(split_in) != {x} or params[weight].shape[1 - out] % degree):
                 raise _Refused(node, origins, "a matmul reads the split value other than "
@@ -254,160 +222,11 @@ def _propagate(gm: fx.GraphModule, degree: int, matmuls: Mapping[str, Any],
             continue
         if node.op == "output":
             raise _Refused(node, origins, "a split value leaves the stage")
-        result = _rule(node, split_in, degree, grads)
+        result = rule(node, split_in, degree, grads)
         if isinstance(result, str):
             raise _Refused(node, origins, result)
         state[node] = result
     return {n.name: s for n, s in state.items()}, rows
-
-
-def _rule(node: fx.Node, split_in: Mapping[fx.Node, _State], degree: int,
-          grads: set[fx.Node]) -> _State | str:
-    """The split of `node`'s output, or why it cannot be followed."""
-    target = node.target
-    if node.op != "call_function":
-        return f"{node.op} {target}"
-    first = _a(node)[0] if _a(node) else None
-    s = next(iter(split_in.values()))
-    if target is operator.getitem:
-        return s  # a split's piece: its state was put on the split node per piece
-    if target in _SAME and set(split_in) == {first}:
-        return s
-    if target in _BINARY or target is aten.cat.default or target in _ATTENTION:
-        return _broadcast(node, split_in, grads)
-    if len(split_in) != 1 or first not in split_in:
-        return f"{target} reads the split value other than as its first input"
-    shape, out = _shape(first), _shape(node)
-    if shape is not None and target in _SPLITS:
-        return _split(node, s, shape, degree)
-    if shape is None or out is None:
-        return "no shape recorded"
-    if target in _VIEWS:
-        return _view(s, shape, out, degree)
-    if target is aten.transpose.int:
-        a, b = (d % len(shape) for d in _a(node)[1:3])
-        return _moved(s, {a: b, b: a}.get(s.dim, s.dim))
-    if target is aten.permute.default:
-        return _moved(s, [d % len(shape) for d in _a(node)[1]].index(s.dim))
-    if target is aten.t.default:
-        return _moved(s, 1 - s.dim)
-    if target is aten.unsqueeze.default:
-        d = _a(node)[1] % len(out)
-        return _moved(s, s.dim + (1 if d <= s.dim else 0), fresh=s.fresh)
-    if target is aten.expand.default:
-        return _moved(s, s.dim + len(out) - len(shape), fresh=s.fresh)
-    if target is aten.slice.Tensor:
-        d = (_a(node)[1] if len(_a(node)) > 1 else 0) % len(shape)
-        return s if d != s.dim else "a slice along the split dim"
-    if target in (aten.softmax.int, aten._softmax.default, aten.mean.dim, aten.sum.dim_IntList):
-        dims = _a(node)[1] if isinstance(_a(node)[1], (list, tuple)) else [_a(node)[1]]
-        if any(d % len(shape) == s.dim for d in dims):
-            return "a reduction along the split dim"
-        keep = _a(node)[2] if len(_a(node)) > 2 and target is not aten._softmax.default \
-            else target in (aten.softmax.int, aten._softmax.default)
-        return s if keep else "a reduction that drops dims"
-    return f"no rule for {target}"
-
-
-def _moved(s: _State, dim: int, *, fresh: bool = False) -> _State:
-    return _State(dim, s.parts, s.origins, fresh and s.fresh)
-
-
-def _view(s: _State, shape: tuple, out: tuple, degree: int) -> _State | str:
-    """A view keeps the split where the split dim is the outermost of the output dims that
-    cover it (heads out of features, features out of heads)."""
-    outer = 1
-    for d in shape[: s.dim]:
-        outer = outer * d
-    size, prefix = shape[s.dim], 1
-    for k, d in enumerate(out):
-        if _same(prefix, outer):
-            if len(s.parts) > 1:
-                return _State(k, s.parts, s.origins, s.fresh) if _same(d, size) else \
-                    "a view of a fused projection before its split"
-            if not (_divides(d, size) or _divides(size, d)) or not _divides(degree, d):
-                return f"{d} (heads) does not divide by T={degree}"
-            return _State(k, s.parts, s.origins, s.fresh and _same(d, size))
-        prefix = prefix * d
-    return "a view that moves the split dim inward"
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - an undecidable symbolic comparison
-        return False
-
-
-def _divides(d: Any, n: Any) -> bool:
-    try:
-        return int(n) % int(d) == 0
-    except Exception:  # noqa: BLE001 - symbolic: not a dim this pass splits
-        return False
-
-
-def _broadcast(node: fx.Node, split_in: Mapping[fx.Node, _State], grads: set[fx.Node]
-               ) -> _State | str:
-    """Elementwise ops, cat and attention: every split input split alike (right-aligned);
-    each other tensor input constant along the split dim and carrying no gradient."""
-    out = _shape(node)
-    if out is None:
-        return "no shape recorded"
-    states = list(split_in.values())
-    aligned = {len(out) - len(_shape(n) or ()) + s.dim for n, s in split_in.items()}
-    first = states[0]
-    if len(aligned) != 1:
-        return "inputs split along different dims"
-    if any(len(s.parts) > 1 for s in states) and any(s.parts != first.parts for s in states):
-        return "fused projections mixed before their split"
-    dim = aligned.pop()
-    tensors = [a for a in _a(node) if isinstance(a, fx.Node)]
-    if node.target is aten.cat.default:
-        tensors = list(_a(node)[0])
-        if _a(node)[1] % len(out) == dim if len(_a(node)) > 1 else dim == 0:
-            return "a cat along the split dim"
-    if node.target in _ATTENTION:
-        tensors = [a for a in _a(node)[:4] if isinstance(a, fx.Node)]
-        if any(a not in split_in for a in _a(node)[:3]) or dim != 1:
-            return "attention over heads needs q, k and v split by heads"
-    for t in tensors:
-        if t in split_in:
-            continue
-        shape = _shape(t)
-        if shape is None:
-            return f"{t.name} has no shape"
-        at = dim - (len(out) - len(shape))
-        if at >= 0 and not _same(shape[at], 1):
-            return f"{t.name} is not constant along the split dim"
-        if t in grads:
-            return f"{t.name} (replicated) would get a partial gradient"
-    fresh = node.target in _BINARY and all(s.fresh for s in states)
-    return _State(dim, first.parts, frozenset().union(*(s.origins for s in states)), fresh)
-
-
-def _split(node: fx.Node, s: _State, shape: tuple, degree: int) -> _State | str:
-    """split/chunk: along another dim, each piece split alike; along the split dim, the
-    pieces are the fused parts (the column learns them, or they must match)."""
-    target, args = node.target, _a(node)
-    given: Any = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
-    dim = int(given) % len(shape)
-    if dim != s.dim:
-        return s
-    size = int(shape[dim])
-    if target is aten.split.Tensor:
-        pieces = [args[1]] * (size // args[1]) + ([size % args[1]] if size % args[1] else [])
-    elif target is aten.chunk.default:
-        step = -(-size // args[1])
-        pieces = [min(step, size - i) for i in range(0, size, step)]
-    else:
-        pieces = list(args[1])
-    if tuple(pieces) == s.parts and all(p % degree == 0 for p in pieces):
-        return _State(s.dim, (pieces[0],), s.origins, fresh=False)  # each piece: one part
-    if len(s.parts) == 1 and s.fresh and len(s.origins) == 1 and all(
-            p % degree == 0 for p in pieces):
-        (column,) = s.origins
-        return f"fused:{column}:{','.join(str(p) for p in pieces)}"
-    return f"a split into {pieces} that T={degree} does not divide part by part"
 
 
 def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callable,
@@ -428,11 +247,11 @@ def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callab
             env[node] = graph.call_function(local, (got,))
             env[node].meta = dict(node.meta)
             continue
-        args = fx.map_arg(_a(node), lambda n: env[n])
+        args = fx.map_arg(node_args(node), lambda n: env[n])
         kwargs = fx.map_arg(node.kwargs, lambda n: env[n])
         if node.name in plan.columns:
-            x = _a(node)[0] if node.target is aten.linear.default or \
-                node.target is aten.mm.default else _a(node)[1]
+            x = node_args(node)[0] if node.target is aten.linear.default or \
+                node.target is aten.mm.default else node_args(node)[1]
             if x not in copied:
                 copied[x] = graph.call_function(copy, (env[x],))
             at = 0 if node.target is not aten.addmm.default else 1
@@ -440,8 +259,8 @@ def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callab
         if node.name in plan.rows:
             env[node] = _row(graph, node, args, reduce)
             continue
-        if node.name in split or (node.op == "call_function" and node.target in _SPLITS
-                                  and _a(node)[0].name in split):
+        if node.name in split or (node.op == "call_function" and node.target in SPLITS
+                                  and node_args(node)[0].name in split):
             args = _local_sizes(node, args, split, T)
         new = graph.node_copy(node, lambda n: env[n])
         new.args, new.kwargs = args, kwargs
@@ -471,7 +290,7 @@ def _row(graph: fx.Graph, node: fx.Node, args: tuple, reduce: Callable) -> fx.No
 def _local_sizes(node: fx.Node, args: tuple, split: Mapping[str, int], T: int) -> tuple:
     """The size arguments of a region op at one rank: the split dim's size divided by T."""
     target = node.target
-    if target in _VIEWS or target is aten.expand.default:
+    if target in VIEWS or target is aten.expand.default:
         sizes = list(args[1])
         k = split[node.name]
         if isinstance(sizes[k], int) and sizes[k] != -1:
@@ -479,9 +298,9 @@ def _local_sizes(node: fx.Node, args: tuple, split: Mapping[str, int], T: int) -
         elif isinstance(sizes[k], fx.Node):
             raise AssertionError(f"{node.name}: a symbolic size on the split dim")
         return (args[0], sizes, *args[2:])
-    if target in _SPLITS:
-        source = _a(node)[0]
-        dim = (_a(node)[2] if len(_a(node)) > 2 else 0) % len(_shape(source) or (0,))
+    if target in SPLITS:
+        source = node_args(node)[0]
+        dim = (node_args(node)[2] if len(node_args(node)) > 2 else 0) % len(shape_of(source) or (0,))
         if dim != split[source.name]:
             return args
         if target is aten.split.Tensor:

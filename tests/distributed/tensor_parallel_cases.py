@@ -105,10 +105,14 @@ def run_cases(rank: int, cases: list[tuple[str, int, str]]) -> dict:
         opt.step()
         opt.zero_grad()
         loss2 = pipe.step(*args, target=target, **kwargs)
+        evaluated = pipe.eval_step(*args, target=target, **kwargs).item()
+        with torch.no_grad():
+            forward = loss_fn(pipe(*args, **kwargs), target).item()
         results[(name, P, schedule)] = {
             "loss": loss.item(), "grads": grads, "sizes": sizes, "values": values,
             "state": state, "norm": norm, "torch_norm": torch_norm, "comms": comms,
-            "loss2": loss2.item(), "explain": pipe.explain(),
+            "loss2": loss2.item(), "eval": evaluated, "forward": forward,
+            "explain": pipe.explain(),
             "dtensor": all(isinstance(p, DTensor) for p in pipe.parameters())}
         dist.barrier()
     return results

@@ -51,6 +51,8 @@ def _check(results, case):
         got = r[case]
         assert abs(got["loss"] - loss) <= 1e-10, (rank, got["loss"], loss)
         assert abs(got["loss2"] - loss2) <= 1e-9, (rank, got["loss2"], loss2)  # after AdamW
+        # the same weights, forward only: eval_step and pipe(x) on every rank
+        assert abs(got["eval"] - loss2) <= 1e-9 and abs(got["forward"] - loss2) <= 1e-9
     # gradients: every parameter, from the ranks that hold its stage (all, in full_tensor())
     seen = set()
     for r in results:

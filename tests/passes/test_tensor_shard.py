@@ -168,3 +168,25 @@ def test_nothing_to_shard_says_so():
     plan = choose(_stage(model, (torch.randn(4, 8, dtype=torch.float64),),
                          lambda out, _: out.sum()), 2)
     assert plan.params == {} and "nothing to shard at T=2" in plan.summary()
+
+
+def _view_node(heads: int):
+    """The view of (b, t, 16) features into (b, t, heads, 16 / heads), with its meta shapes."""
+    def f(x):
+        return x.view(2, 3, heads, 16 // heads)
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(f, tracing_mode="fake")(
+        torch.zeros(2, 3, 16))
+    (node,) = [n for n in graph.graph.nodes if n.op == "call_function"]
+    return node
+
+
+def test_a_view_into_heads_keeps_the_split_where_t_divides_the_heads():
+    from pipecompile.passes.tensor_rules import State, rule
+
+    node = _view_node(4)
+    split = {node.args[0]: State(2, (16,), frozenset({"fc"}))}
+    assert rule(node, split, 2, set()) == State(2, (16,), frozenset({"fc"}), fresh=False)
+    assert rule(node, split, 8, set()) == "4 (heads) does not divide by T=8"
