@@ -305,11 +305,11 @@ def _check_async(options: CompileOptions) -> None:
 
 
 def _check_tensor_parallel(options: CompileOptions) -> None:
-    """tensor_parallel=T > 1: built for pipeline x tensor parallelism with synchronous
+    """tensor_parallel=T > 1: built for pipeline x data x tensor parallelism with synchronous
     schedules; what it is not yet built with is refused, saying so."""
     if options.tensor_parallel == 1:
         return
-    refused = {"data_parallel > 1": options.data_parallel > 1, "fsdp=True": options.fsdp,
+    refused = {"fsdp=True": options.fsdp,
                f"schedule={options.schedule!r}": options.asynchronous,
                "compile_stages=True": options.compile_stages,
                "checkpoint=True": options.checkpoint is not False}
@@ -317,8 +317,9 @@ def _check_tensor_parallel(options: CompileOptions) -> None:
         if given:
             raise ConfigError(
                 f"tensor_parallel={options.tensor_parallel} with {what} is not built yet; use "
-                f"pipeline x tensor parallelism (devices=P, tensor_parallel=T, P x T ranks) "
-                f"with a synchronous schedule, or tensor_parallel=1")
+                f"pipeline x data x tensor parallelism (devices=P, data_parallel=D, "
+                f"tensor_parallel=T: P x D x T ranks) with a synchronous schedule, or "
+                f"tensor_parallel=1")
 
 
 def _check_fsdp(options: CompileOptions) -> None:

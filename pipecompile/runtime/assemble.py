@@ -314,8 +314,11 @@ class DistributedRuntime(Runtime):
         topology = spec.topology
         assert topology is not None, "a distributed runtime runs one rank of a topology"
         own = topology.own_stages(schedule)
-        in_backward = spec.fsdp or (spec.data_parallel > 1 and reduces_in_backward(
-            schedule, any(s in spec.checkpoint for s in own), spec.compile_stages))
+        # DDP's reducer is for plain tensors: tensor-parallel stages (DTensor parameters)
+        # reduce their replicas' gradients after the step
+        in_backward = spec.fsdp or (
+            spec.data_parallel > 1 and topology.tensor_parallel == 1 and reduces_in_backward(
+                schedule, any(s in spec.checkpoint for s in own), spec.compile_stages))
         self.sync = GradientSync(topology, program, schedule, own,
                                  sharded=spec.fsdp, replicas_reduced=in_backward)
 

@@ -226,7 +226,7 @@ class GradientSync:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+            grads.append(local_tensor(p.grad))  # tensor-parallel: this rank's shard
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)

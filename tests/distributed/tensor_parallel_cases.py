@@ -76,22 +76,26 @@ def _comm_counts(pipe, args) -> dict:
             "both": {str(k): v for k, v in both.get_comm_counts().items()}}
 
 
-def run_cases(rank: int, cases: list[tuple[str, int, str]]) -> dict:
-    """Each case (model, pipeline devices P, schedule) on P x (world / P) ranks: one step's
-    loss and full gradients, the local and whole sizes of each parameter, the clipped norm,
-    then the user's AdamW step and the next step's loss."""
+def run_cases(rank: int, cases: list[tuple[str, int, str]], replicas: int = 1) -> dict:
+    """Each case (model, pipeline devices P, schedule) on P x D x T ranks (D = `replicas`,
+    each taking its 1/D of the batch's rows): one step's loss and full gradients, the local
+    and whole sizes of each parameter, the clipped norm, then the user's AdamW step and the
+    next step's loss."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     results = {}
     for name, P, schedule in cases:
-        T = dist.get_world_size() // P
+        T = dist.get_world_size() // (P * replicas)
         model, args, kwargs, target, loss_fn = MODELS[name]()
+        replica = rank // (P * T)
+        args = tuple(a.chunk(replicas)[replica] for a in args)
+        target = target.chunk(replicas)[replica]
         pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=P,
-                          tensor_parallel=T, loss_fn=loss_fn, schedule=schedule,
-                          microbatches=2, timeout=300)
+                          data_parallel=replicas, tensor_parallel=T, loss_fn=loss_fn,
+                          schedule=schedule, microbatches=2, timeout=300)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-        comms = _comm_counts(pipe, args) if P == 1 else None
+        comms = _comm_counts(pipe, args) if P == 1 and replicas == 1 else None
         loss = pipe.step(*args, target=target, **kwargs)
         grads = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()
                  if p.grad is not None}
@@ -101,13 +105,13 @@ def run_cases(rank: int, cases: list[tuple[str, int, str]]) -> dict:
         state = {k: _full(v).detach().clone() for k, v in pipe.state_dict().items()}
         norm = pipe.clip_grad_norm_(1e9).item()
         torch_norm = (_full(torch.nn.utils.clip_grad_norm_(pipe.parameters(), 1e9)).item()
-                      if P == 1 else None)
+                      if P == 1 and replicas == 1 else None)
         opt.step()
         opt.zero_grad()
         loss2 = pipe.step(*args, target=target, **kwargs)
         evaluated = pipe.eval_step(*args, target=target, **kwargs).item()
-        with torch.no_grad():
-            forward = loss_fn(pipe(*args, **kwargs), target).item()
+        with torch.no_grad():  # this replica's rows: the global loss with one replica only
+            forward = loss_fn(pipe(*args, **kwargs), target).item() if replicas == 1 else None
         results[(name, P, schedule)] = {
             "loss": loss.item(), "grads": grads, "sizes": sizes, "values": values,
             "state": state, "norm": norm, "torch_norm": torch_norm, "comms": comms,

@@ -16,20 +16,21 @@ PP2_TP2 = [("gpt", 2, "gpipe"), ("gpt", 2, "1f1b"), ("llama", 2, "1f1b"), ("gpt2
            ("gpt", 2, "zb-h1"), ("gpt", 2, "interleaved-1f1b")]
 
 
-def _reference(name):
-    """The unsplit model's loss and gradients, and its loss after one AdamW step."""
+def _reference(name, microbatches=2):
+    """The unsplit model's loss and gradients, and its loss after one AdamW step (the global
+    batch in `microbatches`: D replicas x 2 each)."""
     model, args, kwargs, target, loss_fn = MODELS[name]()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loss, grads = reference_step(model, args, kwargs, target, loss_fn, 2)
+    loss, grads = reference_step(model, args, kwargs, target, loss_fn, microbatches)
     grads = {n: g.clone() for n, g in grads.items()}
     opt.step()
-    loss2, _ = reference_step(model, args, kwargs, target, loss_fn, 2)
+    loss2, _ = reference_step(model, args, kwargs, target, loss_fn, microbatches)
     return loss.item(), grads, params, loss2.item()
 
 
-def _ranks(world, cases):
-    results = run_ranks(run_cases, world, cases, timeout=900)
+def _ranks(world, cases, replicas=1):
+    results = run_ranks(run_cases, world, cases, replicas, timeout=900)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r.get("trace", r))
     return results
@@ -45,14 +46,29 @@ def pp2_tp2():
     return _ranks(4, PP2_TP2)
 
 
-def _check(results, case):
-    loss, grads, params, loss2 = _reference(case[0])
+DP2_TP2 = [("gpt", 1, "1f1b"), ("llama", 1, "gpipe")]
+PP2_TP2_DP2 = [("gpt", 2, "1f1b")]
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2():
+    return _ranks(4, DP2_TP2, replicas=2)
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2_dp2():
+    return _ranks(8, PP2_TP2_DP2, replicas=2)
+
+
+def _check(results, case, replicas=1):
+    loss, grads, params, loss2 = _reference(case[0], 2 * replicas)
     for rank, r in enumerate(results):
         got = r[case]
         assert abs(got["loss"] - loss) <= 1e-10, (rank, got["loss"], loss)
         assert abs(got["loss2"] - loss2) <= 1e-9, (rank, got["loss2"], loss2)  # after AdamW
         # the same weights, forward only: eval_step and pipe(x) on every rank
-        assert abs(got["eval"] - loss2) <= 1e-9 and abs(got["forward"] - loss2) <= 1e-9
+        assert abs(got["eval"] - loss2) <= 1e-9
+        assert replicas > 1 or abs(got["forward"] - loss2) <= 1e-9
     # gradients: every parameter, from the ranks that hold its stage (all, in full_tensor())
     seen = set()
     for r in results:
@@ -72,6 +88,17 @@ def test_tp2_step_equals_the_unsplit_model(tp2, case):
 @pytest.mark.parametrize("case", PP2_TP2, ids=lambda c: "-".join(map(str, c)))
 def test_pp2_tp2_step_equals_the_unsplit_model(pp2_tp2, case):
     _check(pp2_tp2, case)
+
+
+@pytest.mark.parametrize("case", DP2_TP2, ids=lambda c: "-".join(map(str, c)))
+def test_dp2_tp2_step_equals_the_unsplit_model(dp2_tp2, case):
+    """2 replicas x 2 tensor-parallel ranks, each replica its half of the batch."""
+    _check(dp2_tp2, case, replicas=2)
+
+
+@pytest.mark.parametrize("case", PP2_TP2_DP2, ids=lambda c: "-".join(map(str, c)))
+def test_pp2_tp2_dp2_on_eight_ranks_equals_the_unsplit_model(pp2_tp2_dp2, case):
+    _check(pp2_tp2_dp2, case, replicas=2)
 
 
 def test_each_rank_holds_half_of_every_split_weight(tp2):
