@@ -76,11 +76,35 @@ def _comm_counts(pipe, args) -> dict:
             "both": {str(k): v for k, v in both.get_comm_counts().items()}}
 
 
-def run_cases(rank: int, cases: list[tuple[str, int, str]], replicas: int = 1) -> dict:
+def _checkpoint(pipe, opt, directory: str) -> dict:
+    """DCP checkpoint of model and optimizer (DTensor shards, original keys); what
+    `pipe.save` says."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from pipecompile.errors import ConfigError
+    from tests.distributed.checkpoint_cases import OPTIONS
+
+    model_sd, optim_sd = get_state_dict(pipe, opt, options=OPTIONS)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    try:
+        pipe.save(os.path.join(directory, "plan"))
+        refused = None
+    except ConfigError as exc:
+        refused = str(exc)
+    return {"keys": sorted(model_sd), "save": refused}
+
+
+def run_cases(rank: int, cases: list[tuple[str, int, str]], replicas: int = 1,
+              directory: str | None = None) -> dict:
     """Each case (model, pipeline devices P, schedule) on P x D x T ranks (D = `replicas`,
     each taking its 1/D of the batch's rows): one step's loss and full gradients, the local
     and whole sizes of each parameter, the clipped norm, then the user's AdamW step and the
-    next step's loss."""
+    next step's loss. With `directory`, the first Llama case's model and optimizer after that
+    step go to a torch.distributed.checkpoint there, and `pipe.save` is tried (a fused
+    projection's `_StridedShard` is refused by DCP's planner: "overlapping chunks")."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -108,6 +132,10 @@ def run_cases(rank: int, cases: list[tuple[str, int, str]], replicas: int = 1) -
                       if P == 1 and replicas == 1 else None)
         opt.step()
         opt.zero_grad()
+        saved = None
+        if directory is not None and name == "llama" and not any(
+                r["saved"] for r in results.values()):
+            saved = _checkpoint(pipe, opt, directory)
         loss2 = pipe.step(*args, target=target, **kwargs)
         evaluated = pipe.eval_step(*args, target=target, **kwargs).item()
         with torch.no_grad():  # this replica's rows: the global loss with one replica only
@@ -115,7 +143,7 @@ def run_cases(rank: int, cases: list[tuple[str, int, str]], replicas: int = 1) -
         results[(name, P, schedule)] = {
             "loss": loss.item(), "grads": grads, "sizes": sizes, "values": values,
             "state": state, "norm": norm, "torch_norm": torch_norm, "comms": comms,
-            "loss2": loss2.item(), "eval": evaluated, "forward": forward,
+            "loss2": loss2.item(), "eval": evaluated, "forward": forward, "saved": saved,
             "explain": pipe.explain(),
             "dtensor": all(isinstance(p, DTensor) for p in pipe.parameters())}
         dist.barrier()
