@@ -55,22 +55,22 @@ def node_args(node: fx.Node) -> tuple[Any, ...]:
 
 
 def shape_of(node: Any) -> tuple | None:
+    """A node's recorded shape (symbolic sizes kept), None if it has none."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-
 def rule(node: fx.Node, split_in: Mapping[fx.Node, State], degree: int,
-          grads: set[fx.Node]) -> State | str:
+         grads: set[fx.Node]) -> State | str:
     """The split of `node`'s output, or why it cannot be followed."""
-    target = node.target
+    target, args = node.target, node_args(node)
     if node.op != "call_function":
         return f"{node.op} {target}"
-    first = node_args(node)[0] if node_args(node) else None
+    first = args[0] if args else None
     s = next(iter(split_in.values()))
     if target is operator.getitem:
         return s  # a split's piece: its state was put on the split node per piece
-    if target is aten.dropout.default and node_args(node)[1] and (len(node_args(node)) < 3 or node_args(node)[2]):
+    if target is aten.dropout.default and args[1] and (len(args) < 3 or args[2]):
         return "dropout (its mask on a shard is not the unsplit model's)"
     if target in _SAME and set(split_in) == {first}:
         return s
@@ -86,26 +86,26 @@ def rule(node: fx.Node, split_in: Mapping[fx.Node, State], degree: int,
     if target in VIEWS:
         return _view(s, shape, out, degree)
     if target is aten.transpose.int:
-        a, b = (d % len(shape) for d in node_args(node)[1:3])
+        a, b = (d % len(shape) for d in args[1:3])
         return _moved(s, {a: b, b: a}.get(s.dim, s.dim))
     if target is aten.permute.default:
-        return _moved(s, [d % len(shape) for d in node_args(node)[1]].index(s.dim))
+        return _moved(s, [d % len(shape) for d in args[1]].index(s.dim))
     if target is aten.t.default:
         return _moved(s, 1 - s.dim)
     if target is aten.unsqueeze.default:
-        d = node_args(node)[1] % len(out)
+        d = args[1] % len(out)
         return _moved(s, s.dim + (1 if d <= s.dim else 0), fresh=s.fresh)
     if target is aten.expand.default:
         return _moved(s, s.dim + len(out) - len(shape), fresh=s.fresh)
     if target is aten.slice.Tensor:
-        d = (node_args(node)[1] if len(node_args(node)) > 1 else 0) % len(shape)
+        d = (args[1] if len(args) > 1 else 0) % len(shape)
         return s if d != s.dim else "a slice along the split dim"
     if target in (aten.softmax.int, aten._softmax.default, aten.mean.dim, aten.sum.dim_IntList):
-        dims = node_args(node)[1] if isinstance(node_args(node)[1], (list, tuple)) else [node_args(node)[1]]
+        dims = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
         if any(d % len(shape) == s.dim for d in dims):
             return "a reduction along the split dim"
-        keep = node_args(node)[2] if len(node_args(node)) > 2 and target is not aten._softmax.default \
-            else target in (aten.softmax.int, aten._softmax.default)
+        softmax = target in (aten.softmax.int, aten._softmax.default)
+        keep = softmax or (len(args) > 2 and args[2])
         return s if keep else "a reduction that drops dims"
     return f"no rule for {target}"
 

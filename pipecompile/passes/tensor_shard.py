@@ -299,8 +299,9 @@ def _local_sizes(node: fx.Node, args: tuple, split: Mapping[str, int], T: int) -
             raise AssertionError(f"{node.name}: a symbolic size on the split dim")
         return (args[0], sizes, *args[2:])
     if target in SPLITS:
-        source = node_args(node)[0]
-        dim = (node_args(node)[2] if len(node_args(node)) > 2 else 0) % len(shape_of(source) or (0,))
+        given = node_args(node)
+        source = given[0]
+        dim = (given[2] if len(given) > 2 else 0) % len(shape_of(source) or (0,))
         if dim != split[source.name]:
             return args
         if target is aten.split.Tensor:
