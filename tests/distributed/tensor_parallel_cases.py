@@ -23,6 +23,15 @@ def gpt() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
     return model, (_ids(64, 1),), {}, _ids(64, 2), zoo.lm_loss
 
 
+def gpt4() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    """4 heads: attention splits over T = 4."""
+    from pipecompile import zoo
+
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab=64, dim=16, layers=2, heads=4, seq=SEQ).double()
+    return model, (_ids(64, 1),), {}, _ids(64, 2), zoo.lm_loss
+
+
 def llama() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
     """GQA: 4 query heads over 2 key/value heads."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -52,7 +61,7 @@ def _logits_loss(out, target):
                                              target.reshape(-1))
 
 
-MODELS = {"gpt": gpt, "llama": llama, "gpt2": gpt2}
+MODELS = {"gpt": gpt, "gpt4": gpt4, "llama": llama, "gpt2": gpt2}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -48,9 +48,10 @@ def tp2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp2_tp2(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("pp2_tp2"))
-    return directory, _ranks(4, PP2_TP2, directory=directory)
+    return directory, _ranks(4, PP2_TP2 + TP4, directory=directory)  # one 4-rank job
 
 
+TP4 = [("gpt4", 1, "1f1b")]
 DP2_TP2 = [("gpt", 1, "1f1b"), ("llama", 1, "gpipe")]
 PP2_TP2_DP2 = [("gpt", 2, "1f1b")]
 
@@ -93,6 +94,15 @@ def test_tp2_step_equals_the_unsplit_model(tp2, case):
 @pytest.mark.parametrize("case", PP2_TP2, ids=lambda c: "-".join(map(str, c)))
 def test_pp2_tp2_step_equals_the_unsplit_model(pp2_tp2, case):
     _check(pp2_tp2[1], case)
+
+
+def test_tp4_step_equals_the_unsplit_model_with_a_quarter_per_rank(pp2_tp2):
+    case = TP4[0]
+    _check(pp2_tp2[1], case)
+    sizes = pp2_tp2[1][0][case]["sizes"]
+    quarter = {n for n, (local, whole, _) in sizes.items() if local * 4 == whole}
+    assert {n for n in sizes if ".attn." in n or ".mlp." in n} - quarter == {
+        f"layers.{i}.{m}.bias" for i in range(2) for m in ("attn.proj", "mlp.proj")}
 
 
 @pytest.mark.parametrize("case", DP2_TP2, ids=lambda c: "-".join(map(str, c)))
