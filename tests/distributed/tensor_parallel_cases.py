@@ -1,5 +1,5 @@
-"""Functions run on every rank by tests/distributed/test_tensor_parallel.py: pipeline x tensor
-parallelism on gloo in float64, against the unsplit model on the same batch."""
+"""Functions run on every rank by tests/distributed/test_tensor_parallel_exact.py: pipeline x
+tensor parallelism on gloo in float64, against the unsplit model on the same batch."""
 
 from __future__ import annotations
 

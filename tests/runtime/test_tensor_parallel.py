@@ -1,6 +1,6 @@
 """runtime/tensor_parallel without processes: each rank's slice of a parameter (a fused
 projection sliced part by part) and the DTensor placement that describes it. The collectives
-run on gloo ranks in tests/distributed/test_tensor_parallel.py."""
+run on gloo ranks in tests/distributed/test_tensor_parallel_exact.py."""
 
 from __future__ import annotations
 
