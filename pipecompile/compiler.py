@@ -66,9 +66,11 @@ def compile(  # noqa: A001 - the public name of the design
     nor `data_parallel` given, the search chooses P x D = the ranks (and FSDP with
     `fsdp="auto"`; `devices=P` or a written schedule fixes P) by this machine's measured
     costs, and every rank passes the GLOBAL batch: replica r of D takes its rows
-    [r B/D, (r+1) B/D), the loss returned is the global batch's. `tensor_parallel=T` (an int,
-    or "auto" for the search to choose) shards each layer of a stage over T ranks; it is not
-    built yet, so only T = 1 is accepted.
+    [r B/D, (r+1) B/D), the loss returned is the global batch's. `tensor_parallel=T` splits
+    each stage's column/row-parallel matmul pairs over T consecutive ranks (devices=P,
+    data_parallel=D: P x D x T ranks under torchrun; every rank of a replica passes its
+    batch); what cannot be split exactly stays replicated (explain() says why).
+    `tensor_parallel="auto"` and T with a searched layout are not built yet.
 
     `cache` keeps what compiling measures or derives (this machine's rates, the planning probe,
     symbolic block costs), keyed by content: the process-wide `compile_cache.default_cache`

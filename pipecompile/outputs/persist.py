@@ -71,6 +71,13 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
     """Write the finished `plan` to `directory` (created if needed); returns plan.json's path."""
     program, options = plan.program, plan.resolved
     assert program is not None and plan.schedule is not None, "only a finished plan is saved"
+    if options.tensor_parallel > 1:
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"saving a plan with tensor_parallel={options.tensor_parallel} is not built yet; "
+            f"checkpoint the weights with torch.distributed.checkpoint (get_state_dict(pipe, "
+            f"opt), original names, DTensor shards) and compile again to resume")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     stages = [_write_stage(stage, program, out) for stage in program.stages]

@@ -55,9 +55,11 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
     devices, data_parallel, fsdp = (given.pop(name) for name in ("devices", "data_parallel",
                                                                 "fsdp"))
     tensor_parallel = given.pop("tensor_parallel")
-    if tensor_parallel != 1:
-        raise ConfigError(f"tensor_parallel={tensor_parallel!r}: tensor parallelism is not "
-                          f"built yet; leave tensor_parallel=1")
+    if tensor_parallel != 1 and (tensor_parallel == AUTO or request.layout.searched
+                                 or isinstance(devices, Cluster)):
+        raise ConfigError(f"tensor_parallel={tensor_parallel!r} with a searched layout or a "
+                          f"cluster is not built yet; give the layout (devices=P, "
+                          f"data_parallel=D, tensor_parallel=T) under torchrun")
     if isinstance(devices, (str, torch.device, DeviceSpec)):
         devices = [devices]
     microbatches, schedule, virtual_stages, checkpoint, memory_limit, bandwidth, timeout, \
@@ -65,6 +67,8 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
             "microbatches", "schedule", "virtual_stages", "checkpoint", "memory_limit",
             "bandwidth", "timeout", "split_points"))
     rest = {**given, "fsdp": fsdp}
+    if tensor_parallel != 1:
+        rest["tensor_parallel"] = tensor_parallel
     if world > 1 and request.layout.searched and not isinstance(devices, Cluster):
         names, ranks = ranks_options(world, devices, fsdp, example)
         return layout_resolved(example, names, ranks, microbatches, schedule, virtual_stages,

@@ -11,6 +11,9 @@
     simulate  the predicted timeline                                     -> plan.predicted
     agree     under torch.distributed: every rank planned the same       (checked)
     shard     fsdp=True: this rank's stages fully_shard-ed over "dp"      (updates program)
+    tensor    tensor_parallel=T: each of this rank's stages split over its T ranks
+              (passes/tensor_shard.py chooses and lowers, runtime/tensor_parallel.py
+              holds the DTensor parameters)                              (updates program)
 
 Each is `run(plan, example) -> (plan, summary) | None`; the order and contracts are the recipe's
 (planner/recipe.py). The mechanisms are those of capture/, passes/, measure/ and runtime/; the
@@ -54,7 +57,7 @@ from .stage_costs import (
 
 __all__ = ["capture_pass", "linearize_pass", "annotate_pass", "partition_pass", "calibrate_pass",
            "refine_pass", "split_pass", "threads_pass", "simulate_pass", "agree_pass",
-           "shard_pass"]
+           "shard_pass", "tensor_pass"]
 
 
 def _first_sizes(symbolic_sizes: str, example: Example) -> str:
@@ -195,6 +198,43 @@ def shard_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
         f"stages {list(own)} fully_shard-ed over {topology.data_parallel} data-parallel ranks "
         f"(mesh dp x pp = {topology.data_parallel} x {topology.pipeline_size}): "
         f"{local:,} parameter elements held here")
+
+
+def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
+    """tensor_parallel=T: this rank's stages lowered to their local shards (one all-reduce
+    per column/row pair), parameters DTensors over the "tp" mesh dimension."""
+    from ..passes.tensor_shard import choose, lower
+    from ..runtime.tensor_parallel import shard_stage_tensors, tensor_parallel_mesh
+    from ..schedule.messages import gradient_values
+
+    o = plan.resolved
+    topology = o.ranks.topology
+    if o.tensor_parallel == 1 or topology is None:
+        return None
+    program = plan.ready.program
+    own = o.ranks.own_stages(plan.ready.schedule)
+    if any(p.is_meta for s in own for p in program.stages[s].module.parameters()):
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"tensor_parallel={o.tensor_parallel} with a model on the meta device is not built "
+            f"yet (each rank would load its slice of every weight); build the model with its "
+            f"weights, or use tensor_parallel=1")
+    tied = frozenset(n for tie in program.ties for n in tie.names)
+    needs_grad = gradient_values(program)
+    plans = {s: choose(program.stages[s].module, o.tensor_parallel, exclude=tied,
+                       constant_inputs=frozenset(n for n in program.stages[s].inputs
+                                                 if n not in needs_grad))
+             for s in own}
+    mesh = tensor_parallel_mesh(topology, local_device())
+    program = shard_stage_tensors(program, own, plans, mesh, lower)
+    notes = "; ".join(f"stage {s}: {p.summary()}" for s, p in plans.items())
+    if not any(p.params for p in plans.values()):
+        notes += (f" -- nothing worth sharding: every rank of a tensor-parallel group computes "
+                  f"the whole stage (use tensor_parallel=1)")
+    return replace(plan, program=program), (
+        f"rank {topology.rank} is {topology.tp_index} of {o.tensor_parallel} tensor-parallel "
+        f"ranks; {notes}")
 
 
 def threads_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:

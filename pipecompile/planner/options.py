@@ -83,6 +83,7 @@ class CompileOptions:
     checkpoint: bool | tuple[bool, ...] = False  # all stages, or per stage once searched
     vertical_sync: bool = False
     data_parallel: int = 1
+    tensor_parallel: int = 1  # T ranks share each layer of a stage (runtime/tensor_parallel.py)
     timeout: float = 300.0
     verbose: bool = False  # capture: show torch's own output
     rng: str = "global"  # "per-microbatch": random streams from (seed, step, micro-batch, op)
@@ -143,16 +144,25 @@ def resolve_options(
         raise ConfigError(f"fsdp must be True, False or 'auto' (with data_parallel='auto' or a "
                           f"cluster), got {rest['fsdp']!r}")
     world = world_size()  # torchrun's ranks, read without joining: compile's "join" pass joins
+    T = rest.get("tensor_parallel", 1)
+    if world <= 1 and T > 1:
+        raise ConfigError(
+            f"tensor_parallel={T} runs one rank per shard: launch devices={count} x "
+            f"data_parallel={data_parallel} x tensor_parallel={T} = {count * data_parallel * T} "
+            f"ranks with torchrun (in one process, device threads cannot share a layer)")
     if world <= 1 and data_parallel > 1:
         raise ConfigError(
             f"data_parallel={data_parallel} needs torch.distributed: launch "
             f"{count * data_parallel} ranks with torchrun (or init a process group)")
     if world > 1:
-        if count * data_parallel != world:
+        if count * data_parallel * T != world:
+            tp = f" × tensor_parallel={T}" if T > 1 else ""
+            divides = "" if world % T == 0 else f" (tensor_parallel={T} does not divide them)"
             raise ConfigError(
-                f"the job has {world} ranks but devices={count} × data_parallel="
-                f"{data_parallel} = {count * data_parallel}; launch {count * data_parallel} "
-                f"ranks or change devices/data_parallel")
+                f"the job has {world} ranks{divides} but devices={count} × data_parallel="
+                f"{data_parallel}{tp} = {count * data_parallel * T}; launch "
+                f"{count * data_parallel * T} ranks or change devices/data_parallel"
+                + ("/tensor_parallel" if tp else ""))
         devices = [rank_device()] * count
         bandwidth = bandwidth or _RANK_BANDWIDTH
     name, given = _schedule_option(schedule)
@@ -171,6 +181,7 @@ def resolve_options(
         given_schedule=given, **rest)
     _check_fsdp(options)
     _check_async(options)
+    _check_tensor_parallel(options)
     if example is not None and example.batch < microbatches:
         raise ConfigError(
             f"the example batch has {example.batch} samples, fewer than microbatches="
@@ -291,6 +302,24 @@ def _check_async(options: CompileOptions) -> None:
     if options.data_parallel != 1:
         raise ConfigError(f"schedule={options.schedule!r} with data_parallel > 1 is not "
                           f"supported; use a synchronous schedule for data parallelism")
+
+
+def _check_tensor_parallel(options: CompileOptions) -> None:
+    """tensor_parallel=T > 1: built for pipeline x data x tensor parallelism with synchronous
+    schedules; what it is not yet built with is refused, saying so."""
+    if options.tensor_parallel == 1:
+        return
+    refused = {"fsdp=True": options.fsdp,
+               f"schedule={options.schedule!r}": options.asynchronous,
+               "compile_stages=True": options.compile_stages,
+               "checkpoint=True": options.checkpoint is not False}
+    for what, given in refused.items():
+        if given:
+            raise ConfigError(
+                f"tensor_parallel={options.tensor_parallel} with {what} is not built yet; use "
+                f"pipeline x data x tensor parallelism (devices=P, data_parallel=D, "
+                f"tensor_parallel=T: P x D x T ranks) with a synchronous schedule, or "
+                f"tensor_parallel=1")
 
 
 def _check_fsdp(options: CompileOptions) -> None:

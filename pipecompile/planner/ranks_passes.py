@@ -52,7 +52,8 @@ def join_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
     if o.ranks.distributed or world_size() <= 1:
         return None
     if not searched_here(o):  # the layout given: join as devices x data_parallel
-        given = topology_from_environment(len(o.devices), o.data_parallel, o.timeout)
+        given = topology_from_environment(len(o.devices), o.data_parallel, o.timeout,
+                                          o.tensor_parallel)
         if given is None:
             from ..errors import ConfigError
 
@@ -60,7 +61,8 @@ def join_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
                               f"process is not one of them; launch it with torchrun")
         return replace(plan, resolved=replace(o, ranks=Ranks(given))), (
             f"rank {given.rank} of {given.world_size} joined ({len(o.devices)} pipeline "
-            f"devices x {o.data_parallel} replicas)")
+            f"devices x {o.data_parallel} replicas"
+            + (f" x {o.tensor_parallel} tensor-parallel" if o.tensor_parallel > 1 else "") + ")")
     world = len(o.devices)
     topology = topology_from_environment(world, 1, o.timeout)
     if topology is None:  # the group went away between validation and now

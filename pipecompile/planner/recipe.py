@@ -12,7 +12,8 @@
               chosen P x D (ranks_passes.py)                                 (updates resolved)
     schedule  the action lists per device and peak in-flight counts      -> plan.schedule
     linearize, annotate, partition, calibrate, refine, split, threads, simulate, plan check,
-    shard     the model cut, costed, split and predicted (model_passes.py)
+    shard, tensor  the model cut, costed, split and predicted; sharded over the replicas
+              (fsdp) and the tensor-parallel ranks (model_passes.py)
 
 Each pass is a `Pass` (plan.py) that declares the plan fields it requires, produces and
 updates; `run_passes` checks them. `plan_for` is what `pipecompile.compile` runs for one
@@ -33,6 +34,7 @@ from .model_passes import (
     refine_pass,
     shard_pass,
     simulate_pass,
+    tensor_pass,
     split_pass,
     threads_pass,
 )
@@ -71,6 +73,8 @@ PASSES: tuple[Pass, ...] = (  # the recipe: in this order, each with its contrac
          produces=("cores", "predicted")),
     Pass("plan check", agree_pass, requires=("program", "schedule", "choices")),
     Pass("shard", shard_pass, requires=("program", "schedule", "choices"), updates=("program",)),
+    Pass("tensor", tensor_pass, requires=("program", "schedule", "choices"),
+         updates=("program",)),
 )
 
 

@@ -218,7 +218,7 @@ class Runtime:
             raise ConfigError(
                 f"schedule={self.schedule.name!r} updates the weights during the step, so there "
                 f"are no step gradients to clip afterwards; use a synchronous schedule")
-        return clip_grad_norm(counted_parameters(self.program, self.own_stages),
+        return clip_grad_norm(self.counted_parameters(),
                               self.parameters, max_norm, norm_type,
                               device=self.wiring.devices[self.own_stages[0]],
                               group=self.norm_group, error_if_nonfinite=error_if_nonfinite)
@@ -232,6 +232,10 @@ class Runtime:
     def norm_group(self) -> Any:
         """The process group a global gradient norm is reduced over (None: this process)."""
         return None
+
+    def counted_parameters(self) -> list[torch.Tensor]:
+        """The parameters whose gradients this process counts in a global norm."""
+        return counted_parameters(self.program, self.own_stages)
 
     @contextlib.contextmanager
     def _scaled_loss(self, loss_scale: float | None, num_items: Any = None) -> Iterator[None]:
@@ -310,8 +314,11 @@ class DistributedRuntime(Runtime):
         topology = spec.topology
         assert topology is not None, "a distributed runtime runs one rank of a topology"
         own = topology.own_stages(schedule)
-        in_backward = spec.fsdp or (spec.data_parallel > 1 and reduces_in_backward(
-            schedule, any(s in spec.checkpoint for s in own), spec.compile_stages))
+        # DDP's reducer is for plain tensors: tensor-parallel stages (DTensor parameters)
+        # reduce their replicas' gradients after the step
+        in_backward = spec.fsdp or (
+            spec.data_parallel > 1 and topology.tensor_parallel == 1 and reduces_in_backward(
+                schedule, any(s in spec.checkpoint for s in own), spec.compile_stages))
         self.sync = GradientSync(topology, program, schedule, own,
                                  sharded=spec.fsdp, replicas_reduced=in_backward)
 
@@ -350,12 +357,24 @@ class DistributedRuntime(Runtime):
         return reduce
 
     def mean_loss(self, losses: list[torch.Tensor], *, summed: bool = False) -> torch.Tensor:
-        return reduce_mean_loss(losses, self.wiring.devices[self.own_stages[0]], summed=summed)
+        return reduce_mean_loss(losses, self.wiring.devices[self.own_stages[0]], summed=summed,
+                                counts=self.topology.tp_index == 0)
 
     @property
     def norm_group(self) -> Any:
         # sharded gradients differ between replicas: the norm sums every rank's shards
-        return dist.group.WORLD if self.sync.sharded else self.sync.replica_group
+        if self.sync.sharded:
+            return dist.group.WORLD
+        return self.sync.replica_ranks_group
+
+    def counted_parameters(self) -> list[torch.Tensor]:
+        """Tensor parallelism: a split parameter's shard counts on every rank of its group, a
+        whole (replicated) one on the group's first rank only."""
+        counted = super().counted_parameters()
+        if self.topology.tensor_parallel == 1 or self.topology.tp_index == 0:
+            return counted
+        return [p for p in counted if not all(
+            pl.is_replicate() for pl in getattr(p, "placements", ()))]
 
     def forward(self, args: tuple, kwargs: dict) -> Any:
         """Forward only across the ranks of this replica; every rank gets the outputs."""

@@ -42,23 +42,34 @@ __all__ = ["Topology", "world_size", "rank_device", "topology_from_environment",
 
 @dataclass(frozen=True)
 class Topology:
-    """This rank's place in the data-parallel × pipeline grid."""
+    """This rank's place in the data-parallel × pipeline × tensor-parallel grid:
+    rank = (replica * P + position) * T + index (a tensor-parallel group's T ranks
+    consecutive, inside a node)."""
 
     rank: int
     world_size: int
     pipeline_size: int  # P: ranks per pipeline
     data_parallel: int  # D: replicas
+    tensor_parallel: int = 1  # T: ranks sharing each layer of a stage
 
     @property
     def position(self) -> int:
-        return self.rank % self.pipeline_size
+        return (self.rank // self.tensor_parallel) % self.pipeline_size
 
     @property
     def replica(self) -> int:
-        return self.rank // self.pipeline_size
+        return self.rank // (self.tensor_parallel * self.pipeline_size)
 
-    def rank_of(self, position: int, replica: int | None = None) -> int:
-        return (self.replica if replica is None else replica) * self.pipeline_size + position
+    @property
+    def tp_index(self) -> int:
+        """This rank's place in its tensor-parallel group."""
+        return self.rank % self.tensor_parallel
+
+    def rank_of(self, position: int, replica: int | None = None,
+                tp_index: int | None = None) -> int:
+        replica = self.replica if replica is None else replica
+        index = self.tp_index if tp_index is None else tp_index
+        return (replica * self.pipeline_size + position) * self.tensor_parallel + index
 
     def own_stages(self, schedule: Schedule) -> tuple[int, ...]:
         """The stages this rank runs: those `schedule` puts on its pipeline position."""
@@ -88,7 +99,7 @@ def rank_device() -> str:
 
 
 def topology_from_environment(pipeline_size: int, data_parallel: int,
-                              timeout: float) -> Topology | None:
+                              timeout: float, tensor_parallel: int = 1) -> Topology | None:
     """The topology if this process is one rank of several (initialising the process group
     from torchrun's environment if needed); None for a single process."""
     if not dist.is_available():
@@ -105,13 +116,15 @@ def topology_from_environment(pipeline_size: int, data_parallel: int,
     world = dist.get_world_size()
     if world == 1:
         return None
-    if world != pipeline_size * data_parallel:
+    need = pipeline_size * data_parallel * tensor_parallel
+    if world != need:
+        tp = f" × tensor_parallel={tensor_parallel}" if tensor_parallel > 1 else ""
         raise ConfigError(
             f"the process group has {world} ranks but devices={pipeline_size} × "
-            f"data_parallel={data_parallel} = {pipeline_size * data_parallel}; launch "
-            f"{pipeline_size * data_parallel} ranks or change devices/data_parallel"
+            f"data_parallel={data_parallel}{tp} = {need}; launch {need} ranks or change "
+            f"devices/data_parallel" + ("/tensor_parallel" if tp else "")
         )
-    return Topology(dist.get_rank(), world, pipeline_size, data_parallel)
+    return Topology(dist.get_rank(), world, pipeline_size, data_parallel, tensor_parallel)
 
 
 def local_device() -> torch.device:
@@ -163,28 +176,40 @@ class GradientSync:
         # torch's hooks reduced the replicas' gradients during backward (FSDP, DDP's reducer)
         self.replicas_reduced = replicas_reduced
         position = schedule.stage_to_device
-        P, D = topology.pipeline_size, topology.data_parallel
-        # Every rank must create every group, in the same order.
+        P, D, T = topology.pipeline_size, topology.data_parallel, topology.tensor_parallel
+        # Every rank must create every group, in the same order (one per tensor-parallel
+        # index: the pipeline's messages and the replicas' reductions stay within it).
         self.replica_group = None
         for d in range(D):
-            group = dist.new_group([topology.rank_of(p, d) for p in range(P)])
-            if d == topology.replica:
-                self.replica_group = group
+            for t in range(T):
+                group = dist.new_group([topology.rank_of(p, d, t) for p in range(P)])
+                if d == topology.replica and t == topology.tp_index:
+                    self.replica_group = group
+        # the whole replica, every tensor-parallel index: a norm over split gradients
+        self.replica_ranks_group = self.replica_group
+        if T > 1:
+            for d in range(D):
+                group = dist.new_group([topology.rank_of(p, d, t) for p in range(P)
+                                        for t in range(T)])
+                if d == topology.replica:
+                    self.replica_ranks_group = group
         self.dp_group = None
         if D > 1:
             for p in range(P):
-                group = dist.new_group([topology.rank_of(p, d) for d in range(D)])
-                if p == topology.position:
-                    self.dp_group = group
+                for t in range(T):
+                    group = dist.new_group([topology.rank_of(p, d, t) for d in range(D)])
+                    if p == topology.position and t == topology.tp_index:
+                        self.dp_group = group
         self.ties: list[tuple[Any, torch.Tensor]] = []  # (group, this rank's copy)
         own = set(own_stages)
         for tie in program.ties:
             positions = sorted({position[stage] for stage, _ in tie.copies})
             if len(positions) < 2:
                 continue
-            for d in range(D):
-                group = dist.new_group([topology.rank_of(p, d) for p in positions])
-                if d == topology.replica and topology.position in positions:
+            for d, t in [(d, t) for d in range(D) for t in range(T)]:
+                group = dist.new_group([topology.rank_of(p, d, t) for p in positions])
+                if (d, t) == (topology.replica, topology.tp_index) and \
+                        topology.position in positions:
                     copy = program.held_copies(tie.names[0], own)[0]
                     self.ties.append((group, copy))
 
@@ -201,7 +226,7 @@ class GradientSync:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+            grads.append(local_tensor(p.grad))  # tensor-parallel: this rank's shard
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -213,11 +238,12 @@ class GradientSync:
 
 
 def reduce_mean_loss(losses: Sequence[torch.Tensor], device: torch.device, *,
-                     summed: bool = False) -> torch.Tensor:
+                     summed: bool = False, counts: bool = True) -> torch.Tensor:
     """Mean (or with `summed`, sum) of every replica's micro-batch losses, on every rank (only
-    last stages have any)."""
+    last stages have any; `counts` False: this rank's copy is another tensor-parallel
+    rank's, counted there)."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    if losses:
+    if losses and counts:
         total[0] = sum(float(l) for l in losses)
         total[1] = len(losses)
     dist.all_reduce(total)

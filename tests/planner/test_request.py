@@ -77,7 +77,7 @@ def test_the_recipe_resolves_into_plan_resolved_and_keeps_what_was_asked():
     assert [p.name for p in PASSES] == [
         "join", "capture", "probe", "search", "ranks", "schedule", "linearize", "annotate",
         "partition", "calibrate", "refine", "split", "threads", "simulate", "plan check",
-        "shard"]
+        "shard", "tensor"]
     assert not any("asked" in (*p.produces, *p.updates) for p in PASSES)
     assert [p.name for p in PASSES if "resolved" in p.updates] == ["join", "search", "ranks"]
     request = Request.of(devices=["cpu", "cpu"], microbatches=2, cache=CompileCache())

@@ -36,3 +36,14 @@ def test_forward_only_keeps_the_first_microbatches_forwards_in_order():
         expected = [a for a in row if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F)
                     and a.microbatch is not None and a.microbatch < 2]
         assert list(kept) == expected and expected
+
+
+def test_tensor_parallel_ranks_are_consecutive_inside_the_grid():
+    """P=2, D=2, T=2: rank = (replica * P + position) * T + index."""
+    places = [(t.position, t.replica, t.tp_index)
+              for t in (Topology(r, 8, 2, 2, tensor_parallel=2) for r in range(8))]
+    assert places == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1),
+                      (0, 1, 0), (0, 1, 1), (1, 1, 0), (1, 1, 1)]
+    t = Topology(3, 8, 2, 2, tensor_parallel=2)  # position 1, replica 0, index 1
+    assert t.rank_of(0) == 1  # its pipeline peer has the same tensor-parallel index
+    assert t.rank_of(1, replica=1) == 7 and t.rank_of(0, 1, 0) == 4

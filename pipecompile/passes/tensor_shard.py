@@ -1,0 +1,311 @@
+"""Tensor parallelism as a graph pass: choose each parameter's placement over T ranks from a
+stage's captured ATen graph (`choose`), then rewrite the graph into what each rank runs
+(`lower`): local shards plus Megatron's two collectives.
+
+    choose(gm, T)  -> ShardPlan   column/row pairs found by propagating "this value is split
+                                  along dim d" from every matmul with a parameter weight
+    lower(gm, plan, copy=f, reduce=g, local=to_local) -> fx.GraphModule (the rank's graph)
+
+A column-parallel matmul (linear's W[out, in] split on out; GPT-2's Conv1D addmm W[in, out]
+split on out) makes its output split along its last dim. The split is followed through ops
+whose rule is known (elementwise, views into heads, transposes, attention over heads, GQA's
+expand of kv heads, a fused projection's split into its parts) until a row-parallel matmul
+reduces that dim (its W split on in). Any value of the region that reaches an op without a
+rule, a graph output, a shape that T does not divide (heads, kv heads), or mixes with a
+parameter-derived replicated value (its gradient would be partial) removes the columns it came
+from: those layers stay REPLICATED (never wrong), and the plan says why in `notes`.
+
+A fused projection (qkv in one weight, gate/up) is split part by part: rank r holds the r-th
+slice of each part, concatenated, so that its local split gives its q, k and v heads.
+
+Lowering (Megatron-LM, Shoeybi et al. 2019): `copy` (identity forward, all-reduce backward)
+on a column's input, `reduce` (all-reduce forward, identity backward) on a row's output before
+its bias; view/expand/split sizes of the split dim divided by T. Collectives are handed in as
+callables: this module imports no process group. The per-op rules are passes/tensor_rules.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+__all__ = ["Placement", "ShardPlan", "choose", "lower"]
+
+from .tensor_rules import SPLITS, VIEWS, State, node_args, rule, shape_of
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One parameter's split over T ranks: along `dim`, `parts` its fused parts' sizes (one
+    part: a plain split); `role` says why ("column", "row", "column bias")."""
+
+    dim: int
+    parts: tuple[int, ...]
+    role: str
+
+    def __repr__(self) -> str:
+        fused = f", parts={list(self.parts)}" if len(self.parts) > 1 else ""
+        return f"Placement({self.role}, dim={self.dim}{fused})"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What `choose` decided for one stage graph at degree T."""
+
+    degree: int
+    params: Mapping[str, Placement]  # parameter name (get_attr target) -> split; others whole
+    columns: tuple[str, ...] = ()  # matmul nodes split on their output features
+    rows: tuple[str, ...] = ()  # matmul nodes split on their input features (reduce after)
+    split: Mapping[str, int] = field(default_factory=dict)  # region node -> its split dim
+    notes: tuple[str, ...] = ()  # layers left replicated, and why
+
+    def summary(self) -> str:
+        pairs = len(self.rows)
+        if not self.params:
+            return (f"nothing to shard at T={self.degree}: every parameter replicated"
+                    + (f" ({'; '.join(self.notes)})" if self.notes else ""))
+        return (f"{len(self.columns)} column- and {pairs} row-parallel matmuls, "
+                f"{len(self.params)} parameters split over {self.degree}"
+                + (f"; replicated: {'; '.join(self.notes)}" if self.notes else ""))
+
+
+class _Refused(Exception):
+    def __init__(self, node: fx.Node, origins: frozenset[str], why: str):
+        super().__init__(why)
+        self.node, self.origins, self.why = node, origins, why
+
+
+def _matmul(node: fx.Node, params: Mapping[str, torch.nn.Parameter]
+            ) -> tuple[fx.Node, str, int, str | None] | None:
+    """(input, weight name, the weight's output-features dim, bias name) of a matmul whose
+    weight is a 2-D parameter."""
+    def param(arg: Any) -> str | None:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr" and arg.target in params:
+            return str(arg.target)
+        return None
+
+    if node.op != "call_function":
+        return None
+    if node.target is aten.linear.default:
+        x, w, b = (list(node_args(node)) + [None])[:3]
+        out, bias = 0, param(b) if b is not None else None
+        if b is not None and bias is None:
+            return None
+    elif node.target is aten.addmm.default and not node.kwargs:
+        b, x, w = node_args(node)[:3]
+        out, bias = 1, param(b)
+        if bias is None:
+            return None
+    elif node.target is aten.mm.default:
+        x, w = node_args(node)[:2]
+        out, bias = 1, None
+    else:
+        return None
+    weight = param(w)
+    if weight is None or params[weight].dim() != 2 or not isinstance(x, fx.Node):
+        return None
+    return x, weight, out, bias
+
+
+def _carries_grad(gm: fx.GraphModule, params: Mapping[str, Any],
+                  constant: frozenset[str]) -> set[fx.Node]:
+    """Nodes whose value depends on a parameter or a floating-point stage input."""
+    marked: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            marked.add(node)
+        elif node.op == "placeholder" and node.target not in constant:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                marked.add(node)
+        elif any(i in marked for i in node.all_input_nodes):
+            marked.add(node)
+    return marked
+
+
+def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozenset(),
+           constant_inputs: frozenset[str] = frozenset()) -> ShardPlan:
+    """The placements of `gm`'s parameters over `degree` ranks (module docstring); parameters
+    in `exclude` (tied to another stage's copy) stay whole; `constant_inputs` are stage inputs
+    that need no gradient (a floating-point input otherwise counts as carrying one)."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    reads: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            reads[node.target] = reads.get(node.target, 0) + len(node.users)
+    ids: dict[int, int] = {}
+    for p in params.values():
+        ids[id(p)] = ids.get(id(p), 0) + 1
+    exclusive = {n for n, p in params.items()
+                 if reads.get(n) == 1 and ids[id(p)] == 1 and n not in exclude}
+    matmuls = {}
+    for node in gm.graph.nodes:
+        found = _matmul(node, params)
+        if found is not None and found[1] in exclusive and (found[3] is None
+                                                            or found[3] in exclusive):
+            matmuls[node.name] = found
+    grads = _carries_grad(gm, params, constant_inputs)
+    columns = {name for name, (_, w, out, _) in matmuls.items()
+               if params[w].shape[out] % degree == 0}
+    parts: dict[str, tuple[int, ...]] = {}
+    notes: list[str] = []
+    while True:
+        try:
+            split, rows = _propagate(gm, degree, matmuls, columns, parts, grads, params)
+            break
+        except _Refused as refused:
+            if refused.why.startswith("fused:") and not _fused(refused.why).items() <= \
+                    parts.items():
+                parts.update(_fused(refused.why))
+                continue
+            columns -= refused.origins
+            notes.append(f"{_where(gm, refused.origins, matmuls)}: {refused.why} at "
+                         f"{refused.node.name}")
+    used = {c for c in columns if any(c in s.origins for s in split.values())}
+    placements: dict[str, Placement] = {}
+    for name in sorted(used):
+        _, weight, out, bias = matmuls[name]
+        size = params[weight].shape[out]
+        fused = parts.get(name, (int(size),))
+        placements[weight] = Placement(out, fused, "column")
+        if bias is not None:
+            placements[bias] = Placement(0, fused, "column bias")
+    for name in rows:
+        _, weight, out, _ = matmuls[name]
+        placements[weight] = Placement(1 - out, (params[weight].shape[1 - out],), "row")
+    return ShardPlan(degree, placements, tuple(sorted(used)), tuple(rows),
+                     {n: s.dim for n, s in split.items()}, tuple(notes))
+
+
+def _fused(why: str) -> dict[str, tuple[int, ...]]:
+    _, column, sizes = why.split(":")
+    return {column: tuple(int(s) for s in sizes.split(","))}
+
+
+def _where(gm: fx.GraphModule, origins: frozenset[str], matmuls: Mapping[str, Any]) -> str:
+    names = sorted(matmuls[o][1].rsplit(".", 1)[0] for o in origins if o in matmuls)
+    return ", ".join(names) or "a layer"
+
+
+def _propagate(gm: fx.GraphModule, degree: int, matmuls: Mapping[str, Any],
+               columns: set[str], parts: Mapping[str, tuple[int, ...]], grads: set[fx.Node],
+               params: Mapping[str, Any]) -> tuple[dict[str, State], list[str]]:
+    """Follow the split from every column through the graph, in order; raise `_Refused` at
+    the first node that cannot take it."""
+    state: dict[fx.Node, State] = {}
+    rows: list[str] = []
+    for node in gm.graph.nodes:
+        split_in = {i: state[i] for i in node.all_input_nodes if i in state}
+        origins = frozenset().union(*(s.origins for s in split_in.values())) if split_in \
+            else frozenset()
+        if node.name in matmuls and (node.name in columns or split_in):
+            x, weight, out, _ = matmuls[node.name]
+            if node.name in columns and not split_in:
+                size = params[weight].shape[out]
+                state[node] = State(len(shape_of(node) or ()) - 1, parts.get(node.name, (size,)),
+                                     frozenset({node.name}))
+                continue
+            s = state.get(x)
+            rank = len(shape_of(x) or ())
+            if (s is None or s.dim != rank - 1 or len(s.parts) > 1
+                    or set(split_in) != {x} or params[weight].shape[1 - out] % degree):
+                raise _Refused(node, origins, "a matmul reads the split value other than "
+                                              "along its input features")
+            rows.append(node.name)
+            continue
+        if not split_in:
+            continue
+        if node.op == "output":
+            raise _Refused(node, origins, "a split value leaves the stage")
+        result = rule(node, split_in, degree, grads)
+        if isinstance(result, str):
+            raise _Refused(node, origins, result)
+        state[node] = result
+    return {n.name: s for n, s in state.items()}, rows
+
+
+def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callable,
+          local: Callable | None = None) -> fx.GraphModule:
+    """The graph rank r runs for `plan` (module docstring); the parameters stay `gm`'s
+    (the caller replaces them by their local slices). `local`, if given, wraps every
+    parameter read (a DTensor parameter's local tensor)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    T = plan.degree
+    copied: dict[fx.Node, fx.Node] = {}
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    split = plan.split
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in params and local is not None:
+            got = graph.get_attr(node.target)
+            got.meta = dict(node.meta)
+            env[node] = graph.call_function(local, (got,))
+            env[node].meta = dict(node.meta)
+            continue
+        args = fx.map_arg(node_args(node), lambda n: env[n])
+        kwargs = fx.map_arg(node.kwargs, lambda n: env[n])
+        if node.name in plan.columns:
+            x = node_args(node)[0] if node.target is aten.linear.default or \
+                node.target is aten.mm.default else node_args(node)[1]
+            if x not in copied:
+                copied[x] = graph.call_function(copy, (env[x],))
+            at = 0 if node.target is not aten.addmm.default else 1
+            args = (*args[:at], copied[x], *args[at + 1:])
+        if node.name in plan.rows:
+            env[node] = _row(graph, node, args, reduce)
+            continue
+        if node.name in split or (node.op == "call_function" and node.target in SPLITS
+                                  and node_args(node)[0].name in split):
+            args = _local_sizes(node, args, split, T)
+        new = graph.node_copy(node, lambda n: env[n])
+        new.args, new.kwargs = args, kwargs
+        env[node] = new
+    lowered = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    return lowered
+
+
+def _row(graph: fx.Graph, node: fx.Node, args: tuple, reduce: Callable) -> fx.Node:
+    """A row-parallel matmul: the local product, all-reduced, then the bias (added once)."""
+    if node.target is aten.addmm.default:
+        bias, x, w = args[:3]
+        y = graph.call_function(aten.mm.default, (x, w))
+    elif node.target is aten.mm.default:
+        bias, (x, w) = None, args[:2]
+        y = graph.call_function(aten.mm.default, (x, w))
+    else:
+        x, w, bias = (list(args) + [None])[:3]
+        y = graph.call_function(aten.linear.default, (x, w))
+    y = graph.call_function(reduce, (y,))
+    if bias is not None:
+        y = graph.call_function(aten.add.Tensor, (y, bias))
+    y.meta = dict(node.meta)
+    return y
+
+
+def _local_sizes(node: fx.Node, args: tuple, split: Mapping[str, int], T: int) -> tuple:
+    """The size arguments of a region op at one rank: the split dim's size divided by T."""
+    target = node.target
+    if target in VIEWS or target is aten.expand.default:
+        sizes = list(args[1])
+        k = split[node.name]
+        if isinstance(sizes[k], int) and sizes[k] != -1:
+            sizes[k] = sizes[k] // T
+        elif isinstance(sizes[k], fx.Node):
+            raise AssertionError(f"{node.name}: a symbolic size on the split dim")
+        return (args[0], sizes, *args[2:])
+    if target in SPLITS:
+        given = node_args(node)
+        source = given[0]
+        dim = (given[2] if len(given) > 2 else 0) % len(shape_of(source) or (0,))
+        if dim != split[source.name]:
+            return args
+        if target is aten.split.Tensor:
+            return (args[0], args[1] // T, *args[2:])
+        if target is aten.split_with_sizes.default:
+            return (args[0], [p // T for p in args[1]], *args[2:])
+    return args

@@ -1,0 +1,146 @@
+"""Tensor parallelism at run time: the group of T consecutive ranks, Megatron's two
+collectives as autograd functions, and this rank's stages turned into what it runs.
+
+    tensor_parallel_mesh(topology, device)        -> the 1-D DeviceMesh "tp" of this rank
+    shard_stage_tensors(program, own, plans, mesh) -> program whose own stages run the
+                                                     lowered graphs (passes/tensor_shard.py)
+                                                     on DTensor parameters
+
+Each parameter of a sharded stage becomes a `DTensor` over "tp" (torch's own TP and FSDP2
+give the same): `Shard(d)` for a split one (`_StridedShard` for a fused projection, whose
+`full_tensor()` is still the unsplit weight), `Replicate()` for the rest. The lowered graph
+reads each parameter's local tensor (`to_local`, differentiable: the gradient comes back as a
+DTensor of the same placement), so the optimizer, `state_dict()` and `clip_grad_norm_` see
+DTensors while the graph runs plain local ops plus two collectives:
+
+    copy    identity forward, all-reduce of the gradient backward (a column's input)
+    reduce  all-reduce forward, identity backward (a row's output, before its bias)
+
+One all-reduce per column/row pair forward and one backward, as Megatron-LM (Shoeybi et al.
+2019). Stage boundaries stay whole (replicated): the pipeline's messages are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ..passes.tensor_shard import Placement, ShardPlan
+    from ..ir.records import StagedProgram
+    from .distributed import Topology
+
+__all__ = ["tensor_parallel_mesh", "collectives", "shard_stage_tensors", "placement_of",
+           "local_slice", "to_local"]
+
+# the graph pass that lowers a stage for its plan (passes/tensor_shard.lower), handed in by
+# the planner: runtime/ imports no pass
+Lower = Callable[..., torch.fx.GraphModule]
+
+
+def tensor_parallel_mesh(topology: "Topology", device: torch.device) -> Any:
+    """The "tp" dimension of the (P x D, T) mesh of `topology` (rank = group * T + index):
+    this rank's T consecutive ranks. Collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    T = topology.tensor_parallel
+    mesh = init_device_mesh(device.type, (topology.world_size // T, T),
+                            mesh_dim_names=("pp_dp", "tp"))
+    return mesh["tp"]
+
+
+def collectives(group: Any) -> tuple[Callable, Callable]:
+    """(copy, reduce) over `group` (module docstring), as plain functions a graph can call."""
+
+    class _Copy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=group)
+            return grad
+
+    class _Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            x = x.contiguous()
+            dist.all_reduce(x, group=group)
+            return x
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad
+
+    def tp_copy(x: torch.Tensor) -> torch.Tensor:
+        return _Copy.apply(x)
+
+    def tp_reduce(x: torch.Tensor) -> torch.Tensor:
+        return _Reduce.apply(x)
+
+    return tp_copy, tp_reduce
+
+
+def to_local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local tensor (differentiable), any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_slice(value: torch.Tensor, placement: "Placement", degree: int, rank: int
+                ) -> torch.Tensor:
+    """Rank `rank`'s slice of a parameter: of each fused part its r-th 1/T, concatenated
+    (one part: the r-th 1/T along the split dim)."""
+    pieces = value.split(list(placement.parts), dim=placement.dim)
+    return torch.cat([p.chunk(degree, dim=placement.dim)[rank] for p in pieces],
+                     dim=placement.dim).contiguous()
+
+
+def placement_of(placement: "Placement | None") -> Any:
+    """The DTensor placement of a parameter's split (None: whole on every rank)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if placement is None:
+        return Replicate()
+    if len(placement.parts) > 1:
+        return _StridedShard(placement.dim, split_factor=len(placement.parts))
+    return Shard(placement.dim)
+
+
+def shard_stage_tensors(program: "StagedProgram", own: Sequence[int],
+                        plans: "Mapping[int, ShardPlan]", mesh: Any, lower: Lower
+                        ) -> "StagedProgram":
+    """`program` with each stage of `own` lowered for its plan (by `lower`) and its
+    parameters DTensors over `mesh` (1-D, "tp"): this rank's slice of each split one, the
+    whole of the rest."""
+    from torch.distributed.tensor import DTensor
+
+    T, rank = mesh.size(), mesh.get_local_rank()
+    copy, reduce = collectives(mesh.get_group())
+    stages = list(program.stages)
+    swapped: dict[int, torch.Tensor] = {}  # id(old parameter) -> its DTensor
+    for index in own:
+        stage, plan = program.stages[index], plans[index]
+        module = lower(stage.module, plan, copy=copy, reduce=reduce, local=to_local)
+        for name, param in list(module.named_parameters(remove_duplicate=False)):
+            if id(param) not in swapped:
+                placement = plan.params.get(name)
+                value = param.detach()
+                local = value if placement is None else local_slice(value, placement, T, rank)
+                swapped[id(param)] = torch.nn.Parameter(DTensor.from_local(
+                    local, mesh, [placement_of(placement)], run_check=False,
+                    shape=value.shape, stride=value.stride()),
+                    requires_grad=param.requires_grad)
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, attr, swapped[id(param)])
+        stages[index] = replace(stage, module=module)
+    tensors = {name: tuple((s, swapped.get(id(t), t)) for s, t in copies)
+               for name, copies in program.tensors.items()}
+    return replace(program, stages=tuple(stages), tensors=tensors)

@@ -1,0 +1,159 @@
+"""Functions run on every rank by tests/distributed/test_tensor_parallel_exact.py: pipeline x
+tensor parallelism on gloo in float64, against the unsplit model on the same batch."""
+
+from __future__ import annotations
+
+import torch
+
+import pipecompile as pc
+from pipecompile.ir.tensors import local_tensor
+
+BATCH, SEQ = 4, 8
+
+
+def _ids(vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def gpt() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    from pipecompile import zoo
+
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab=64, dim=16, layers=2, heads=2, seq=SEQ).double()
+    return model, (_ids(64, 1),), {}, _ids(64, 2), zoo.lm_loss
+
+
+def gpt4() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    """4 heads: attention splits over T = 4."""
+    from pipecompile import zoo
+
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab=64, dim=16, layers=2, heads=4, seq=SEQ).double()
+    return model, (_ids(64, 1),), {}, _ids(64, 2), zoo.lm_loss
+
+
+def llama() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    """GQA: 4 query heads over 2 key/value heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=32, vocab_size=64,
+                      max_position_embeddings=16, use_cache=False, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).double()
+    return model, (_ids(64, 1),), {}, _ids(64, 2), _logits_loss
+
+
+def gpt2() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    """GPT-2: fused c_attn (Conv1D [h, 3h]), tied embeddings."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
+                     use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).double(), (_ids(64, 1),), {}, _ids(64, 2), _logits_loss
+
+
+def _logits_loss(out, target):
+    logits = out.logits if hasattr(out, "logits") else out
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             target.reshape(-1))
+
+
+MODELS = {"gpt": gpt, "gpt4": gpt4, "llama": llama, "gpt2": gpt2}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _comm_counts(pipe, args) -> dict:
+    """Collectives of the first stage's graph alone (TP only: the whole model), forward, then
+    forward and backward, counted by torch's CommDebugMode."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    module = pipe.runtime.workers[0].module
+    with torch.no_grad(), CommDebugMode() as forward:
+        module(*args)
+    with CommDebugMode() as both:
+        sum(o.sum() for o in module(*args) if o.is_floating_point()).backward()
+    pipe.zero_grad(set_to_none=True)
+    return {"forward": {str(k): v for k, v in forward.get_comm_counts().items()},
+            "both": {str(k): v for k, v in both.get_comm_counts().items()}}
+
+
+def _checkpoint(pipe, opt, directory: str) -> dict:
+    """DCP checkpoint of model and optimizer (DTensor shards, original keys); what
+    `pipe.save` says."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from pipecompile.errors import ConfigError
+    from tests.distributed.checkpoint_cases import OPTIONS
+
+    model_sd, optim_sd = get_state_dict(pipe, opt, options=OPTIONS)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    try:
+        pipe.save(os.path.join(directory, "plan"))
+        refused = None
+    except ConfigError as exc:
+        refused = str(exc)
+    return {"keys": sorted(model_sd), "save": refused}
+
+
+def run_cases(rank: int, cases: list[tuple[str, int, str]], replicas: int = 1,
+              directory: str | None = None) -> dict:
+    """Each case (model, pipeline devices P, schedule) on P x D x T ranks (D = `replicas`,
+    each taking its 1/D of the batch's rows): one step's loss and full gradients, the local
+    and whole sizes of each parameter, the clipped norm, then the user's AdamW step and the
+    next step's loss. With `directory`, the first Llama case's model and optimizer after that
+    step go to a torch.distributed.checkpoint there, and `pipe.save` is tried (a fused
+    projection's `_StridedShard` is refused by DCP's planner: "overlapping chunks")."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    results = {}
+    for name, P, schedule in cases:
+        T = dist.get_world_size() // (P * replicas)
+        model, args, kwargs, target, loss_fn = MODELS[name]()
+        replica = rank // (P * T)
+        args = tuple(a.chunk(replicas)[replica] for a in args)
+        target = target.chunk(replicas)[replica]
+        pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=P,
+                          data_parallel=replicas, tensor_parallel=T, loss_fn=loss_fn,
+                          schedule=schedule, microbatches=2, timeout=300)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        comms = _comm_counts(pipe, args) if P == 1 and replicas == 1 else None
+        loss = pipe.step(*args, target=target, **kwargs)
+        grads = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()
+                 if p.grad is not None}
+        sizes = {n: (local_tensor(p).numel(), p.numel(), type(p).__name__)
+                 for n, p in pipe.named_parameters()}
+        values = {n: _full(p).detach().clone() for n, p in pipe.named_parameters()}
+        state = {k: _full(v).detach().clone() for k, v in pipe.state_dict().items()}
+        norm = pipe.clip_grad_norm_(1e9).item()
+        torch_norm = (_full(torch.nn.utils.clip_grad_norm_(pipe.parameters(), 1e9)).item()
+                      if P == 1 and replicas == 1 else None)
+        opt.step()
+        opt.zero_grad()
+        saved = None
+        if directory is not None and name == "llama" and not any(
+                r["saved"] for r in results.values()):
+            saved = _checkpoint(pipe, opt, directory)
+        loss2 = pipe.step(*args, target=target, **kwargs)
+        evaluated = pipe.eval_step(*args, target=target, **kwargs).item()
+        with torch.no_grad():  # this replica's rows: the global loss with one replica only
+            forward = loss_fn(pipe(*args, **kwargs), target).item() if replicas == 1 else None
+        results[(name, P, schedule)] = {
+            "loss": loss.item(), "grads": grads, "sizes": sizes, "values": values,
+            "state": state, "norm": norm, "torch_norm": torch_norm, "comms": comms,
+            "loss2": loss2.item(), "eval": evaluated, "forward": forward, "saved": saved,
+            "explain": pipe.explain(),
+            "dtensor": all(isinstance(p, DTensor) for p in pipe.parameters())}
+        dist.barrier()
+    return results

@@ -1,0 +1,59 @@
+"""tensor_parallel=T refused where it cannot run, before any process group is joined: one
+process (device threads cannot share a layer), a T that does not divide the ranks, and the
+combinations not built yet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipecompile as pc
+from pipecompile import zoo
+from pipecompile.errors import ConfigError
+
+
+def _gpt():
+    return zoo.GPT(vocab=32, dim=8, layers=2, heads=2, seq=4).double(), torch.randint(0, 32, (4, 4))
+
+
+def test_one_process_is_told_to_run_under_torchrun():
+    model, x = _gpt()
+    with pytest.raises(ConfigError, match=r"launch devices=2 x data_parallel=1 x "
+                                          r"tensor_parallel=2 = 4 ranks with torchrun"):
+        pc.compile(model, example_inputs=(x,), devices=2, tensor_parallel=2,
+                   loss_fn=zoo.lm_loss)
+
+
+def _torchrun(monkeypatch, world: int) -> None:
+    """torchrun's variables, as compile reads them before joining (nothing is joined)."""
+    for key, value in dict(RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT="1").items():
+        monkeypatch.setenv(key, value)
+
+
+def test_a_t_that_does_not_divide_the_ranks_names_both(monkeypatch):
+    _torchrun(monkeypatch, 4)
+    model, x = _gpt()
+    with pytest.raises(ConfigError, match=r"4 ranks \(tensor_parallel=3 does not divide "
+                                          r"them\).*tensor_parallel=3 = 3"):
+        pc.compile(model, example_inputs=(x,), devices=1, tensor_parallel=3,
+                   loss_fn=zoo.lm_loss)
+
+
+@pytest.mark.parametrize("options, what", [
+    (dict(data_parallel=2, fsdp=True), "fsdp=True"),
+    (dict(checkpoint=True), "checkpoint=True"),
+])
+def test_combinations_not_built_yet_are_refused(monkeypatch, options, what):
+    _torchrun(monkeypatch, 4 * options.get("data_parallel", 1))
+    model, x = _gpt()
+    with pytest.raises(ConfigError, match=f"tensor_parallel=2 with {what} is not built yet"):
+        pc.compile(model, example_inputs=(x,), devices=2, tensor_parallel=2,
+                   loss_fn=zoo.lm_loss, **options)
+
+
+def test_a_searched_layout_with_tensor_parallelism_is_refused(monkeypatch):
+    _torchrun(monkeypatch, 4)
+    model, x = _gpt()
+    with pytest.raises(ConfigError, match="searched layout or a cluster is not built yet"):
+        pc.compile(model, example_inputs=(x,), tensor_parallel="auto", loss_fn=zoo.lm_loss)

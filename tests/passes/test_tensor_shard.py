@@ -1,0 +1,192 @@
+"""passes/tensor_shard: the placements chosen from captured stage graphs, and the lowered
+graphs of T ranks (run in T threads with an in-memory all-reduce) computing the unsplit
+graph's outputs and gradients."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pipecompile as pc
+from pipecompile.passes.tensor_shard import choose, lower
+from pipecompile.runtime.tensor_parallel import local_slice
+from tests.distributed.tensor_parallel_cases import MODELS
+
+
+def _stage(model, args, loss_fn):
+    pipe = pc.compile(model, example_inputs=args, devices=["cpu"], loss_fn=loss_fn,
+                      microbatches=2)
+    return pipe.stages[0].module
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    out = {}
+    for name in ("gpt", "llama", "gpt2"):
+        model, args, _, _, loss_fn = MODELS[name]()
+        out[name] = (_stage(model, args, loss_fn), args)
+    return out
+
+
+class _Group:
+    """An all-reduce among T threads (summed in rank order)."""
+
+    def __init__(self, size: int):
+        self.slots: list = [None] * size
+        self.barrier = threading.Barrier(size, timeout=120)
+
+    def all_reduce(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = tensor.detach().clone()
+        self.barrier.wait()
+        total = sum(self.slots[1:], self.slots[0].clone())
+        self.barrier.wait()
+        return total
+
+
+def _collectives(group: _Group, rank: int):
+    class Copy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return group.all_reduce(rank, g)
+
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return group.all_reduce(rank, x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def tp_copy(x):
+        return Copy.apply(x)
+
+    def tp_reduce(x):
+        return Reduce.apply(x)
+
+    return tp_copy, tp_reduce
+
+
+def _run_ranks(gm, plan, inputs):
+    """Each rank's (outputs, {name: grad of its local parameter}) for the sum of the outputs."""
+    T = plan.degree
+    group, results = _Group(T), [None] * T
+
+    def work(rank):
+        try:
+            c, r = _collectives(group, rank)
+            module = lower(copy.deepcopy(gm), plan, copy=c, reduce=r)
+            for name, p in list(module.named_parameters()):
+                if name in plan.params:
+                    owner, _, attr = name.rpartition(".")
+                    setattr(module.get_submodule(owner), attr, nn.Parameter(
+                        local_slice(p.detach(), plan.params[name], T, rank)))
+            outs = module(*inputs)
+            sum(o.sum() for o in outs if o.is_floating_point()).backward()
+            results[rank] = (outs, {n: p.grad for n, p in module.named_parameters()})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            results[rank] = exc
+
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(T)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def _unsplit(local, placement, T):
+    """The whole gradient from the ranks' slices (each fused part reassembled)."""
+    pieces = [g.split([p // T for p in placement.parts], placement.dim) for g in local]
+    return torch.cat([torch.cat([pieces[r][i] for r in range(T)], placement.dim)
+                      for i in range(len(placement.parts))], placement.dim)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "gpt2"])
+def test_lowered_ranks_compute_the_unsplit_graph(graphs, name):
+    gm, args = graphs[name]
+    plan = choose(gm, 2)
+    assert plan.rows, plan.summary()
+    want_gm = copy.deepcopy(gm)
+    want = want_gm(*args)
+    sum(o.sum() for o in want if o.is_floating_point()).backward()
+    ranks = _run_ranks(gm, plan, args)
+    for outs, _ in ranks:
+        for got, ref in zip(outs, want):
+            assert (got - ref).abs().max().item() <= 1e-12 * max(ref.abs().max().item(), 1)
+    for pname, param in want_gm.named_parameters():
+        if param.grad is None:
+            continue
+        if pname in plan.params:
+            got = _unsplit([g[pname] for _, g in ranks], plan.params[pname], 2)
+        else:
+            got = ranks[0][1][pname]
+            assert torch.equal(got, ranks[1][1][pname]), pname  # replicated: identical
+        scale = param.grad.abs().max().item() or 1.0
+        assert (got - param.grad).abs().max().item() <= 1e-10 * scale, pname
+
+
+def test_gpt_placements_column_row_pairs_and_fused_qkv(graphs):
+    plan = choose(graphs["gpt"][0], 2)
+    p = plan.params
+    assert (p["layers.0.attn.qkv.weight"].dim, p["layers.0.attn.qkv.weight"].parts) == \
+        (0, (16, 16, 16))  # q, k and v split each, not the concatenation
+    assert p["layers.0.attn.proj.weight"].dim == 1 and p["layers.0.mlp.fc.weight"].dim == 0
+    assert p["layers.0.mlp.proj.weight"].role == "row"
+    assert "layers.0.attn.proj.bias" not in p  # a row's bias is added once, after the reduce
+    assert not any(n.startswith(("wte", "wpe", "lm_head", "ln_f")) for n in p)
+
+
+def test_gpt2_conv1d_splits_its_output_features(graphs):
+    p = choose(graphs["gpt2"][0], 2).params
+    attn = p["transformer.h.0.attn.c_attn.weight"]  # Conv1D: [in, out]
+    assert (attn.dim, attn.parts) == (1, (16, 16, 16))
+    assert p["transformer.h.0.attn.c_proj.weight"].dim == 0
+
+
+def test_heads_that_t_does_not_divide_stay_replicated_and_say_so(graphs):
+    """4 query heads over T=4 divide, 2 key/value heads do not: that attention replicated."""
+    plan = choose(graphs["llama"][0], 4)
+    assert not any("self_attn" in n for n in plan.params)
+    assert "model.layers.0.mlp.gate_proj.weight" in plan.params  # 32 features over 4
+    assert any("k_proj" in note and "does not divide by T=4" in note for note in plan.notes)
+
+
+def test_nothing_to_shard_says_so():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).double()
+    plan = choose(_stage(model, (torch.randn(4, 8, dtype=torch.float64),),
+                         lambda out, _: out.sum()), 2)
+    assert plan.params == {} and "nothing to shard at T=2" in plan.summary()
+
+
+def _view_node(heads: int):
+    """The view of (b, t, 16) features into (b, t, heads, 16 / heads), with its meta shapes."""
+    def f(x):
+        return x.view(2, 3, heads, 16 // heads)
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(f, tracing_mode="fake")(
+        torch.zeros(2, 3, 16))
+    (node,) = [n for n in graph.graph.nodes if n.op == "call_function"]
+    return node
+
+
+def test_a_view_into_heads_keeps_the_split_where_t_divides_the_heads():
+    from pipecompile.passes.tensor_rules import State, rule
+
+    node = _view_node(4)
+    split = {node.args[0]: State(2, (16,), frozenset({"fc"}))}
+    assert rule(node, split, 2, set()) == State(2, (16,), frozenset({"fc"}), fresh=False)
+    assert rule(node, split, 8, set()) == "4 (heads) does not divide by T=8"
