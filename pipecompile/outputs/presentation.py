@@ -36,7 +36,7 @@ def layout(plan: Plan) -> Layout:
     if topology is None:
         return base
     return Layout(base.pipeline, base.data_parallel, base.fsdp, base.inner,
-                  topology.position, topology.replica)
+                  topology.position, topology.replica, tensor_parallel=base.tensor_parallel)
 
 
 def describe(plan: Plan) -> str:

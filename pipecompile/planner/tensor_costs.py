@@ -1,0 +1,188 @@
+"""Each rank's share of a block's costs under tensor parallelism (T ranks shard each layer).
+
+    shard_costs(costs, share, shapes=, rates=, batch_size=) -> the CostTable one rank of T runs
+    attention_heads(costs, batch_size)               -> the query heads of each attention
+
+What is sharded is estimated from the captured blocks by one rule, the rule a Megatron-style
+sharding pass follows (the runtime's pass decides per op when it runs; this prices the same
+choice ahead of time):
+
+- a **weight matmul** (a GEMM recorded with no batch dimension: linear, mm, addmm) whose
+  output width n or inner size k divides by T runs 1/T of its FLOPs on each rank: priced as
+  the GEMM (m, n/T, k) (column-parallel) where T divides n and n >= k, else (m, n, k/T)
+  (row-parallel); the output layer's GEMM over the vocabulary is one of them (vocabulary-
+  parallel). Batched GEMMs (attention written out as matmuls) stay whole;
+- **fused attention** runs heads / T of its heads on each rank;
+- **memory-bound kernels** (norms, residual adds, softmax, elementwise, the loss) run whole on
+  every rank, replicated: also those between a column- and a row-parallel matmul (the MLP's
+  activation, rotary embeddings), which a sharding pass would run on 1/T: an overestimate;
+  with sequence parallelism every memory-bound kernel runs on 1/T of the tokens;
+- **parameters, gradients and optimizer state**: every parameter with two or more dimensions
+  one of whose first two divides by T is held 1/T per rank (Megatron shards every weight
+  matrix and the vocabulary of the embedding); vectors (norm weights, biases) are replicated;
+- **activations kept for backward**: a block with a sharded weight matmul keeps
+  10/34 + 24/(34 T) of them per rank (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", arXiv 2205.05198, section 4: a transformer
+  layer keeps s b h (34 + 5 a s / h) bytes at 16 bits, s b h (10 + 24 / t + 5 a s / (h t))
+  under tensor parallelism; with fused attention the a s / h term is gone), all of them / T
+  with sequence parallelism (34 / t); other blocks keep theirs whole;
+- **collectives**, on the critical path (not overlapped with compute: Megatron-LM's
+  all-reduces wait for the matmul that feeds them): each column/row pair ends in one
+  all-reduce of the pair's output in forward and one of its input gradient in backward
+  (Narayanan et al. SC'21, section 2.3: 2 all-reduces per transformer layer in forward and 2
+  in backward). A block runs one pair per fused attention (bytes: the attention's query,
+  b s h) plus one for its MLP when it also has a weight matmul wider than the attention; a
+  block without attention that holds a sharded weight runs one pair of its output boundary's
+  bytes (an MLP block; the vocabulary-parallel embedding). With sequence parallelism each
+  all-reduce is a reduce-scatter and an all-gather of the same bytes: the same time on a ring
+  (planner/collectives.py). Priced over the group's link (NVLink inside a node).
+
+Pipeline messages stay whole (each rank of a group sends the full boundary to its counterpart
+in the next stage, the T messages in parallel over their own links). The FLOP counts of the
+blocks stay the model's (what MFU counts); their times, bytes and activations are one rank's.
+Pure: a new table, the input unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping, Sequence
+
+import sympy
+
+from ..ir.records import CostTable, evaluate
+from ..passes.annotate import PricedBlockCost
+from ..passes.kernels import FLASH_BACKWARD, HardwareRates, Kernels
+from .cluster import Link
+from .collectives import Group, all_reduce
+
+__all__ = ["TensorShare", "shard_costs", "attention_heads", "REPLICATED_ACTIVATIONS"]
+
+#: Of a transformer layer's 34 s b h activation bytes, those tensor parallelism leaves whole
+#: (the layer norms' inputs and the dropout masks; Korthikanti et al. 2022, section 4.2.2).
+REPLICATED_ACTIVATIONS = 10 / 34
+
+
+@dataclass(frozen=True)
+class TensorShare:
+    """T ranks sharding each layer, their group's link, and whether they run sequence
+    parallelism (reduce-scatter + all-gather instead of all-reduce; norms on 1/T)."""
+
+    degree: int
+    link: Link
+    sequence_parallel: bool = False
+
+    def all_reduce(self, nbytes: float) -> float:
+        """Seconds of one all-reduce of `nbytes` over the group (one node, a ring)."""
+        return all_reduce(nbytes, Group(self.degree, 1), self.link, self.link)
+
+
+def _value(costs: CostTable) -> Callable[[sympy.Expr], float]:
+    return lambda e: evaluate(e, costs.sizes)
+
+
+def _sharded_param(shape: Sequence[int] | None, t: int) -> bool:
+    return shape is not None and len(shape) >= 2 and any(d % t == 0 for d in shape[:2])
+
+
+def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
+                   backward_flops: float, sequence: bool) -> tuple[Kernels, float, float, int]:
+    """(the kernels one rank runs, its backward FLOPs, the widest sharded weight matmul's
+    larger side (0: none sharded), itemsize)."""
+    gemms, full, mine, widest, itemsize = [], 0.0, 0.0, 0, 2
+    for m, n, kk, batch, size, count in k.gemms:
+        mv, nv, kv, bv = (value(x) for x in (m, n, kk, batch))
+        flops = 2 * mv * nv * kv * bv * count
+        full += flops
+        itemsize = size
+        ni, ki = int(round(nv)), int(round(kv))
+        if bv == 1 and (ni % t == 0 or ki % t == 0):  # a weight matmul (module docstring)
+            if ni % t == 0 and (ni >= ki or ki % t):
+                n = n / t
+            else:
+                kk = kk / t
+            mine += flops / t
+            widest = max(widest, ni, ki)
+        else:
+            mine += flops
+        gemms.append((m, n, kk, batch, size, count))
+    share = mine / full if full > 0 else 1.0
+    counted = value(k.attention_counted)
+    matmul_backward = max(0.0, backward_flops - FLASH_BACKWARD * counted)
+    backward = matmul_backward * share + FLASH_BACKWARD * counted / t
+    shrink = t if sequence else 1
+    sharded = Kernels(
+        matmuls=tuple((f * share, b * share) for f, b in k.matmuls),
+        attention=k.attention / t, attention_counted=k.attention_counted / t,
+        memory=k.memory / shrink, launches=k.launches, gemms=tuple(gemms),
+        flash=tuple((heads / t, s_q, s_k, d, causal, count)
+                    for heads, s_q, s_k, d, causal, count in k.flash),
+        moves=tuple((b / shrink, c) for b, c in k.moves))
+    return sharded, backward, widest, itemsize
+
+
+def shard_costs(costs: CostTable, share: TensorShare, *,
+                shapes: Mapping[str, Sequence[int]], rates: HardwareRates | None,
+                batch_size: int) -> CostTable:
+    """The table of what one of `share.degree` ranks runs and holds per block (module
+    docstring); `shapes`: each parameter's shape by the name the blocks use; `rates`: the
+    kernel model of the device (None or a block not priced by kernels: its time stays whole,
+    only its bytes shard); `batch_size`: the micro-batch size `costs` is evaluated at."""
+    t = share.degree
+    if t <= 1:
+        return costs
+    value = _value(costs)
+    symbolic, blocks = [], []
+    for i, (c, x) in enumerate(zip(costs.symbolic, costs.blocks)):
+        sizes = [math.prod(shapes[n]) for n in c.parameters if n in shapes]
+        held = sum(math.prod(shapes[n]) / t if _sharded_param(shapes[n], t)
+                   else math.prod(shapes[n]) for n in c.parameters if n in shapes)
+        keep = held / sum(sizes) if sum(sizes) > 0 else 1.0
+        forward, backward, widest, pairs, nbytes = 1.0, 1.0, 0, 0, 0.0
+        if isinstance(c, PricedBlockCost) and rates is not None:
+            kernels, flops, widest, itemsize = _shard_kernels(
+                c.kernels, t, value, x.backward_flops, share.sequence_parallel)
+            f0, b0 = c.kernels.times(x.backward_flops, rates, value)
+            f1, b1 = kernels.times(flops, rates, value)
+            forward = f1 / f0 if f0 > 0 else 1.0
+            backward = b1 / b0 if b0 > 0 else 1.0
+            for heads, s_q, _, d, _, count in c.kernels.flash:
+                pairs += count
+                width = value(heads) / max(1, batch_size) * value(d)  # h = heads x d
+                nbytes = value(heads) * value(s_q) * value(d) * itemsize
+                if widest > width:  # an MLP's wider matmul beside the attention
+                    pairs += count
+            if not c.kernels.flash and (widest or keep < 1):
+                pairs, nbytes = 1, costs.cut_bytes[i + 1]
+        elif keep < 1:  # a block held sharded that is not priced by kernels
+            pairs, nbytes = 1, costs.cut_bytes[i + 1]
+        collective = pairs * share.all_reduce(nbytes)
+        layer = widest > 0
+        act = (1 / t if share.sequence_parallel else
+               REPLICATED_ACTIVATIONS + (1 - REPLICATED_ACTIVATIONS) / t) if layer else 1.0
+        symbolic.append(replace(c, param_bytes=int(round(c.param_bytes * keep)),
+                                grad_bytes=int(round(c.grad_bytes * keep)),
+                                optimizer_bytes=int(round(c.optimizer_bytes * keep)),
+                                activation_bytes=c.activation_bytes * act))
+        blocks.append(replace(x, forward_time=x.forward_time * forward + collective,
+                              backward_input_time=x.backward_input_time * backward + collective,
+                              backward_weight_time=x.backward_weight_time * backward,
+                              static_bytes=x.static_bytes * keep,
+                              activation_bytes=x.activation_bytes * act))
+    note = (f"tensor parallel {t}: each rank's share of the blocks, collectives over "
+            f"{share.link.name}" + (", sequence parallel" if share.sequence_parallel else ""))
+    return replace(costs, symbolic=tuple(symbolic), blocks=tuple(blocks),
+                   notes=(*costs.notes, note))
+
+
+def attention_heads(costs: CostTable, batch_size: int) -> tuple[int, ...]:
+    """The query heads of each fused attention the blocks run (batch x heads recorded, at
+    micro-batch `batch_size`), once per distinct count; () when the capture shows none."""
+    value = _value(costs)
+    found = set()
+    for c in costs.symbolic:
+        if isinstance(c, PricedBlockCost):
+            for heads, *_ in c.kernels.flash:
+                found.add(int(round(value(heads) / max(1, batch_size))))
+    return tuple(sorted(found))
