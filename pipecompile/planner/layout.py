@@ -77,10 +77,11 @@ class Layout:
 
 def tensor_degrees(per_node: int, tensor_parallel: int | None) -> tuple[int, ...]:
     """The tensor-parallel degrees to search: `tensor_parallel` when given, else every
-    divisor of the devices per node (a group on one node, over NVLink)."""
+    divisor of the devices per node (a group on one node, over NVLink), the largest first
+    (where T pays, its fast layouts then prune the slower ones by their compute bound)."""
     if tensor_parallel is not None:
         return (tensor_parallel,)
-    return tuple(t for t in range(1, per_node + 1) if per_node % t == 0)
+    return tuple(t for t in range(per_node, 0, -1) if per_node % t == 0)
 
 
 def layouts(world: int, *, batch: int, max_pipeline: int, fsdp: bool | None,

@@ -14,9 +14,12 @@ choice ahead of time):
   parallel). Batched GEMMs (attention written out as matmuls) stay whole;
 - **fused attention** runs heads / T of its heads on each rank;
 - **memory-bound kernels** (norms, residual adds, softmax, elementwise, the loss) run whole on
-  every rank, replicated: also those between a column- and a row-parallel matmul (the MLP's
-  activation, rotary embeddings), which a sharding pass would run on 1/T: an overestimate;
-  with sequence parallelism every memory-bound kernel runs on 1/T of the tokens;
+  every rank, replicated, except those over the MLP's intermediate or the vocabulary (bytes
+  per token a whole multiple of the widest side of the block's sharded GEMMs, when that side
+  is wider than the narrowest: the MLP's activation and product, the vocabulary-parallel
+  loss), which run 1/T. Rotary embeddings on the sharded queries and keys stay whole (their
+  width is the model's): an overestimate. With sequence parallelism every memory-bound
+  kernel runs on 1/T of the tokens;
 - **parameters, gradients and optimizer state**: every parameter with two or more dimensions
   one of whose first two divides by T is held 1/T per rank (Megatron shards every weight
   matrix and the vocabulary of the embedding); vectors (norm weights, biases) are replicated;
@@ -90,7 +93,8 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
                    backward_flops: float, sequence: bool) -> tuple[Kernels, float, float, int]:
     """(the kernels one rank runs, its backward FLOPs, the widest sharded weight matmul's
     larger side (0: none sharded), itemsize)."""
-    gemms, full, mine, widest, itemsize = [], 0.0, 0.0, 0, 2
+    gemms, full, mine, itemsize = [], 0.0, 0.0, 2
+    tokens, sides = 0.0, []
     for m, n, kk, batch, size, count in k.gemms:
         mv, nv, kv, bv = (value(x) for x in (m, n, kk, batch))
         flops = 2 * mv * nv * kv * bv * count
@@ -103,7 +107,8 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
             else:
                 kk = kk / t
             mine += flops / t
-            widest = max(widest, ni, ki)
+            tokens = max(tokens, mv)
+            sides += [ni, ki]
         else:
             mine += flops
         gemms.append((m, n, kk, batch, size, count))
@@ -111,15 +116,30 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
     counted = value(k.attention_counted)
     matmul_backward = max(0.0, backward_flops - FLASH_BACKWARD * counted)
     backward = matmul_backward * share + FLASH_BACKWARD * counted / t
-    shrink = t if sequence else 1
+    # a memory-bound kernel over the MLP's intermediate (or the vocabulary): its bytes per
+    # token a multiple of the widest sharded side above the model width (the narrowest side)
+    wide = max(sides) if sides and max(sides) > min(sides) else 0
+    moves = tuple((b / t, c) if sequence or _inner(value(b), tokens, wide) else (b, c)
+                  for b, c in k.moves)
+    memory = sum((b * c for b, c in moves), sympy.Integer(0))
     sharded = Kernels(
         matmuls=tuple((f * share, b * share) for f, b in k.matmuls),
         attention=k.attention / t, attention_counted=k.attention_counted / t,
-        memory=k.memory / shrink, launches=k.launches, gemms=tuple(gemms),
+        memory=memory if k.moves else k.memory / (t if sequence else 1),
+        launches=k.launches, gemms=tuple(gemms),
         flash=tuple((heads / t, s_q, s_k, d, causal, count)
                     for heads, s_q, s_k, d, causal, count in k.flash),
-        moves=tuple((b / shrink, c) for b, c in k.moves))
-    return sharded, backward, widest, itemsize
+        moves=moves)
+    return sharded, backward, max(sides, default=0), itemsize
+
+
+def _inner(nbytes: float, tokens: float, wide: int) -> bool:
+    """Whether a memory-bound kernel of `nbytes` over `tokens` rows runs inside a sharded
+    pair: its bytes per row a whole multiple of the MLP's (or vocabulary's) width `wide`."""
+    if wide <= 0 or tokens <= 0:
+        return False
+    per_row = nbytes / tokens
+    return per_row >= wide and abs(per_row / wide - round(per_row / wide)) < 1e-9
 
 
 def shard_costs(costs: CostTable, share: TensorShare, *,
