@@ -40,6 +40,9 @@ the parameter counts the paper names, 1.48B and 6.18B), bfloat16 on meta, compil
 microbatches=m, checkpoint=False`: the plan's own placement (it puts one layer fewer on the
 first and last stages, as the paper's runs do) and its predicted step, messages over NVLink.
 
+Tensor-parallel runs (TP x PP x DP: Megatron-LM SC'21, BLOOM-176B, Llama 3 405B) are the last
+section, in bench/_published_tp.py.
+
 Each table ends with the mean absolute error of its rows, and the script with the mean over
 all rows (every error is signed: + is a prediction faster than published).
 
@@ -59,6 +62,7 @@ import torch
 sys.path.insert(0, os.path.join(C.ROOT, "examples"))
 
 import factories  # noqa: E402
+import _published_tp  # noqa: E402
 
 import pipecompile as pc  # noqa: E402
 from pipecompile.planner.collectives import Group, all_gather, reduce_scatter  # noqa: E402
@@ -171,6 +175,7 @@ def main() -> None:
     print(f"mean absolute error {sum(map(abs, pipeline)) / len(pipeline):.1f} %; over all "
           f"{len(errors) + len(pipeline)} rows "
           f"{sum(map(abs, errors + pipeline)) / (len(errors) + len(pipeline)):.1f} %")
+    _published_tp.main()  # the tensor-parallel runs: their own table and mean absolute error
 
 
 if __name__ == "__main__":
