@@ -90,7 +90,7 @@ def _sharded_param(shape: Sequence[int] | None, t: int) -> bool:
 
 
 def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
-                   backward_flops: float, sequence: bool) -> tuple[Kernels, float, float, int]:
+                   backward_flops: float, sequence: bool) -> tuple[Kernels, float, int, int]:
     """(the kernels one rank runs, its backward FLOPs, the widest sharded weight matmul's
     larger side (0: none sharded), itemsize)."""
     gemms, full, mine, itemsize = [], 0.0, 0.0, 2
