@@ -11,7 +11,8 @@ choice ahead of time):
   output width n or inner size k divides by T runs 1/T of its FLOPs on each rank: priced as
   the GEMM (m, n/T, k) (column-parallel) where T divides n and n >= k, else (m, n, k/T)
   (row-parallel); the output layer's GEMM over the vocabulary is one of them (vocabulary-
-  parallel). Batched GEMMs (attention written out as matmuls) stay whole;
+  parallel). A batched GEMM whose batch (batch x heads) divides by T is attention written
+  out as matmuls (QK^T, then by V: two per attention) and runs batch / T on each rank;
 - **fused attention** runs heads / T of its heads on each rank;
 - **memory-bound kernels** (norms, residual adds, softmax, elementwise, the loss) run whole on
   every rank, replicated, except those over the MLP's intermediate or the vocabulary (bytes
@@ -33,8 +34,9 @@ choice ahead of time):
   all-reduces wait for the matmul that feeds them): each column/row pair ends in one
   all-reduce of the pair's output in forward and one of its input gradient in backward
   (Narayanan et al. SC'21, section 2.3: 2 all-reduces per transformer layer in forward and 2
-  in backward). A block runs one pair per fused attention (bytes: the attention's query,
-  b s h) plus one for its MLP when it also has a weight matmul wider than the attention; a
+  in backward). A block runs one pair per attention (fused, or two batched GEMMs; bytes: the
+  attention's query, b s h, or b s times the narrowest sharded side) plus one for its MLP
+  when it also has a weight matmul wider than the attention; a
   block without attention that holds a sharded weight runs one pair of its output boundary's
   bytes (an MLP block; the vocabulary-parallel embedding). With sequence parallelism each
   all-reduce is a reduce-scatter and an all-gather of the same bytes: the same time on a ring
@@ -89,11 +91,24 @@ def _sharded_param(shape: Sequence[int] | None, t: int) -> bool:
     return shape is not None and len(shape) >= 2 and any(d % t == 0 for d in shape[:2])
 
 
+@dataclass(frozen=True)
+class _Sharded:
+    """What `_shard_kernels` found: one rank's kernels and backward FLOPs, and the block's
+    shape as the sharded GEMMs show it."""
+
+    kernels: Kernels
+    backward_flops: float
+    widest: int  # the widest side of a sharded weight matmul (0: none)
+    narrowest: int  # its narrowest side (the model width h of a transformer layer)
+    tokens: float  # rows of the weight matmuls (b s)
+    itemsize: int
+    unfused: int  # attentions written as two batched GEMMs each (QK^T, then by V)
+
+
 def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
-                   backward_flops: float, sequence: bool) -> tuple[Kernels, float, int, int]:
-    """(the kernels one rank runs, its backward FLOPs, the widest sharded weight matmul's
-    larger side (0: none sharded), itemsize)."""
-    gemms, full, mine, itemsize = [], 0.0, 0.0, 2
+                   backward_flops: float, sequence: bool) -> _Sharded:
+    """One rank's share of a block's kernels (module docstring)."""
+    gemms, full, mine, itemsize, batched = [], 0.0, 0.0, 2, 0
     tokens, sides = 0.0, []
     for m, n, kk, batch, size, count in k.gemms:
         mv, nv, kv, bv = (value(x) for x in (m, n, kk, batch))
@@ -109,6 +124,10 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
             mine += flops / t
             tokens = max(tokens, mv)
             sides += [ni, ki]
+        elif bv > 1 and int(round(bv)) % t == 0:  # batch x heads: attention by heads
+            batch = batch / t
+            mine += flops / t
+            batched += count
         else:
             mine += flops
         gemms.append((m, n, kk, batch, size, count))
@@ -130,7 +149,8 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
         flash=tuple((heads / t, s_q, s_k, d, causal, count)
                     for heads, s_q, s_k, d, causal, count in k.flash),
         moves=moves)
-    return sharded, backward, max(sides, default=0), itemsize
+    return _Sharded(sharded, backward, max(sides, default=0), min(sides, default=0), tokens,
+                    itemsize, batched // 2)
 
 
 def _inner(nbytes: float, tokens: float, wide: int) -> bool:
@@ -161,19 +181,22 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
         keep = held / sum(sizes) if sum(sizes) > 0 else 1.0
         forward, backward, widest, pairs, nbytes = 1.0, 1.0, 0, 0, 0.0
         if isinstance(c, PricedBlockCost) and rates is not None:
-            kernels, flops, widest, itemsize = _shard_kernels(
-                c.kernels, t, value, x.backward_flops, share.sequence_parallel)
+            found = _shard_kernels(c.kernels, t, value, x.backward_flops,
+                                   share.sequence_parallel)
+            widest = found.widest
             f0, b0 = c.kernels.times(x.backward_flops, rates, value)
-            f1, b1 = kernels.times(flops, rates, value)
+            f1, b1 = found.kernels.times(found.backward_flops, rates, value)
             forward = f1 / f0 if f0 > 0 else 1.0
             backward = b1 / b0 if b0 > 0 else 1.0
+            # one pair per attention (its b s h bytes), one more for an MLP beside it
+            attentions = sum(count for *_, count in c.kernels.flash) or found.unfused
+            width: float = found.narrowest
+            nbytes = found.tokens * found.narrowest * found.itemsize
             for heads, s_q, _, d, _, count in c.kernels.flash:
-                pairs += count
                 width = value(heads) / max(1, batch_size) * value(d)  # h = heads x d
-                nbytes = value(heads) * value(s_q) * value(d) * itemsize
-                if widest > width:  # an MLP's wider matmul beside the attention
-                    pairs += count
-            if not c.kernels.flash and (widest or keep < 1):
+                nbytes = value(heads) * value(s_q) * value(d) * found.itemsize
+            pairs = attentions * (2 if widest > width else 1)
+            if not attentions and (widest or keep < 1):
                 pairs, nbytes = 1, costs.cut_bytes[i + 1]
         elif keep < 1:  # a block held sharded that is not priced by kernels
             pairs, nbytes = 1, costs.cut_bytes[i + 1]

@@ -106,9 +106,9 @@ def test_one_rank_costs_its_share_of_a_layer_plus_two_all_reduces(unsplit):
     value = lambda e: evaluate(e, costs.sizes)  # noqa: E731
     kernels = costs.symbolic[i].kernels
     whole, _ = kernels.parts(costs.blocks[i].backward_flops, rates, value)
-    mine, flops, widest, size = _shard_kernels(kernels, 2, value, costs.blocks[i].backward_flops,
-                                               False)
-    half, _ = mine.parts(flops, rates, value)
+    mine = _shard_kernels(kernels, 2, value, costs.blocks[i].backward_flops, False)
+    half, _ = mine.kernels.parts(mine.backward_flops, rates, value)
+    assert (mine.narrowest, mine.widest, mine.tokens, mine.unfused) == (64, 256, 64, 0)
     # the sharded parts: matmuls about halve (tiles and launches aside); attention runs half
     # its heads (here one wave of tiles either way: no faster); memory-bound kernels whole
     assert 0.45 * whole.matmul <= half.matmul <= 0.75 * whole.matmul
@@ -165,3 +165,46 @@ def test_a_saved_plan_keeps_its_degree(given, tmp_path):
     back = pc.load(tmp_path, loss_fn=zoo.lm_loss)
     assert back.layout == given.layout and back.layout.tensor_parallel == 2
     assert f"layout {given.layout}" in str(back)
+
+
+class _EagerLayer(torch.nn.Module):
+    """Attention written out as matmuls (QK^T, softmax, by V), then an MLP of 4 x width."""
+
+    def __init__(self, dim: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, torch.nn.Linear(dim, 3 * dim), \
+            torch.nn.Linear(dim, dim)
+        self.up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        att = torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1) @ v
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_attention_written_as_matmuls_is_split_by_heads():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_EagerLayer(), _EagerLayer())
+    pipe = pc.compile(model, (torch.randn(8, 16, 64),), devices=C, data_parallel=8,
+                      schedule="gpipe", microbatches=1, checkpoint=False)
+    costs, rates = pipe.plan.costs, pipe.plan.device_model.kernels
+    value = lambda e: evaluate(e, costs.sizes)  # noqa: E731
+    block = next(i for i, c in enumerate(costs.symbolic) if c.kernels.gemms)
+    mine = _shard_kernels(costs.symbolic[block].kernels, 2, value,
+                          costs.blocks[block].backward_flops, False)
+    assert mine.unfused == 1 and mine.narrowest == 64 and mine.widest == 256
+    batched = [g for g in mine.kernels.gemms if value(g[3]) > 1]
+    # QK^T and by V (one record of count 2 here: s = d = 16), 1 sample x 4 heads / 2 each
+    assert [(value(g[3]), g[5]) for g in batched] == [(2.0, 2)]
+    shapes = {n: tuple(p.shape) for n, p in pipe.plan.captured.module.named_parameters()}
+    sharded = shard_costs(costs, TensorShare(2, C.intra), shapes=shapes, rates=rates,
+                          batch_size=1)
+    reduce = all_reduce(16 * 64 * 4, Group(2, 1), C.intra, C.intra)  # b s h float32
+    whole, _ = costs.symbolic[block].kernels.times(costs.blocks[block].backward_flops, rates,
+                                                   value)
+    half, _ = mine.kernels.times(mine.backward_flops, rates, value)
+    assert sharded.blocks[block].forward_time == pytest.approx(
+        costs.blocks[block].forward_time * half / whole + 2 * reduce)
