@@ -13,7 +13,9 @@ and BigScience's model page, not the tables' text, so check a row against its PD
   The paper's FLOP count (its equation 3) includes full activation recomputation, which
   these runs used: F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) per step, so the published
   step is F / (GPUs x TFLOP/s). Planned: `schedule="1f1b"` (PipeDream-Flush), micro-batch 1
-  (m = batch / DP), `checkpoint=True`, the model as transformers' GPT-2 at that shape.
+  (m = batch / DP), `checkpoint=True`, the model as transformers' GPT-2 at that shape with
+  its eager attention (these runs predate FlashAttention: Megatron's fused softmax over the
+  s x s scores between two batched GEMMs, priced as those kernels run).
 - BigScience, "BLOOM: A 176B-Parameter Open-Access Multilingual Language Model", arXiv
   2211.05100, section 3.4 (and the BigScience 176B model page): 70 layers, h 14336, 112 heads,
   sequence 2048, vocabulary 250,880, TP 4 x PP 12 x DP 8 on 384 A100 80GB (48 nodes of 8 on
@@ -21,7 +23,8 @@ and BigScience's model page, not the tables' text, so check a row against its PD
   between nodes), global batch 2048, micro-batch 2, about 150 TFLOP/s per GPU. Megatron-
   DeepSpeed reports TFLOP/s by the same formula with recomputation (its
   `checkpoint_activations_factor` 4), which the run used; the step is F / (384 x 150e12).
-  Planned as GPT-2 at that shape (learned positions instead of ALiBi: the same matmuls),
+  Planned as GPT-2 at that shape, eager attention as above (learned positions instead of
+  ALiBi: the same matmuls),
   1F1B (DeepSpeed's pipeline schedule), m = 256 / 2 = 128, recomputation; ZeRO-1's sharded
   optimizer step is priced as a replicated one.
 - Llama Team, "The Llama 3 Herd of Models", arXiv 2407.21783, **Table 4**, the 8,192-GPU row:
@@ -90,6 +93,7 @@ def _gpt(layers: int, hidden: int, heads: int, vocab: int, seq: int, batch: int)
     config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq,
                         vocab_size=vocab, bos_token_id=0, eos_token_id=0, use_cache=False,
                         tie_word_embeddings=True)
+    config._attn_implementation = "eager"  # these runs predate FlashAttention: s x s scores
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).to(torch.bfloat16)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
