@@ -11,6 +11,7 @@ subprocess so its peak RSS and time are its own.
 
     python bench/plan_layout.py                     # 70B on 64 GPUs, 8B on 8 and 64 GPUs
     python bench/plan_layout.py --case 70b-64
+    python bench/plan_layout.py --case 70b-64-tp    # tensor_parallel="auto" too
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import _common as C
 
 CASES = {  # name: factory, layers, hidden, nodes, global batch, sequence
     "70b-64": ("llama3_70b", 80, 8192, 8, 128, 8192),
+    "70b-64-tp": ("llama3_70b", 80, 8192, 8, 128, 8192),  # tensor_parallel="auto"
     "8b-8": ("llama3_8b", 32, 4096, 1, 16, 8192),
     "8b-64": ("llama3_8b", 32, 4096, 8, 128, 8192),
 }
@@ -47,6 +49,7 @@ def one(name: str) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     pipe = pc.compile(model, args, kwargs, devices=pc.cluster("h100", nodes=nodes, per_node=8),
                       data_parallel="auto", fsdp="auto",
+                      tensor_parallel="auto" if name.endswith("-tp") else 1,
                       optimizer=lambda p: torch.optim.AdamW(p))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     devices = nodes * 8
@@ -73,7 +76,7 @@ def main() -> None:
         print(json.dumps(one(opts.one)))
         return
     print(f"# layouts chosen by the search; {C.machine()}, load {C.loadavg()}")
-    for name in opts.case or list(CASES):
+    for name in opts.case or [c for c in CASES if not c.endswith("-tp")]:
         done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True,
                               text=True)
         if done.returncode != 0:

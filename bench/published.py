@@ -59,6 +59,9 @@ per_node=8)` (NVLink inside a node, one HDR 200 Gb/s NIC per GPU across: the pap
 network's speed is not given) with `data_parallel=1, schedule=..., microbatches=m,
 checkpoint=False`: the plan's own placement and its predicted step.
 
+Tensor-parallel runs (TP x PP x DP: Megatron-LM SC'21, BLOOM-176B, Llama 3 405B) are the last
+section, in bench/_published_tp.py.
+
 Each table ends with the mean absolute error of its rows, and the script with the mean over
 all rows (every error is signed: + is a prediction faster than published).
 
@@ -78,6 +81,7 @@ import torch
 sys.path.insert(0, os.path.join(C.ROOT, "examples"))
 
 import factories  # noqa: E402
+import _published_tp  # noqa: E402
 
 import pipecompile as pc  # noqa: E402
 from _megatron_gpt import megatron_gpt  # noqa: E402
@@ -165,6 +169,8 @@ def main() -> None:
     if os.environ.get("PUBLISHED_ONLY") != "zb":
         errors = _torchtitan()
     _zero_bubble(errors)
+    if os.environ.get("PUBLISHED_ONLY") != "zb":
+        _published_tp.main()  # the tensor-parallel runs: their own table and error
 
 
 def _torchtitan() -> list[float]:

@@ -189,7 +189,7 @@ def _layout_to_json(plan: Plan) -> dict[str, Any] | None:
         return None
     layout = chosen or Layout(len(o.devices), o.data_parallel, o.fsdp)
     return {"pipeline": layout.pipeline, "data_parallel": layout.data_parallel,
-            "fsdp": layout.fsdp, "inner": layout.inner}
+            "fsdp": layout.fsdp, "inner": layout.inner, "tensor_parallel": layout.tensor_parallel}
 
 
 def _choices_from_json(entry: dict[str, Any] | None, options: CompileOptions) -> Choices | None:
@@ -201,7 +201,8 @@ def _choices_from_json(entry: dict[str, Any] | None, options: CompileOptions) ->
     flags = checkpoint if isinstance(checkpoint, tuple) else (bool(checkpoint),) * stages
     return Choices(options.schedule, options.microbatches, options.virtual_stages, flags,
                    layout=Layout(int(entry["pipeline"]), int(entry["data_parallel"]),
-                                 bool(entry["fsdp"]), str(entry["inner"])),
+                                 bool(entry["fsdp"]), str(entry["inner"]),
+                                 tensor_parallel=int(entry.get("tensor_parallel", 1))),
                    devices=options.devices)
 
 

@@ -32,11 +32,12 @@ def layout(plan: Plan) -> Layout:
     o = plan.resolved
     chosen = plan.choices.layout if plan.choices is not None else None
     topology = o.ranks.topology
-    base = chosen or Layout(len(o.devices), o.data_parallel, o.fsdp)
+    base = chosen or Layout(len(o.devices), o.data_parallel, o.fsdp,
+                            tensor_parallel=o.tensor_parallel)  # a given T, under torchrun
     if topology is None:
         return base
     return Layout(base.pipeline, base.data_parallel, base.fsdp, base.inner,
-                  topology.position, topology.replica)
+                  topology.position, topology.replica, tensor_parallel=base.tensor_parallel)
 
 
 def describe(plan: Plan) -> str:

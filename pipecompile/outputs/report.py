@@ -114,12 +114,12 @@ def explain_layouts(layouts: Sequence[Any], *, top: int = 10) -> str:
     winner first)."""
     lines = [f"layouts compared: {len(layouts)}" + (f", the best {top}:" if len(layouts) > top
                                                      else ":")]
-    rows = [("P x D", "sharding", "inside a node", "plan", "step ms", "max memory", "verdict")]
+    rows = [("P x D x T", "sharding", "inside a node", "plan", "step ms", "max memory", "verdict")]
     for c in layouts[:top]:
         lay = c.layout
         plan = (f"{c.schedule} m={c.microbatches} v={c.virtual_stages}"
                 + (f" recompute {c.recomputed}" if c.recomputed else "")) if c.fits else "-"
-        rows.append((f"{lay.pipeline} x {lay.data_parallel}",
+        rows.append((f"{lay.pipeline} x {lay.data_parallel} x {lay.tensor_parallel}",
                      "FSDP" if lay.fsdp else "replicated" if lay.data_parallel > 1 else "-",
                      lay.inner if lay.pipeline > 1 and lay.data_parallel > 1 else "-", plan,
                      f"{c.step * 1e3:.1f}" if c.fits else "-",
@@ -127,5 +127,6 @@ def explain_layouts(layouts: Sequence[Any], *, top: int = 10) -> str:
     lines += format_table(rows, header=True, indent=2)
     bound = [c for c in layouts if "tensor parallelism" in c.reason]
     if bound:
-        lines.append(f"{len(bound)} layout(s) bound by tensor parallelism (not supported)")
+        lines.append(f"{len(bound)} layout(s) bound by tensor parallelism (a stage does not "
+                     f"fit at their T)")
     return "\n".join(lines)

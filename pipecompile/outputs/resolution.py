@@ -36,6 +36,7 @@ def explain_resolution(plan: Plan) -> str:
     resolved = {
         "layout": f"{len(r.devices)} pipeline x {r.data_parallel} replica(s)"
                   + (", fsdp" if r.fsdp else ""),
+        "tensor_parallel": str(_tensor(plan)),
         "devices": ", ".join(d.name for d in r.devices),
         "topology": (f"rank {topology.rank} of {topology.world_size}: position "
                      f"{topology.position} of replica {topology.replica}")
@@ -51,6 +52,7 @@ def explain_resolution(plan: Plan) -> str:
         layout = q.layout
         asked = {
             "layout": f"data_parallel={layout.data_parallel!r}, fsdp={layout.fsdp!r}",
+            "tensor_parallel": _short(layout.tensor_parallel),
             "devices": _short(layout.devices),
             "topology": "-",
             "schedule": _short(q.schedule.schedule),
@@ -62,3 +64,9 @@ def explain_resolution(plan: Plan) -> str:
     rows = [f"{'option':16}{'asked':{width}}  resolved"]
     rows += [f"{name:16}{asked[name]:{width}}  {resolved[name]}" for name in resolved]
     return "\n".join(rows)
+
+
+def _tensor(plan: Plan) -> int:
+    """The tensor-parallel degree the plan resolved (1: none)."""
+    chosen = plan.choices.layout if plan.choices is not None else None
+    return chosen.tensor_parallel if chosen is not None else 1

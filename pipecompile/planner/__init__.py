@@ -3,7 +3,7 @@
   the request and its resolution:
     request.py         compile's options as one frozen, grouped `Request`, each value checked
     options.py         the options checked against each other, the example and the ranks
-    layout_options.py  the starting options when the layout (P x D, FSDP) is searched
+    layout_options.py  the starting options when the layout (P x D x T, FSDP) is searched
     resolved.py        the search's `Choices`, and `resolve`: the options as compile runs them
   the recipe and its passes:
     recipe.py          the passes as one flat list (`PASSES`) and `plan_for`
@@ -17,7 +17,8 @@
     decisions.py       cost, place, refine: the planner's decisions as pure functions
     schedule_search.py which schedule, micro-batch count, virtual stages and recomputation
     layout_search.py   every layout searched with the schedule search, the best kept
-    layout.py          a layout (P x D, FSDP, which dimension stays inside a node), its costs
+    layout.py          a layout (P x D x T, FSDP, which dimension stays inside a node), its costs
+    tensor_costs.py    one rank's share of the block costs under tensor parallelism
     block_tables.py    the block costs a search prices candidates with, each made once
     device_share.py    virtual stages placed so that together they fit their device
     stage_costs.py     block costs -> what the simulator needs (one path for search and split)

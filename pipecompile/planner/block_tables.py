@@ -21,8 +21,12 @@ from ..passes.linearize import GRANULARITIES, linearize
 from .options import example_microbatch_size
 from .plan import Plan
 from .decisions import CostModel, cost
+from .cluster import Cluster, Link
+from .layout import Layout
+from .tensor_costs import TensorShare
+from ..ir.devices import DeviceSpec
 
-__all__ = ["BlockTables", "coarsest", "enough_blocks", "cost_model"]
+__all__ = ["BlockTables", "coarsest", "enough_blocks", "cost_model", "tensor_share"]
 
 
 def coarsest(captured: CapturedModel, granularity: str | None, stages: int) -> LinearGraph:
@@ -44,15 +48,29 @@ def enough_blocks(linear: LinearGraph, stages: int, granularity: str | None) -> 
             + ("" if granularity is None else " or a finer granularity"))
 
 
+def tensor_share(layout: Layout | None, cluster: Cluster | None, device: DeviceSpec
+                 ) -> TensorShare | None:
+    """What one rank of `layout`'s tensor-parallel groups runs, over the link inside a node
+    (the cluster's, else the link `device` sends over); None without tensor parallelism."""
+    if layout is None or layout.tensor_parallel <= 1:
+        return None
+    link = (cluster.intra if cluster is not None
+            else Link("link", device.bandwidth, device.latency))
+    return TensorShare(layout.tensor_parallel, link)
+
+
 def cost_model(plan: Plan, example: Example) -> CostModel:
     """How this plan's blocks are costed: the measured device model, the resolved micro-batch
-    size, profiling, the calibration so far, the compile cache."""
+    size, profiling, the calibration so far, the compile cache, and once the layout is chosen
+    one rank's share under its tensor parallelism."""
     o = plan.resolved
+    chosen = plan.choices.layout if plan.choices is not None else None
     return CostModel(device=plan.ready.device_model,
                      microbatch_size=example_microbatch_size(example, o),
                      microbatches=o.microbatches,
                      optimizer_factor=optimizer_state_factor(o.optimizer), profile=o.profile,
-                     calibration=plan.calibration, cache=o.cache)
+                     calibration=plan.calibration, cache=o.cache,
+                     tensor=tensor_share(chosen, plan.asked.cluster, o.devices[0]))
 
 
 class BlockTables:
@@ -79,7 +97,7 @@ class BlockTables:
         if key not in self._tables:
             model = replace(cost_model(self.plan, self.example), microbatch_size=size,
                             microbatches=microbatches, profile=False,
-                            calibration=self.calibration)
+                            calibration=self.calibration, tensor=None)  # shared by every T
             like = next((t for (g, _), t in self._tables.items() if g == linear.granularity),
                         None)  # the symbolic costs of a granularity are shared across sizes
             self._tables[key] = cost(linear, model, self.example, o.ranks, like)

@@ -47,6 +47,7 @@ from .layout import Layout
 from ..measure.ranks import Ranks
 from ..schedule.simulate import inflight  # the passes' in-flight counts (one home: simulate)
 from .stage_costs import BlockTable, inflight_for, partition_problem
+from .tensor_costs import TensorShare, shard_costs
 
 __all__ = ["CostModel", "Target", "Choice", "cost", "place", "refine", "device_model",
            "action_cost", "analytic", "inflight"]
@@ -64,6 +65,7 @@ class CostModel:
     profile: bool = False
     calibration: Calibration | None = None
     cache: CompileCache | None = None  # keeps the symbolic block costs (None: derived afresh)
+    tensor: TensorShare | None = None  # one rank's share under tensor parallelism (None: all)
 
 
 @dataclass(frozen=True)
@@ -108,14 +110,24 @@ def cost(linear: LinearGraph, model: CostModel, example: Example, ranks: Ranks,
         costs = replace(like, sizes=sizes, cut_bytes=tuple(evaluate_expr(e, sizes)
                                                            for e in like.cut_bytes_symbolic),
                         blocks=tuple(numeric_cost(c, sizes, model.device) for c in like.symbolic))
-        return _calibrated(costs, model)
+        return _sharded(linear, _calibrated(costs, model), model)
     costs = annotate(linear, microbatch_size=model.microbatch_size, device=model.device,
                      optimizer_factor=model.optimizer_factor, cache=model.cache)
     if model.profile:
         costs = profile_blocks(linear, costs, example.args, dict(example.kwargs),
                                microbatches=model.microbatches)
         costs = ranks.block_times(costs)  # every rank must plan with the same numbers
-    return _calibrated(costs, model)
+    return _sharded(linear, _calibrated(costs, model), model)
+
+
+def _sharded(linear: LinearGraph, costs: CostTable, model: CostModel) -> CostTable:
+    """One rank's share of `costs` under the model's tensor parallelism (tensor_costs.py)."""
+    if model.tensor is None:
+        return costs
+    shapes = {n: tuple(p.shape) for n, p in linear.captured.module.named_parameters(
+        remove_duplicate=False)}
+    return shard_costs(costs, model.tensor, shapes=shapes, rates=model.device.kernels,
+                       batch_size=model.microbatch_size)
 
 
 def _calibrated(costs: CostTable, model: CostModel) -> CostTable:

@@ -1,7 +1,13 @@
-"""A layout of the job: P pipeline positions x D data-parallel replicas, and what it costs
-beyond the pipeline's own compute.
+"""A layout of the job: P pipeline positions x D data-parallel replicas x T tensor-parallel
+ranks, and what it costs beyond the pipeline's own compute.
 
     Layout(pipeline=8, data_parallel=8, fsdp=True, inner="data")
+    Layout(pipeline=2, data_parallel=32, tensor_parallel=8)      # 512 devices
+
+The T ranks of a tensor-parallel group are consecutive devices (rank = index * T + t), so a
+group stays inside a node when T divides the devices per node; the layout's other two
+dimensions are laid out over the groups (`index`) as below. What T costs per rank is priced
+on the blocks (planner/tensor_costs.py).
 
 `inner` is the dimension whose neighbours are adjacent devices, so it stays inside a node:
 "pipeline" puts rank = replica * P + position (pipecompile's torch.distributed grid, pipeline
@@ -9,9 +15,10 @@ neighbours on one node), "data" puts rank = position * D + replica (a data-paral
 one node). Megatron-LM's rule is to keep the highest-volume traffic inside a node; the search
 prices both and keeps the faster.
 
-    layouts(world, ...)                  every (P, D, fsdp, inner) to search
+    layouts(world, ...)                  every (P, D, T, fsdp, inner) to search
     pipeline_specs(layout, cluster)      each position's spec, sending over the link it uses
     data_group(layout, cluster)          the shape (per node x nodes) of a replica group
+    tensor_group(layout, cluster)        the shape of a tensor-parallel group (one node)
     Collectives(...).extras(...)         per stage: the step's collectives and optimizer step
                                          (simulate's `setup` and `teardown`)
     layout_table(table, layout)          per-block bytes a device holds under the layout
@@ -37,14 +44,15 @@ from ..passes.kernel_prices import optimizer_seconds
 from .cluster import Cluster, Link
 from .collectives import Group, all_gather, all_reduce, reduce_scatter
 
-__all__ = ["Layout", "layouts", "pipeline_specs", "data_group", "Collectives", "layout_static",
-           "describe_placement"]
+__all__ = ["Layout", "layouts", "pipeline_specs", "data_group", "tensor_group", "Collectives",
+           "layout_static", "describe_placement", "tensor_degrees"]
 
 
 @dataclass(frozen=True)
 class Layout:
-    """P x D devices, whether replicas shard their stages, which dimension is inside a node,
-    and this process's place (None: planned for devices that are not here)."""
+    """P x D x T devices, whether replicas shard their stages, which dimension is inside a
+    node (after the tensor-parallel groups), and this process's place (None: planned for
+    devices that are not here)."""
 
     pipeline: int
     data_parallel: int
@@ -60,46 +68,70 @@ class Layout:
 
     def __str__(self) -> str:
         mode = "FSDP" if self.fsdp else "replicated" if self.data_parallel > 1 else "no DP"
-        text = f"{self.pipeline} x {self.data_parallel} ({mode}, {self.inner} inside a node)"
+        tp = f" x TP{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        text = f"{self.pipeline} x {self.data_parallel}{tp} ({mode}, {self.inner} inside a node)"
         if self.pipeline_rank is not None:
             text += f"; this process: position {self.pipeline_rank}, replica {self.data_rank}"
         return text
 
 
+def tensor_degrees(per_node: int, tensor_parallel: int | None) -> tuple[int, ...]:
+    """The tensor-parallel degrees to search: `tensor_parallel` when given, else every
+    divisor of the devices per node (a group on one node, over NVLink), the largest first
+    (where T pays, its fast layouts then prune the slower ones by their compute bound)."""
+    if tensor_parallel is not None:
+        return (tensor_parallel,)
+    return tuple(t for t in range(per_node, 0, -1) if per_node % t == 0)
+
+
 def layouts(world: int, *, batch: int, max_pipeline: int, fsdp: bool | None,
-            nodes: int = 1, pipeline: int | None = None) -> tuple[Layout, ...]:
-    """Every layout of `world` devices: P dividing it (at most `max_pipeline`, the blocks; or
-    exactly `pipeline` when a written schedule fixes it), D = world / P dividing the global
-    `batch`; FSDP and replicated when `fsdp` is None (FSDP only with D >= 2); both placements
-    when the devices span several `nodes`. Raises `ConfigError` when none exists."""
+            nodes: int = 1, pipeline: int | None = None,
+            tensor: tuple[int, ...] = (1,)) -> tuple[Layout, ...]:
+    """Every layout of `world` devices: T in `tensor` dividing it, P dividing world / T (at
+    most `max_pipeline`, the blocks; or exactly `pipeline` when a written schedule fixes it),
+    D = world / (P T) dividing the global `batch`; FSDP and replicated when `fsdp` is None
+    (FSDP only with D >= 2); both placements when the P x D groups span several `nodes`.
+    Raises `ConfigError` when none exists."""
     found = []
-    for p in range(1, world + 1):
-        if world % p or p > max_pipeline or (pipeline is not None and p != pipeline):
+    for t in tensor:
+        if world % t:
             continue
-        d = world // p
-        if batch % d:
-            continue
-        for shard in ((False, True) if fsdp is None else (fsdp,)):
-            if shard and d < 2:
+        groups = world // t
+        # with one group per node both placements cost the same: keep one
+        several = t == 1 or (world // nodes) // t > 1
+        for p in range(1, groups + 1):
+            if groups % p or p > max_pipeline or (pipeline is not None and p != pipeline):
                 continue
-            for inner in (("pipeline", "data") if nodes > 1 and p > 1 and d > 1
-                          else ("pipeline",)):
-                found.append(Layout(p, d, shard, inner))
+            d = groups // p
+            if batch % d:
+                continue
+            for shard in ((False, True) if fsdp is None else (fsdp,)):
+                if shard and d < 2:
+                    continue
+                for inner in (("pipeline", "data") if (nodes > 1 and p > 1 and d > 1
+                                                       and several)
+                              else ("pipeline",)):
+                    found.append(Layout(p, d, shard, inner, tensor_parallel=t))
     if not found:
+        tp = "" if tensor == (1,) else f" x T (tensor parallel, one of {list(tensor)})"
         raise ConfigError(
-            f"no layout of {world} devices fits: the pipeline degree P must divide {world} "
-            f"and be at most {max_pipeline} (the model's blocks)"
+            f"no layout of {world} devices fits: the pipeline degree P{tp} must divide {world} "
+            f"and P be at most {max_pipeline} (the model's blocks)"
             + (f" and equal the written schedule's {pipeline} devices" if pipeline else "")
-            + f", and D = {world} / P must divide the global batch of {batch}; use a batch "
-            f"that a data-parallel degree divides, or another device count")
+            + f", and D = {world} / P{'T' if tp else ''} must divide the global batch of "
+            f"{batch}; use a batch that a data-parallel degree divides, or another device "
+            f"count")
     return tuple(found)
 
 
 def _position_device(layout: Layout, position: int, replica: int = 0) -> int:
-    """The device index (node by node) of `position` in `replica`."""
+    """The device index (node by node) of `position` in `replica` (its tensor-parallel
+    group's first device)."""
     if layout.inner == "pipeline":
-        return replica * layout.pipeline + position
-    return position * layout.data_parallel + replica
+        index = replica * layout.pipeline + position
+    else:
+        index = position * layout.data_parallel + replica
+    return index * layout.tensor_parallel
 
 
 def pipeline_specs(layout: Layout, cluster: Cluster | None,
@@ -126,6 +158,15 @@ def data_group(layout: Layout, cluster: Cluster | None) -> Group:
     members = [_position_device(layout, 0, r) for r in range(d)]
     nodes = len({cluster.node_of(m) for m in members})
     return Group(d // nodes, nodes)
+
+
+def tensor_group(layout: Layout, cluster: Cluster | None) -> Group:
+    """A tensor-parallel group's shape: its T consecutive devices, on one node when T divides
+    the devices per node (`layouts` searches only those), else spread over ceil(T / per node)."""
+    t = layout.tensor_parallel
+    if cluster is None or t <= cluster.per_node:
+        return Group(t, 1)
+    return Group(cluster.per_node, t // cluster.per_node)
 
 
 def layout_static(param: float, grad: float, optimizer: float, layout: Layout) -> float:
@@ -185,12 +226,18 @@ class Collectives:
 
 def describe_placement(layout: Layout, cluster: Cluster | None) -> str:
     """Where the layout's traffic goes: "pipeline sends over nvlink, replica groups 8 per node
-    on 1 node(s)"."""
+    on 1 node(s)" (and ", tensor-parallel groups of 8 on one node over nvlink")."""
     if cluster is None:
         return ""
     group = data_group(layout, cluster)
     links = {cluster.link(_position_device(layout, p), _position_device(layout, p + 1)).name
              for p in range(layout.pipeline - 1)}
     sends = "no pipeline sends" if not links else f"pipeline sends over {'/'.join(sorted(links))}"
-    return f"{sends}, replica groups {group.per_node} per node on {group.nodes} node(s)"
+    text = f"{sends}, replica groups {group.per_node} per node on {group.nodes} node(s)"
+    if layout.tensor_parallel > 1:
+        tp = tensor_group(layout, cluster)
+        text += (f", tensor-parallel groups of {tp.size} on one node over {cluster.intra.name}"
+                 if tp.nodes == 1 else f", tensor-parallel groups of {tp.size} on {tp.nodes} "
+                 f"nodes")
+    return text
 

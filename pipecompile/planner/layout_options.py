@@ -55,11 +55,12 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
     devices, data_parallel, fsdp = (given.pop(name) for name in ("devices", "data_parallel",
                                                                 "fsdp"))
     tensor_parallel = given.pop("tensor_parallel")
-    if tensor_parallel != 1 and (tensor_parallel == AUTO or request.layout.searched
-                                 or isinstance(devices, Cluster)):
-        raise ConfigError(f"tensor_parallel={tensor_parallel!r} with a searched layout or a "
-                          f"cluster is not built yet; give the layout (devices=P, "
-                          f"data_parallel=D, tensor_parallel=T) under torchrun")
+    if tensor_parallel != 1 and not isinstance(devices, Cluster) and (
+            tensor_parallel == AUTO or request.layout.searched):
+        raise ConfigError(f"tensor_parallel={tensor_parallel!r} with a searched layout is "
+                          f"planned for a cluster of devices that are not here: pass "
+                          f"devices=pipecompile.cluster(...); under torchrun give the layout "
+                          f"(devices=P, data_parallel=D, tensor_parallel=T)")
     if isinstance(devices, (str, torch.device, DeviceSpec)):
         devices = [devices]
     microbatches, schedule, virtual_stages, checkpoint, memory_limit, bandwidth, timeout, \
@@ -67,8 +68,8 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
             "microbatches", "schedule", "virtual_stages", "checkpoint", "memory_limit",
             "bandwidth", "timeout", "split_points"))
     rest = {**given, "fsdp": fsdp}
-    if tensor_parallel != 1:
-        rest["tensor_parallel"] = tensor_parallel
+    if tensor_parallel != 1 and not isinstance(devices, Cluster):
+        rest["tensor_parallel"] = tensor_parallel  # the given layout, run under torchrun
     if world > 1 and request.layout.searched and not isinstance(devices, Cluster):
         names, ranks = ranks_options(world, devices, fsdp, example)
         return layout_resolved(example, names, ranks, microbatches, schedule, virtual_stages,
@@ -79,14 +80,37 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
     data_parallel = 1 if data_parallel is None else data_parallel
     layout = layout_options(devices, data_parallel, fsdp, example)
     if layout is not None:
+        _check_tensor(devices, layout[1], tensor_parallel)
         return layout_resolved(example, devices, layout, microbatches, schedule,
                                virtual_stages, checkpoint, memory_limit, bandwidth, timeout,
-                               split_points, rest)
+                               split_points, rest,
+                               tensor_parallel=None if tensor_parallel == AUTO
+                               else tensor_parallel)
     return resolve_options(example, devices=devices, microbatches=microbatches,
                            schedule=schedule, virtual_stages=virtual_stages,
                            checkpoint=checkpoint, memory_limit=memory_limit,
                            bandwidth=bandwidth, data_parallel=data_parallel, timeout=timeout,
                            split_points=split_points, **rest)
+
+
+def _check_tensor(devices: Any, data_parallel: int | None, tensor_parallel: Any) -> None:
+    """A given T must divide the devices per node of the cluster (a group is T consecutive
+    devices of one node) and, with D given, the devices / D: else a `ConfigError` naming
+    both."""
+    if tensor_parallel in (1, AUTO) or not isinstance(devices, Cluster):
+        return
+    t, per_node, world = int(tensor_parallel), devices.per_node, len(devices)
+    if per_node % t:
+        divisors = [d for d in range(1, per_node + 1) if per_node % d == 0]
+        raise ConfigError(
+            f"tensor_parallel={t} does not divide the {per_node} GPUs per node of the cluster "
+            f"({world} GPUs): a tensor-parallel group is {t} consecutive GPUs of one node; "
+            f"use one of {divisors} or 'auto'")
+    if data_parallel is not None and world % (data_parallel * t):
+        raise ConfigError(
+            f"data_parallel={data_parallel} x tensor_parallel={t} does not divide the {world} "
+            f"GPUs (P = {world} / (D x T) pipeline stages); use degrees whose product divides "
+            f"{world}")
 
 
 def ranks_options(world: int, devices: Any, fsdp: Any, example: Example | None
@@ -150,12 +174,12 @@ def layout_resolved(example: Example | None, devices: Any,
                     layout: tuple[Cluster | None, int | None, bool | None],
                     microbatches: Any, schedule: Any, virtual_stages: Any, checkpoint: Any,
                     memory_limit: Any, bandwidth: Any, timeout: float, split_points: Any,
-                    rest: dict[str, Any]) -> CompileOptions:
+                    rest: dict[str, Any], *, tensor_parallel: int | None = 1) -> CompileOptions:
     """The options of a compile whose layout is searched: `devices` are all of the job's,
-    the example is the global batch; the search pass picks P, D and FSDP (`auto` names
-    "layout", and "fsdp" when it is "auto")."""
+    the example is the global batch; the search pass picks P, D, T (`tensor_parallel` None:
+    "auto") and FSDP (`auto` names "layout", and "fsdp" when it is "auto")."""
     cluster, fixed, fsdp = layout
-    world = len(devices)
+    world = len(devices) // (tensor_parallel or 1)  # P x D (T "auto": checked per T)
     if fixed is not None and world % fixed:
         raise ConfigError(f"data_parallel={fixed} does not divide the {world} devices; use a "
                           f"divisor of {world} or 'auto'")
@@ -176,7 +200,8 @@ def layout_resolved(example: Example | None, devices: Any,
         raise ConfigError(f"schedule={name!r} cannot be data-parallel; use a synchronous "
                           f"schedule with data_parallel='auto' or a cluster")
     auto = _auto(name, microbatches, virtual_stages, checkpoint) | {"layout"} | (
-        {"fsdp"} if fsdp is None else set()) | ({"data_parallel"} if fixed is None else set())
+        {"fsdp"} if fsdp is None else set()) | ({"data_parallel"} if fixed is None else set()) | (
+        {"tensor_parallel"} if tensor_parallel is None else set())
     start, name, virtual_stages = starting_values(auto, example, name, microbatches,
                                                   virtual_stages)
     dtype = compute_dtype(example.model) if example is not None else None

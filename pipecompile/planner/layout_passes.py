@@ -1,7 +1,9 @@
 """The search pass when the layout is searched (data_parallel="auto", or a cluster): every
 layout of the devices (planner/layout.py) is searched with the schedule search over the
 replica's slice of the global batch, its devices' links, the bytes its devices hold and its
-collectives, and the fastest is kept (planner/layout_search.py).
+collectives, and the fastest is kept (planner/layout_search.py). With `tensor_parallel="auto"`
+the layouts include every T dividing the devices per node, each priced as one rank's share of
+the blocks (planner/tensor_costs.py); a given T is the only one.
 
     layout_search_pass(plan, example, profile) -> plan with choices (layout, P devices) and
                                                   search (the winner's candidates + layouts)
@@ -22,7 +24,10 @@ from ..ir.devices import DeviceSpec
 from ..ir.formats import format_bytes, format_stages
 from .schedule_search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
 from .schedule_search import search as search_plans
-from .layout import Collectives, Layout, layouts, pipeline_specs
+from .layout import Collectives, Layout, layouts, pipeline_specs, tensor_degrees
+from .block_tables import tensor_share
+from .tensor_costs import attention_heads, shard_costs
+from ..ir.records import CostTable
 from .layout_search import StateTooLarge, search_layouts
 
 __all__ = ["layout_search_pass"]
@@ -36,10 +41,13 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
     finest = linearize(captured, granularity=o.granularity or GRANULARITIES[-1])
     given_p = o.given_schedule.num_devices if o.given_schedule is not None else None
     fixed_d = None if "data_parallel" in o.auto else o.data_parallel
+    tables = BlockTables(plan, example, plan.calibration)  # calibrated by the probe
+    degrees = _tensor_degrees(plan, world, tables, example)
     candidates = [lay for lay in layouts(
         world, batch=example.batch, max_pipeline=finest.num_blocks,
         fsdp=None if "fsdp" in o.auto else o.fsdp,
-        nodes=o.cluster.nodes if o.cluster is not None else 1, pipeline=given_p)
+        nodes=o.cluster.nodes if o.cluster is not None else 1, pipeline=given_p,
+        tensor=degrees)
         if fixed_d is None or lay.data_parallel == fixed_d]
     if not candidates:  # D given: it must divide the batch, P = world / D fit the blocks
         enough_blocks(finest, world // (fixed_d or 1), o.granularity)
@@ -47,8 +55,9 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
             f"data_parallel={fixed_d} replicas cannot share the global batch of "
             f"{example.batch} samples; use a batch that is a multiple of {fixed_d}, or "
             f"data_parallel='auto'")
-    tables = BlockTables(plan, example, plan.calibration)  # calibrated by the probe
-    priced: dict[tuple[str, int], BlockTable] = {}
+    priced: dict[tuple[str, int, int], BlockTable] = {}
+    shapes = {n: tuple(p.shape) for n, p in captured.module.named_parameters(
+        remove_duplicate=False)}
 
     def costs_for(layout: Layout, m: int, stages: int) -> BlockTable | None:
         size = captured.microbatch_size(m * layout.data_parallel)
@@ -56,14 +65,22 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         if found is None:
             return None
         linear, costs = found
-        key = (linear.granularity, size)
+        key = (linear.granularity, size, layout.tensor_parallel)
         if key not in priced:
+            costs = _rank_share(costs, layout, size)
             priced[key] = BlockTable.of(costs, linear)
         table = priced[key]
         if not layout.fsdp:
             return table
-        fsdp = BlockTable.of(costs, None, layout)
+        fsdp = BlockTable.of(_rank_share(costs, layout, size), None, layout)
         return replace(table, static_bytes=fsdp.static_bytes)
+
+    def _rank_share(costs: CostTable, layout: Layout, size: int) -> CostTable:
+        share = tensor_share(layout, o.cluster, o.devices[0])
+        if share is None:
+            return costs
+        return shard_costs(costs, share, shapes=shapes, rates=plan.ready.device_model.kernels,
+                           batch_size=size)
 
     def run(layout: Layout):
         local = example.batch // layout.data_parallel
@@ -109,6 +126,36 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         f"{best.virtual_stages} virtual stage(s), recompute stages "
         f"{format_stages(best.recomputed)}: predicted step {best.step * 1e3:.3f} ms "
         f"({len(tried)} layouts, {fits} fit)")
+
+
+def _tensor_degrees(plan: Plan, world: int, tables: BlockTables, example: Example
+                    ) -> tuple[int, ...]:
+    """The tensor-parallel degrees to search: the one asked (it must divide the devices per
+    node, the devices and the query heads of every attention the capture shows: else a
+    `ConfigError` naming both), or with "auto" every divisor of the devices per node that
+    divides the heads."""
+    asked = plan.request.layout.tensor_parallel if plan.request is not None else 1
+    cluster = plan.resolved.cluster
+    per_node = cluster.per_node if cluster is not None else world
+    given = None if asked == "auto" else int(asked)
+    if given == 1:
+        return (1,)
+    size = plan.ready.captured.captured_batch_size
+    found = tables.at(1, size, 1)
+    heads = attention_heads(found[1], size) if found is not None else ()
+    if given is not None:
+        if per_node % given or world % given:
+            raise ConfigError(
+                f"tensor_parallel={given} does not divide the {per_node} devices per node "
+                f"(of {world}); a tensor-parallel group is {given} consecutive devices of one "
+                f"node: use a divisor of {per_node}")
+        bad = [h for h in heads if h % given]
+        if bad:
+            raise ConfigError(
+                f"tensor_parallel={given} does not divide the {bad[0]} attention heads of the "
+                f"model (each rank runs heads / T of them): use a divisor of {bad[0]}")
+        return (given,)
+    return tuple(t for t in tensor_degrees(per_node, None) if all(h % t == 0 for h in heads))
 
 
 def _check_state_fits(table: BlockTable | None, layout: Layout,

@@ -7,7 +7,7 @@ fastest predicted step kept.
 replica's slice of the global batch, the bytes a device holds under it and its collectives
 (layout.py). A layout where nothing fits records why; ties (within `search.TIE`) go to the
 earlier layout in `layouts.layouts`' order (fewer pipeline stages first). When no layout fits,
-the error says so, and that tensor parallelism (not supported) would be needed where even the
+the error says so, and that more tensor parallelism would be needed where even the
 most stages with recomputation leave a stage too big.
 """
 
@@ -29,7 +29,8 @@ __all__ = ["LayoutCandidate", "search_layouts", "TENSOR_PARALLEL_NOTE", "StateTo
 log = logging.getLogger(__name__)
 
 TENSOR_PARALLEL_NOTE = ("bound by tensor parallelism: a stage does not fit even with the most "
-                        "pipeline stages and recomputation (tensor parallelism is not supported)")
+                        "pipeline stages and recomputation (try tensor_parallel='auto' or a "
+                        "larger T)")
 
 
 class StateTooLarge(PartitionMemoryError):
@@ -58,14 +59,15 @@ class LayoutCandidate:
         """Strict JSON (an infinite step as "inf")."""
         lay = self.layout
         return {"pipeline": lay.pipeline, "data_parallel": lay.data_parallel, "fsdp": lay.fsdp,
-                "inner": lay.inner, "step": self.step if self.fits else "inf",
+                "inner": lay.inner, "tensor_parallel": lay.tensor_parallel, "step": self.step if self.fits else "inf",
                 "schedule": self.schedule, "microbatches": self.microbatches,
                 "virtual_stages": self.virtual_stages, "recomputed": self.recomputed,
                 "memory": self.memory, "reason": self.reason}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LayoutCandidate":
-        layout = Layout(data["pipeline"], data["data_parallel"], data["fsdp"], data["inner"])
+        layout = Layout(data["pipeline"], data["data_parallel"], data["fsdp"], data["inner"],
+                        tensor_parallel=int(data.get("tensor_parallel", 1)))
         return cls(layout, float(data["step"]), data["schedule"], data["microbatches"],
                    data["virtual_stages"], data["recomputed"], data["memory"], data["reason"])
 
@@ -120,7 +122,9 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
             f"{len(layouts)}, up to {deepest.pipeline} pipeline stages); "
             f"{TENSOR_PARALLEL_NOTE}. The closest: {detail} Each layout: "
             + "; ".join(f"{c.layout.pipeline} x {c.layout.data_parallel}"
-                        f"{' FSDP' if c.layout.fsdp else ''}: {c.reason}" for c in found),
+                        + (f" x TP{c.layout.tensor_parallel}" if c.layout.tensor_parallel > 1
+                           else "")
+                        + f"{' FSDP' if c.layout.fsdp else ''}: {c.reason}" for c in found),
             memory_needed=min(errors)[0] if errors else 0.0, devices_needed=None)
     fastest = min(c.step for c in fitting)
     winner = min((c for c in fitting if c.step <= fastest * (1 + tie)), key=lambda c: order[id(c)])

@@ -72,7 +72,9 @@ def throughput(plan: Plan) -> Throughput | None:
     spec = o.devices[0]
     accelerator = accelerator_of(spec) if spec.absolute else None
     peak = accelerator.peak(compute_dtype(captured.module)) if accelerator else None
-    return Throughput(plan.predicted.makespan, len(o.devices) * replicas, samples,
+    chosen = plan.choices.layout if plan.choices is not None else None
+    tensor = chosen.tensor_parallel if chosen is not None else 1  # T ranks per position
+    return Throughput(plan.predicted.makespan, len(o.devices) * replicas * tensor, samples,
                       _tokens(plan, samples), model_flops, peak)
 
 

@@ -154,6 +154,8 @@ def run_cases(rank: int, cases: list[tuple[str, int, str]], replicas: int = 1,
             "state": state, "norm": norm, "torch_norm": torch_norm, "comms": comms,
             "loss2": loss2.item(), "eval": evaluated, "forward": forward, "saved": saved,
             "explain": pipe.explain(),
+            "layout": (pipe.layout.pipeline, pipe.layout.data_parallel,
+                       pipe.layout.tensor_parallel),
             "dtensor": all(isinstance(p, DTensor) for p in pipe.parameters())}
         dist.barrier()
     return results

@@ -70,6 +70,8 @@ def _check(results, case, replicas=1):
     loss, grads, params, loss2, _ = _reference(case[0], 2 * replicas)
     for rank, r in enumerate(results):
         got = r[case]
+        P, T = case[1], len(results) // (case[1] * replicas)
+        assert got["layout"] == (P, replicas, T)  # pipe.layout reports the given T
         assert abs(got["loss"] - loss) <= 1e-10, (rank, got["loss"], loss)
         assert abs(got["loss2"] - loss2) <= 1e-9, (rank, got["loss2"], loss2)  # after AdamW
         # the same weights, forward only: eval_step and pipe(x) on every rank

@@ -19,14 +19,16 @@ def test_asked_beside_resolved_one_row_per_resolved_value():
     r = pipe.plan.resolved
     lines = explain_resolution(pipe.plan).splitlines()
     assert [line.split()[0] for line in lines] == [
-        "option", "layout", "devices", "topology", "schedule", "microbatches", "virtual",
-        "recomputation"]
+        "option", "layout", "tensor_parallel", "devices", "topology", "schedule",
+        "microbatches", "virtual", "recomputation"]
     rows = {line[:16].strip(): line[16:].split("  ")[0].strip() for line in lines[1:]}
-    assert rows == {"layout": "data_parallel=None, fsdp=False", "devices": "['cpu', 'cpu']",
+    assert rows == {"layout": "data_parallel=None, fsdp=False", "tensor_parallel": "1",
+                    "devices": "['cpu', 'cpu']",
                     "topology": "-", "schedule": "'1f1b'", "microbatches": "'auto'",
                     "virtual stages": "'auto'", "recomputation": "False"}
-    assert lines[4].endswith("  1f1b") and lines[5].endswith(f"  {r.microbatches}")
-    assert lines[2].endswith("  cpu, cpu") and lines[3].endswith("  one process")
+    assert lines[5].endswith("  1f1b") and lines[6].endswith(f"  {r.microbatches}")
+    assert lines[3].endswith("  cpu, cpu") and lines[4].endswith("  one process")
+    assert lines[2].endswith("  1")  # no tensor parallelism
     assert lines[1].endswith("  2 pipeline x 1 replica(s)")
     assert pipe.explain().endswith("\n\n" + "\n".join(lines))
     loaded = explain_resolution(replace(pipe.plan, request=None)).splitlines()

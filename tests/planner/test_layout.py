@@ -115,7 +115,7 @@ def test_no_layout_fitting_names_tensor_parallelism():
     def run(layout):
         raise PartitionMemoryError("a stage needs 90 GB", memory_needed=90e9, devices_needed=None)
 
-    with pytest.raises(PartitionMemoryError, match="tensor parallelism is not supported"):
+    with pytest.raises(PartitionMemoryError, match="bound by tensor parallelism"):
         search_layouts([Layout(1, 2), Layout(2, 1)], run)
     assert "tensor parallelism" in TENSOR_PARALLEL_NOTE
 

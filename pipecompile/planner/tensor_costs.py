@@ -1,0 +1,231 @@
+"""Each rank's share of a block's costs under tensor parallelism (T ranks shard each layer).
+
+    shard_costs(costs, share, shapes=, rates=, batch_size=) -> the CostTable one rank of T runs
+    attention_heads(costs, batch_size)               -> the query heads of each attention
+
+What is sharded is estimated from the captured blocks by one rule, the rule a Megatron-style
+sharding pass follows (the runtime's pass decides per op when it runs; this prices the same
+choice ahead of time):
+
+- a **weight matmul** (a GEMM recorded with no batch dimension: linear, mm, addmm) whose
+  output width n or inner size k divides by T runs 1/T of its FLOPs on each rank: priced as
+  the GEMM (m, n/T, k) (column-parallel) where T divides n and n >= k, else (m, n, k/T)
+  (row-parallel); the output layer's GEMM over the vocabulary is one of them (vocabulary-
+  parallel). A batched GEMM whose batch (batch x heads) divides by T is attention written
+  out as matmuls (QK^T, then by V: two per attention) and runs batch / T on each rank;
+- **fused attention** runs heads / T of its heads on each rank;
+- **memory-bound kernels** (norms, residual adds, softmax, elementwise, the loss) run whole on
+  every rank, replicated, except those over the MLP's intermediate or the vocabulary (bytes
+  per token a whole multiple of the widest side of the block's sharded GEMMs, when that side
+  is wider than the narrowest: the MLP's activation and product, the vocabulary-parallel
+  loss), which run 1/T. Rotary embeddings on the sharded queries and keys stay whole (their
+  width is the model's): an overestimate. With sequence parallelism every memory-bound
+  kernel runs on 1/T of the tokens;
+- **parameters, gradients and optimizer state**: every parameter with two or more dimensions
+  one of whose first two divides by T is held 1/T per rank (Megatron shards every weight
+  matrix and the vocabulary of the embedding); vectors (norm weights, biases) are replicated;
+- **activations kept for backward**: a block with a sharded weight matmul keeps
+  10/34 + 24/(34 T) of them per rank (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", arXiv 2205.05198, section 4: a transformer
+  layer keeps s b h (34 + 5 a s / h) bytes at 16 bits, s b h (10 + 24 / t + 5 a s / (h t))
+  under tensor parallelism; with fused attention the a s / h term is gone), all of them / T
+  with sequence parallelism (34 / t); other blocks keep theirs whole;
+- **collectives**, on the critical path (not overlapped with compute: Megatron-LM's
+  all-reduces wait for the matmul that feeds them): each column/row pair ends in one
+  all-reduce of the pair's output in forward and one of its input gradient in backward
+  (Narayanan et al. SC'21, section 2.3: 2 all-reduces per transformer layer in forward and 2
+  in backward). A block runs one pair per attention (fused, or two batched GEMMs; bytes: the
+  attention's query, b s h, or b s times the narrowest sharded side) plus one for its MLP
+  when it also has a weight matmul wider than the attention; a
+  block without attention that holds a sharded weight runs one pair of its output boundary's
+  bytes (an MLP block; the vocabulary-parallel embedding). With sequence parallelism each
+  all-reduce is a reduce-scatter and an all-gather of the same bytes: the same time on a ring
+  (planner/collectives.py). Priced over the group's link (NVLink inside a node).
+
+Pipeline messages stay whole (each rank of a group sends the full boundary to its counterpart
+in the next stage, the T messages in parallel over their own links). The FLOP counts of the
+blocks stay the model's (what MFU counts); their times, bytes and activations are one rank's.
+Pure: a new table, the input unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping, Sequence
+
+import sympy
+
+from ..ir.records import CostTable, evaluate
+from ..passes.annotate import PricedBlockCost
+from ..passes.kernels import FLASH_BACKWARD, HardwareRates, Kernels
+from .cluster import Link
+from .collectives import Group, all_reduce
+
+__all__ = ["TensorShare", "shard_costs", "attention_heads", "REPLICATED_ACTIVATIONS"]
+
+#: Of a transformer layer's 34 s b h activation bytes, those tensor parallelism leaves whole
+#: (the layer norms' inputs and the dropout masks; Korthikanti et al. 2022, section 4.2.2).
+REPLICATED_ACTIVATIONS = 10 / 34
+
+
+@dataclass(frozen=True)
+class TensorShare:
+    """T ranks sharding each layer, their group's link, and whether they run sequence
+    parallelism (reduce-scatter + all-gather instead of all-reduce; norms on 1/T)."""
+
+    degree: int
+    link: Link
+    sequence_parallel: bool = False
+
+    def all_reduce(self, nbytes: float) -> float:
+        """Seconds of one all-reduce of `nbytes` over the group (one node, a ring)."""
+        return all_reduce(nbytes, Group(self.degree, 1), self.link, self.link)
+
+
+def _value(costs: CostTable) -> Callable[[sympy.Expr], float]:
+    return lambda e: evaluate(e, costs.sizes)
+
+
+def _sharded_param(shape: Sequence[int] | None, t: int) -> bool:
+    return shape is not None and len(shape) >= 2 and any(d % t == 0 for d in shape[:2])
+
+
+@dataclass(frozen=True)
+class _Sharded:
+    """What `_shard_kernels` found: one rank's kernels and backward FLOPs, and the block's
+    shape as the sharded GEMMs show it."""
+
+    kernels: Kernels
+    backward_flops: float
+    widest: int  # the widest side of a sharded weight matmul (0: none)
+    narrowest: int  # its narrowest side (the model width h of a transformer layer)
+    tokens: float  # rows of the weight matmuls (b s)
+    itemsize: int
+    unfused: int  # attentions written as two batched GEMMs each (QK^T, then by V)
+
+
+def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
+                   backward_flops: float, sequence: bool) -> _Sharded:
+    """One rank's share of a block's kernels (module docstring)."""
+    gemms, full, mine, itemsize, batched = [], 0.0, 0.0, 2, 0
+    tokens, sides = 0.0, []
+    for m, n, kk, batch, size, count in k.gemms:
+        mv, nv, kv, bv = (value(x) for x in (m, n, kk, batch))
+        flops = 2 * mv * nv * kv * bv * count
+        full += flops
+        itemsize = size
+        ni, ki = int(round(nv)), int(round(kv))
+        if bv == 1 and (ni % t == 0 or ki % t == 0):  # a weight matmul (module docstring)
+            if ni % t == 0 and (ni >= ki or ki % t):
+                n = n / t
+            else:
+                kk = kk / t
+            mine += flops / t
+            tokens = max(tokens, mv)
+            sides += [ni, ki]
+        elif bv > 1 and int(round(bv)) % t == 0:  # batch x heads: attention by heads
+            batch = batch / t
+            mine += flops / t
+            batched += count
+        else:
+            mine += flops
+        gemms.append((m, n, kk, batch, size, count))
+    share = mine / full if full > 0 else 1.0
+    counted = value(k.attention_counted)
+    matmul_backward = max(0.0, backward_flops - FLASH_BACKWARD * counted)
+    backward = matmul_backward * share + FLASH_BACKWARD * counted / t
+    # a memory-bound kernel over the MLP's intermediate (or the vocabulary): its bytes per
+    # token a multiple of the widest sharded side above the model width (the narrowest side)
+    wide = max(sides) if sides and max(sides) > min(sides) else 0
+    moves = tuple((b / t, c) if sequence or _inner(value(b), tokens, wide) else (b, c)
+                  for b, c in k.moves)
+    memory = sum((b * c for b, c in moves), sympy.Integer(0))
+    sharded = Kernels(
+        matmuls=tuple((f * share, b * share) for f, b in k.matmuls),
+        attention=k.attention / t, attention_counted=k.attention_counted / t,
+        memory=memory if k.moves else k.memory / (t if sequence else 1),
+        launches=k.launches, gemms=tuple(gemms),
+        flash=tuple((heads / t, s_q, s_k, d, causal, count)
+                    for heads, s_q, s_k, d, causal, count in k.flash),
+        moves=moves)
+    return _Sharded(sharded, backward, max(sides, default=0), min(sides, default=0), tokens,
+                    itemsize, batched // 2)
+
+
+def _inner(nbytes: float, tokens: float, wide: int) -> bool:
+    """Whether a memory-bound kernel of `nbytes` over `tokens` rows runs inside a sharded
+    pair: its bytes per row a whole multiple of the MLP's (or vocabulary's) width `wide`."""
+    if wide <= 0 or tokens <= 0:
+        return False
+    per_row = nbytes / tokens
+    return per_row >= wide and abs(per_row / wide - round(per_row / wide)) < 1e-9
+
+
+def shard_costs(costs: CostTable, share: TensorShare, *,
+                shapes: Mapping[str, Sequence[int]], rates: HardwareRates | None,
+                batch_size: int) -> CostTable:
+    """The table of what one of `share.degree` ranks runs and holds per block (module
+    docstring); `shapes`: each parameter's shape by the name the blocks use; `rates`: the
+    kernel model of the device (None or a block not priced by kernels: its time stays whole,
+    only its bytes shard); `batch_size`: the micro-batch size `costs` is evaluated at."""
+    t = share.degree
+    if t <= 1:
+        return costs
+    value = _value(costs)
+    symbolic, blocks = [], []
+    for i, (c, x) in enumerate(zip(costs.symbolic, costs.blocks)):
+        sizes = [math.prod(shapes[n]) for n in c.parameters if n in shapes]
+        held = sum(math.prod(shapes[n]) / t if _sharded_param(shapes[n], t)
+                   else math.prod(shapes[n]) for n in c.parameters if n in shapes)
+        keep = held / sum(sizes) if sum(sizes) > 0 else 1.0
+        forward, backward, widest, pairs, nbytes = 1.0, 1.0, 0, 0, 0.0
+        if isinstance(c, PricedBlockCost) and rates is not None:
+            found = _shard_kernels(c.kernels, t, value, x.backward_flops,
+                                   share.sequence_parallel)
+            widest = found.widest
+            f0, b0 = c.kernels.times(x.backward_flops, rates, value)
+            f1, b1 = found.kernels.times(found.backward_flops, rates, value)
+            forward = f1 / f0 if f0 > 0 else 1.0
+            backward = b1 / b0 if b0 > 0 else 1.0
+            # one pair per attention (its b s h bytes), one more for an MLP beside it
+            attentions = sum(count for *_, count in c.kernels.flash) or found.unfused
+            width: float = found.narrowest
+            nbytes = found.tokens * found.narrowest * found.itemsize
+            for heads, s_q, _, d, _, count in c.kernels.flash:
+                width = value(heads) / max(1, batch_size) * value(d)  # h = heads x d
+                nbytes = value(heads) * value(s_q) * value(d) * found.itemsize
+            pairs = attentions * (2 if widest > width else 1)
+            if not attentions and (widest or keep < 1):
+                pairs, nbytes = 1, costs.cut_bytes[i + 1]
+        elif keep < 1:  # a block held sharded that is not priced by kernels
+            pairs, nbytes = 1, costs.cut_bytes[i + 1]
+        collective = pairs * share.all_reduce(nbytes)
+        layer = widest > 0
+        act = (1 / t if share.sequence_parallel else
+               REPLICATED_ACTIVATIONS + (1 - REPLICATED_ACTIVATIONS) / t) if layer else 1.0
+        symbolic.append(replace(c, param_bytes=int(round(c.param_bytes * keep)),
+                                grad_bytes=int(round(c.grad_bytes * keep)),
+                                optimizer_bytes=int(round(c.optimizer_bytes * keep)),
+                                activation_bytes=c.activation_bytes * act))
+        blocks.append(replace(x, forward_time=x.forward_time * forward + collective,
+                              backward_input_time=x.backward_input_time * backward + collective,
+                              backward_weight_time=x.backward_weight_time * backward,
+                              static_bytes=x.static_bytes * keep,
+                              activation_bytes=x.activation_bytes * act))
+    note = (f"tensor parallel {t}: each rank's share of the blocks, collectives over "
+            f"{share.link.name}" + (", sequence parallel" if share.sequence_parallel else ""))
+    return replace(costs, symbolic=tuple(symbolic), blocks=tuple(blocks),
+                   notes=(*costs.notes, note))
+
+
+def attention_heads(costs: CostTable, batch_size: int) -> tuple[int, ...]:
+    """The query heads of each fused attention the blocks run (batch x heads recorded, at
+    micro-batch `batch_size`), once per distinct count; () when the capture shows none."""
+    value = _value(costs)
+    found = set()
+    for c in costs.symbolic:
+        if isinstance(c, PricedBlockCost):
+            for heads, *_ in c.kernels.flash:
+                found.add(int(round(value(heads) / max(1, batch_size))))
+    return tuple(sorted(found))
