@@ -23,9 +23,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _common as C  # noqa: E402
 
 import pipecompile as pc  # noqa: E402
 from pipecompile import zoo  # noqa: E402
@@ -60,11 +61,10 @@ def _timed(pipe, x, y, steps: int) -> list[float]:
     return times
 
 
-def _rank(rank, world, port, quick, steps, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank, world, quick, steps):
+    """One rank (`C.spawn` started it, in its gloo group): its step time, all-reduce calls and
+    bytes of one step, and the parameter elements it holds."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     model, x, y = _setup(quick)
     pipe = pc.compile(model, (x,), devices=1, tensor_parallel=world, microbatches=M,
                       schedule="gpipe", loss_fn=zoo.lm_loss)
@@ -83,8 +83,7 @@ def _rank(rank, world, port, quick, steps, queue):
     finally:
         dist.all_reduce = original
     local = sum(p.to_local().numel() for p in pipe.parameters())
-    queue.put((rank, statistics.median(times), counted["calls"], counted["bytes"], local))
-    dist.destroy_process_group()
+    return rank, statistics.median(times), counted["calls"], counted["bytes"], local
 
 
 def main() -> None:
@@ -98,18 +97,7 @@ def main() -> None:
     single = statistics.median(_timed(pc.compile(model, (x,), devices=1, microbatches=M,
                                                  schedule="gpipe", loss_fn=zoo.lm_loss),
                                       x, y, args.steps))
-    from tests.distributed.ranks import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args.quick, args.steps, queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    results = C.spawn(_rank, 2, args.quick, args.steps)
     s = _sizes(args.quick)
     per = s["batch"] // M * s["seq"] * s["dim"] * 4
     expected = 4 * s["layers"] * M
