@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from ..passes.tensor_shard import Placement, ShardPlan
+    from ..ir.shard_plan import Placement, ShardPlan
     from ..ir.records import StagedProgram
     from .distributed import Topology
 

@@ -55,5 +55,6 @@ def test_combinations_not_built_yet_are_refused(monkeypatch, options, what):
 def test_a_searched_layout_with_tensor_parallelism_is_refused(monkeypatch):
     _torchrun(monkeypatch, 4)
     model, x = _gpt()
-    with pytest.raises(ConfigError, match="searched layout or a cluster is not built yet"):
+    with pytest.raises(ConfigError, match="with a searched layout is planned for a cluster "
+                                          "of devices that are not here"):
         pc.compile(model, example_inputs=(x,), tensor_parallel="auto", loss_fn=zoo.lm_loss)

@@ -156,7 +156,9 @@ def test_a_degree_that_does_not_divide_the_node_or_the_heads_is_refused():
                                           r"heads"):
         heads2, _ = _gpt(heads=2)
         pc.compile(heads2, (ids,), devices=C, data_parallel="auto", tensor_parallel=4)
-    with pytest.raises(ConfigError, match="planned for a cluster"):
+    # a given T on this machine's devices runs under torchrun only (the runtime's path)
+    with pytest.raises(ConfigError, match="launch devices=2 x data_parallel=1 x "
+                                          "tensor_parallel=2 = 4 ranks with torchrun"):
         pc.compile(model, (ids,), devices=2, tensor_parallel=2)
 
 

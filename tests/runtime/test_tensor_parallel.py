@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pipecompile.passes.tensor_shard import Placement
+from pipecompile.ir.shard_plan import Placement
 from pipecompile.runtime.tensor_parallel import local_slice, placement_of
 
 

@@ -1,0 +1,18 @@
+"""ir/shard_plan.py: the records of a tensor-parallel split say what was split and why the
+rest stayed whole."""
+
+from __future__ import annotations
+
+from pipecompile.ir.shard_plan import Placement, ShardPlan
+
+
+def test_a_plan_summarises_its_pairs_and_what_stayed_replicated():
+    fused = Placement(dim=0, parts=(8, 8, 8), role="column")
+    row = Placement(dim=1, parts=(8,), role="row")
+    plan = ShardPlan(2, {"qkv.weight": fused, "proj.weight": row}, columns=("addmm",),
+                     rows=("addmm_1",), notes=("lm_head: reaches a graph output",))
+    assert repr(fused) == "Placement(column, dim=0, parts=[8, 8, 8])"
+    assert repr(row) == "Placement(row, dim=1)"
+    assert plan.summary() == ("1 column- and 1 row-parallel matmuls, 2 parameters split over 2; "
+                              "replicated: lm_head: reaches a graph output")
+    assert ShardPlan(4, {}).summary() == "nothing to shard at T=4: every parameter replicated"
