@@ -8,4 +8,5 @@
     rng.py            per-micro-batch random streams (capture seeds graphs, the runtime draws)
     compile_cache.py  one bounded, content-keyed cache of what compiling measures or derives
     progress.py       what compile is doing, logged: each pass as it ends, counts of long loops
+    shard_plan.py     a tensor-parallel split: each parameter's placement, what stayed whole
 """

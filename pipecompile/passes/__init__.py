@@ -10,4 +10,6 @@
     partition.py  the chain cut into pipeline stages: the placement policy
     split.py      one fx.GraphModule per stage, with named inputs and outputs
     eval_mode.py  the inference version of a graph captured in training mode
+    tensor_shard.py  tensor parallelism: column/row pairs chosen from a stage graph, lowered
+                  to local shards plus Megatron's copy/reduce (per-op rules: tensor_rules.py)
 """
