@@ -16,6 +16,7 @@ stage, so every copy of every parameter sees the same gradient and stays bit-ide
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import hashlib
@@ -98,6 +99,14 @@ def rank_device() -> str:
     return "cpu"
 
 
+def _destroy_at_exit() -> None:
+    """The process group pipecompile started is destroyed before the interpreter tears down:
+    left to teardown, a backend thread can die joinable and abort the rank after its work
+    ("terminate called without an active exception", seen once in a two-launcher test)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def topology_from_environment(pipeline_size: int, data_parallel: int,
                               timeout: float, tensor_parallel: int = 1) -> Topology | None:
     """The topology if this process is one rank of several (initialising the process group
@@ -113,6 +122,7 @@ def topology_from_environment(pipeline_size: int, data_parallel: int,
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        atexit.register(_destroy_at_exit)
     world = dist.get_world_size()
     if world == 1:
         return None
