@@ -57,7 +57,13 @@ SentencePiece tokenizer's; it gives the parameter counts the paper names: 1.48B,
 14.64B, 28.29B), bfloat16 on meta, compiled for `cluster("a100", nodes=GPUs / 8,
 per_node=8)` (NVLink inside a node, one HDR 200 Gb/s NIC per GPU across: the paper's RoCE
 network's speed is not given) with `data_parallel=1, schedule=..., microbatches=m,
-checkpoint=False`: the plan's own placement and its predicted step.
+checkpoint=False`: the plan's own placement and kernel prices. The plan's step ("plan step")
+is pipecompile's runtime's; the error is of the step as Megatron-LM runs the same schedule
+(`megatron_runtime`: its mixed-precision optimizer with fp32 master weights, 1F1B's blocking
+exchanges, the tied embedding's gradient all-reduce), each from that repository's code.
+PUBLISHED_ROWS="14.6B, 1F1B;28.3B" runs only the Zero Bubble rows naming one of its parts;
+PUBLISHED_SKIP_TP=1 leaves out the tensor-parallel section; PUBLISHED_ONLY=zb the torchtitan
+rows too.
 
 Tensor-parallel runs (TP x PP x DP: Megatron-LM SC'21, BLOOM-176B, Llama 3 405B) are the last
 section, in bench/_published_tp.py.
@@ -139,6 +145,8 @@ NEW_PIPELINE_RUNS = [
     ("Zero Bubble 14.6B, ZB-1p as zb-h1, m=48, 2 nodes", 46, 5120, 40, 1, 48, 16, "zb-h1", 1.61),
 ]
 ZB_SEQ, ZB_VOCAB, PER_NODE = 1024, 32000, 8
+#: PUBLISHED_ROWS="14.6B, 1F1B;28.3B": only the Zero Bubble rows whose name holds one of these
+ROWS = [part for part in os.environ.get("PUBLISHED_ROWS", "").split(";") if part]
 
 
 def predict_pipeline(layers: int, hidden: int, heads: int, size: int, m: int, gpus: int,
@@ -148,14 +156,66 @@ def predict_pipeline(layers: int, hidden: int, heads: int, size: int, m: int, gp
     model, args, kwargs = megatron_gpt(layers, hidden, heads, size * m, seq=ZB_SEQ,
                                        vocab=ZB_VOCAB)
     cluster = pc.cluster("a100", nodes=max(1, gpus // PER_NODE), per_node=min(gpus, PER_NODE))
+    cuts = None
+    if os.environ.get("PUBLISHED_LAYOUT") == "megatron":
+        sizes = megatron_layout(layers, gpus)
+        cuts = [f"transformer.h.{sum(sizes[:i])}" for i in range(1, gpus)]
     pipe = pc.compile(model, args, kwargs, devices=cluster, data_parallel=1, schedule=schedule,
-                      microbatches=m, checkpoint=False, optimizer=lambda p: torch.optim.AdamW(p))
-    step = pipe.predicted.makespan
+                      microbatches=m, checkpoint=False, optimizer=lambda p: torch.optim.AdamW(p),
+                      split_points=cuts)
+    timeline = megatron_runtime(pipe, cluster, schedule, embedding=ZB_VOCAB * hidden)
     layers_per_stage = [sum(b.name.startswith("transformer.h.") for b in blocks)
                         for blocks in _stage_blocks(pipe)]
+    step = timeline.makespan
     return dict(n=sum(p.numel() for p in model.parameters()), step=step,
-                samples=size * m / step / gpus, bubble=pipe.predicted.bubble_fraction,
-                layers=layers_per_stage)
+                plan_step=pipe.predicted.makespan, samples=size * m / step / gpus,
+                bubble=timeline.bubble_fraction, layers=layers_per_stage)
+
+
+def megatron_layout(layers: int, stages: int) -> list[int]:
+    """Layers per stage as the paper's script ran them: `--allow-padding-num-layers` pads the
+    count to a multiple of the stages and takes the padding from the last stage, then the
+    first (megatron/arguments.py and ParallelTransformer.get_offset at 425b42e)."""
+    per = -(-layers // stages)
+    sizes = [per] * stages
+    for index in range(-1, per * stages - layers - 1):
+        sizes[index] -= 1
+    return sizes
+
+
+def megatron_runtime(pipe, cluster, schedule: str, *, embedding: int):
+    """The plan's schedule and kernel prices, simulated as the Zero Bubble repository's
+    Megatron-LM runs them (sail-sg/zero-bubble-pipeline-parallelism at 425b42e, fp16):
+
+    - the optimizer step is Megatron's mixed-precision one (`Float16OptimizerWithFloat16Params`:
+      fp32 master weights and Adam moments, 60 bytes moved per parameter with the loss scale
+      and clipping: `kernel_prices.mixed_precision_bytes`), not a bf16 AdamW's 20;
+    - 1F1B's point-to-point exchanges block (p2p_communication._communicate: batched
+      isend/irecv, `req.wait()`, then `torch.cuda.synchronize()`, batch_p2p_sync=True by
+      default): each message's latency + bytes / link is spent on the sender's device
+      (`simulate(..., blocking=True)`); the ZB schedules' sends are asynchronous
+      (zb_schedules.py: isend, waited on only by the consumer), as the plan prices them;
+    - 1F1B all-reduces the tied word embedding's fp16 gradient between the first and the last
+      stage before the optimizer step (finalize_model_grads: `_allreduce_word_embedding_grads`,
+      synchronous; the ZB schedules run it asynchronously, hidden), over the link between
+      their devices (planner/collectives.py's ring)."""
+    from dataclasses import replace
+
+    from pipecompile.passes.kernel_prices import CHIPS, mixed_precision_optimizer_seconds
+    from pipecompile.planner.collectives import all_reduce
+    from pipecompile.schedule.simulate import simulate
+
+    plan, bandwidth = pipe.plan, CHIPS["a100"].bandwidth
+    stages = pipe.program.stages
+    nodes = max(1, len(stages) // PER_NODE)
+    tied = all_reduce(2 * embedding, Group(2, 1) if nodes == 1 else Group(1, 2),
+                      cluster.intra, cluster.inter) if schedule == "1f1b" else 0.0
+    costs = []
+    for s, c in enumerate(plan.stage_costs):
+        step = mixed_precision_optimizer_seconds(bandwidth, stages[s].cost.params)
+        costs.append(replace(c, teardown=step + (tied if s in (0, len(stages) - 1) else 0.0)))
+    return simulate(plan.schedule, costs, transfers=plan.transfers, overhead=plan.overhead,
+                    blocking=schedule == "1f1b")
 
 
 def _stage_blocks(pipe) -> list:
@@ -169,7 +229,7 @@ def main() -> None:
     if os.environ.get("PUBLISHED_ONLY") != "zb":
         errors = _torchtitan()
     _zero_bubble(errors)
-    if os.environ.get("PUBLISHED_ONLY") != "zb":
+    if os.environ.get("PUBLISHED_ONLY") != "zb" and not os.environ.get("PUBLISHED_SKIP_TP"):
         _published_tp.main()  # the tensor-parallel runs: their own table and error
 
 
@@ -202,16 +262,22 @@ def _zero_bubble(errors: list[float]) -> None:
         print(f"\n## Zero Bubble (Qi et al., ICLR 2024), {title}")
         rows = []
         for name, layers, hidden, heads, size, m, gpus, schedule, published in runs:
+            if ROWS and not any(part in name for part in ROWS):
+                continue
             start = time.perf_counter()
             p = predict_pipeline(layers, hidden, heads, size, m, gpus, schedule)
             rows.append((name, f"{p['n'] / 1e9:.2f}B", "/".join(map(str, p["layers"])),
-                         f"{p['step']:.3f}", f"{p['bubble']:.1%}", f"{p['samples']:.3f}",
+                         f"{p['plan_step']:.3f}", f"{p['step']:.3f}", f"{p['bubble']:.1%}",
+                         f"{p['samples']:.3f}",
                          f"{published:.2f}", f"{p['samples'] / published - 1:+.1%}",
                          f"{time.perf_counter() - start:.0f}"))
             print(" | ".join(rows[-1]), flush=True)
-        print(C.table(rows, ("run", "params", "layers per stage", "step s", "bubble",
-                             "samples/s/GPU pred.", "published", "error", "plan s")))
-        signed = [float(r[7].rstrip("%")) for r in rows]
+        if not rows:
+            continue
+        print(C.table(rows, ("run", "params", "layers per stage", "plan step s",
+                             "Megatron step s", "bubble", "samples/s/GPU pred.", "published",
+                             "error", "plan s")))
+        signed = [float(r[8].rstrip("%")) for r in rows]
         print(f"mean absolute error {sum(map(abs, signed)) / len(signed):.1f} %")
         pipeline += signed
     every = errors + pipeline

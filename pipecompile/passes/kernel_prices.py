@@ -6,6 +6,7 @@ Pure functions of a kernel's shape and a `Chip` (the figures of one GPU); no tor
     attention_seconds(chip, heads, s_q, s_k, d, causal=, backward=)   FlashAttention-2
     memory_seconds(chip, nbytes)               a memory-bound kernel moving `nbytes`
     optimizer_seconds(chip, param_bytes, grad_bytes, state_bytes)     AdamW + clipping
+    mixed_precision_optimizer_seconds(bandwidth, parameters)   Adam over fp32 master weights
 
 Matmul (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning Performance
 docs): cuBLAS splits the output into tiles (256x128, 128x256, 128x128, 64x64 here), one tile
@@ -49,6 +50,7 @@ from dataclasses import dataclass, replace
 
 __all__ = ["Chip", "Attention", "CHIPS", "matmul_seconds", "matmul_efficiency",
            "attention_seconds", "attention_efficiency", "memory_seconds", "optimizer_seconds", "ADAMW_PASSES", "CLIP_PASSES",
+           "mixed_precision_bytes", "mixed_precision_optimizer_seconds",
            "FLASH_BLOCK", "SOFTMAX_HEAD_DIM",
            "MEMORY_EFFICIENCY"]
 
@@ -177,6 +179,37 @@ def optimizer_seconds(bandwidth: float, param_bytes: float, grad_bytes: float,
     if clip:
         moved += CLIP_PASSES * grad_bytes
     return moved / bandwidth
+
+
+def mixed_precision_bytes(*, model_bytes: int = 2, loss_scale: bool = True,
+                          clip: bool = True) -> float:
+    """Bytes one parameter moves in a step of Megatron-LM's mixed-precision optimizer
+    (`Float16OptimizerWithFloat16Params.step`, megatron/optimizer/optimizer.py): 16-bit model
+    weights and gradients of `model_bytes`, fp32 master weights and fp32 Adam moments:
+
+        gradients to fp32 (`main_grad.float()`)          read model_bytes, write 4
+        unscale + inf check (fp16's loss scale)           read 4, write 4
+        clip by the global norm: norm, then scale          read 4; read 4, write 4
+        Adam (apex FusedAdam over fp32)                    read 4 x 4, write 3 x 4
+        master weights back to the model's                 read 4, write model_bytes
+
+    fp16 with clipping: 60 bytes per parameter; bf16 without a loss scale: 52."""
+    moved = (model_bytes + 4) + 4 * 4 + 3 * 4 + (4 + model_bytes)
+    if loss_scale:
+        moved += 2 * 4
+    if clip:
+        moved += CLIP_PASSES * 4
+    return float(moved)
+
+
+def mixed_precision_optimizer_seconds(bandwidth: float, parameters: float, *,
+                                      model_bytes: int = 2, loss_scale: bool = True,
+                                      clip: bool = True) -> float:
+    """Seconds of Megatron-LM's mixed-precision optimizer step over `parameters` at
+    `bandwidth` (sustained bytes/s): `mixed_precision_bytes` per parameter, every kernel
+    memory-bound (multi-tensor elementwise and reductions)."""
+    return parameters * mixed_precision_bytes(model_bytes=model_bytes, loss_scale=loss_scale,
+                                              clip=clip) / bandwidth
 
 
 TERA = 1e12

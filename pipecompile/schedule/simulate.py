@@ -26,7 +26,10 @@ last backward sends: the layout's collectives that the step waits for (an
 FSDP all-gather before the first forward, a gradient reduction and optimizer step after the
 last backward). A ``SEND`` takes no time; a ``RECV`` lasts from when its device reaches it until the value
 arrives (waiting, not counted as compute). Schedules with or without explicit communication give
-the same times.
+the same times. With ``blocking=True`` (a runtime whose sends block, as Megatron-LM's
+p2p_communication waits on its batched isend/irecv and synchronizes the device after each
+exchange), a ``SEND`` occupies its device until its message has arrived: the message's time
+is spent on the sender's device, and the receiver has the value when the send ends.
 
 Devices that share cores (``cores``): worker threads of one process on a CPU compete for its
 cores. With ``cores=c``, when k > c compute actions run at once each progresses at c/k of its
@@ -60,6 +63,7 @@ __all__ = ["StageCosts", "Event", "Transfer", "Timeline", "simulate", "inflight"
 Transfers = Union[Mapping[tuple[int, int, str], float], Callable[[int, int, str], float]]
 
 _COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.STEP)
+_SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
 @dataclass(frozen=True)
@@ -293,6 +297,7 @@ def simulate(
     transfers: Transfers | None = None,
     overhead: float = 0.0,
     validated: bool = False,
+    blocking: bool = False,
 ) -> Timeline:
     """Predict when every action of a valid ``schedule`` runs; ``costs[s]`` is stage s's
     compute time.
@@ -302,7 +307,8 @@ def simulate(
     links (see `validate`); ``transfers``: seconds per message; ``overhead``: the fixed seconds
     every F, B, I and W action and every message between devices costs on top (dispatch, Python,
     launch, message latency); ``validated``: the schedule was validated already (by
-    `make_schedule`), skip that (the planning search simulates many); see the module docstring.
+    `make_schedule`), skip that (the planning search simulates many); ``blocking``: each
+    explicit ``SEND`` lasts its message's time on the sender's device; see the module docstring.
     """
     if not 0 <= overhead < float("inf"):
         raise ScheduleError(f"simulate: overhead must be finite and >= 0, got {overhead}")
@@ -316,15 +322,24 @@ def simulate(
     deps = dependencies(schedule, dataflow)
     home = schedule.stage_to_device
 
+    def message(src: int, dst: int, forward: bool) -> float:
+        if transfers is None:
+            cost = costs[src]
+            return overhead + (cost.send_forward if forward else cost.send_backward)
+        key = (src, dst, "F" if forward else "B")
+        return overhead + (transfers(*key) if callable(transfers) else transfers.get(key, 0.0))
+
     def latency(dep: Action, action: Action) -> float:
         if home[dep.stage] == home[action.stage]:
             return 0.0
-        forward = dep.kind in (Kind.F, Kind.SEND_F)
-        if transfers is None:
-            cost = costs[dep.stage]
-            return overhead + (cost.send_forward if forward else cost.send_backward)
-        key = (dep.stage, action.stage, "F" if forward else "B")
-        return overhead + (transfers(*key) if callable(transfers) else transfers.get(key, 0.0))
+        if blocking and dep.kind in _SENDS:
+            return 0.0  # the blocking send ended when its message had arrived
+        return message(dep.stage, action.stage, dep.kind in (Kind.F, Kind.SEND_F))
+
+    sends = {a: message(a.stage, a.peer, a.kind is Kind.SEND_F)
+             for row in (schedule.actions if blocking else ()) for a in row
+             if a.kind in _SENDS and a.peer is not None
+             and home[a.stage] != home[a.peer]}
 
     if cores is not None and cores < 1:
         raise ScheduleError(f"simulate: cores must be >= 1 or None, got {cores}")
@@ -332,10 +347,11 @@ def simulate(
         raise ScheduleError(f"simulate: efficiency must be in (0, 1], got {efficiency}")
     if cores is not None and (cores < schedule.num_devices or efficiency < 1):
         timeline = _simulate_shared(schedule, costs, deps, latency, step_time, cores, efficiency,
-                                    overhead)
+                                    overhead, sends)
     else:
-        timeline = _simulate_free(schedule, costs, deps, latency, step_time, overhead)
-    return Timeline(timeline.events, timeline.num_devices, _transfers(timeline, deps, latency))
+        timeline = _simulate_free(schedule, costs, deps, latency, step_time, overhead, sends)
+    return Timeline(timeline.events, timeline.num_devices,
+                    _transfers(timeline, deps, latency, sends))
 
 
 def inflight(schedule: Schedule) -> tuple[int, ...]:
@@ -346,9 +362,11 @@ def inflight(schedule: Schedule) -> tuple[int, ...]:
     return tuple(max(1, timeline.peak_inflight(s)) for s in range(schedule.num_stages))
 
 
-def _transfers(timeline: Timeline, deps, latency) -> tuple[Transfer, ...]:
-    """Every dependency across devices is a message: from its sender's end, for its latency."""
+def _transfers(timeline: Timeline, deps, latency, sends: dict) -> tuple[Transfer, ...]:
+    """Every dependency across devices is a message: from its sender's end, for its latency
+    (a blocking send: for the send's own duration)."""
     end = {e.action: e.end for e in timeline.events}
+    begin = {e.action: e.start for e in timeline.events}
     home = {e.action: e.device for e in timeline.events}
     found = []
     for e in timeline.events:
@@ -357,14 +375,15 @@ def _transfers(timeline: Timeline, deps, latency) -> tuple[Transfer, ...]:
                 microbatch = e.action.microbatch
                 assert microbatch is not None, "only a STEP has none, and it waits on its stage"
                 forward = dep.kind in (Kind.F, Kind.SEND_F)
+                start = begin[dep] if dep in sends else end[dep]
                 found.append(Transfer(dep.stage, e.action.stage, microbatch,
-                                      "F" if forward else "B", end[dep],
+                                      "F" if forward else "B", start,
                                       end[dep] + latency(dep, e.action)))
     return tuple(sorted(found, key=lambda t: (t.start, t.src, t.dst)))
 
 
 def _simulate_free(schedule, costs, deps, latency, step_time: float,
-                   overhead: float) -> Timeline:
+                   overhead: float, sends: dict) -> Timeline:
     """`simulate` when every device has its own hardware."""
     end: dict[Action, float] = {}
     ends = _ends(schedule)
@@ -382,8 +401,8 @@ def _simulate_free(schedule, costs, deps, latency, step_time: float,
                     start, finish = free[device], max(free[device], ready)
                 else:
                     start = max(free[device], ready)
-                    finish = start + _duration(action, costs[action.stage], step_time,
-                                               overhead, ends)
+                    finish = start + (sends[action] if action in sends else _duration(
+                        action, costs[action.stage], step_time, overhead, ends))
                 events[device].append(Event(device, action, start, finish))
                 end[action] = free[device] = finish
                 pcs[device] += 1
@@ -392,7 +411,7 @@ def _simulate_free(schedule, costs, deps, latency, step_time: float,
 
 
 def _simulate_shared(schedule, costs, deps, latency, step_time: float, cores: int,
-                     efficiency: float, overhead: float) -> Timeline:
+                     efficiency: float, overhead: float, sends: dict) -> Timeline:
     """`simulate` when the devices share ``cores``: an event-driven fluid simulation.
 
     Between two events (an action finishing, a transfer arriving) the k running compute actions
@@ -434,7 +453,8 @@ def _simulate_shared(schedule, costs, deps, latency, step_time: float, cores: in
                     finish(device, action, free[device], max(free[device], ready))
                     progress = True
                     continue
-                work = _duration(action, costs[action.stage], step_time, overhead, ends)
+                work = sends[action] if action in sends else _duration(
+                    action, costs[action.stage], step_time, overhead, ends)
                 if work <= 0:
                     finish(device, action, now, now)
                     progress = True

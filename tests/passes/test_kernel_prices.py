@@ -17,6 +17,8 @@ from pipecompile.passes.kernel_prices import (
     matmul_efficiency,
     matmul_seconds,
     memory_seconds,
+    mixed_precision_bytes,
+    mixed_precision_optimizer_seconds,
     optimizer_seconds,
 )
 from pipecompile.passes.kernels import HardwareRates, Kernels
@@ -83,6 +85,18 @@ def test_attention_efficiency_by_sequence_causal_mask_head_dimension_and_fill():
 def test_the_optimizer_step_and_clipping_move_their_bytes():
     # AdamW: 2 x parameters + gradients + 2 x state; clipping: 3 x gradients
     assert optimizer_seconds(1e12, 2e9, 2e9, 4e9, clip=False) == pytest.approx(14e-3)
+    assert optimizer_seconds(1e12, 2e9, 2e9, 4e9) == pytest.approx(20e-3)
+
+
+def test_megatrons_mixed_precision_optimizer_moves_its_bytes_per_parameter():
+    # fp16: grads to fp32 (2 + 4), unscale (4 + 4), norm + scale (3 x 4), Adam (7 x 4),
+    # master weights back (4 + 2)
+    assert mixed_precision_bytes() == 6 + 8 + 12 + 28 + 6 == 60
+    assert mixed_precision_bytes(loss_scale=False) == 52  # bf16: no loss scale
+    assert mixed_precision_bytes(loss_scale=False, clip=False) == 40
+    assert mixed_precision_bytes(model_bytes=4, loss_scale=False, clip=False) == 44
+    # a 1e9-parameter stage at 1 TB/s: 60 ms, three times the 20 B/param of a bf16 AdamW
+    assert mixed_precision_optimizer_seconds(1e12, 1e9) == pytest.approx(60e-3)
     assert optimizer_seconds(1e12, 2e9, 2e9, 4e9) == pytest.approx(20e-3)
 
 

@@ -107,6 +107,23 @@ def test_transfer_latency_belongs_to_the_sender() -> None:
         assert got["0B0"] == (4.75, 6.75)
 
 
+def test_a_blocking_send_spends_its_message_on_the_senders_device() -> None:
+    # 1F1B, p = 2, m = 2, F = 1, B = 2, 0.5 s per message each way (latency + bytes / link)
+    schedule, costs = make_schedule("1f1b", 2, 2), [StageCosts(1, 2)] * 2
+    transfers = {(0, 1, "F"): 0.5, (1, 0, "B"): 0.5}
+    assert simulate(schedule, costs, transfers=transfers).makespan == 10
+    timeline = simulate(schedule, costs, transfers=transfers, blocking=True)
+    got = spans(timeline)
+    assert got["0SEND_F0>1"] == (1, 1.5) and got["0F1"] == (1.5, 2.5)  # sender waits it out
+    assert got["1F0"] == (1.5, 2.5)  # the value is there when the send ends
+    assert got["1SEND_B0>0"] == (4.5, 5) and got["1F1"] == (5, 6)
+    assert got["0B0"] == (5, 7) and got["0B1"] == (8.5, 10.5)
+    assert timeline.makespan == 10.5
+    assert [(t.start, t.end) for t in timeline.transfers] == [(1, 1.5), (2.5, 3), (4.5, 5),
+                                                              (8, 8.5)]
+    assert timeline.busy(0) == timeline.busy(1) == 6  # sends are not compute
+
+
 def test_step_time_and_split_costs() -> None:
     costs = [StageCosts(1, 3, backward_input=1)]
     got = spans(simulate(make_schedule("zb-h1", 1, 1), costs, step_time=0.5))
