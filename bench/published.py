@@ -57,8 +57,9 @@ SentencePiece tokenizer's; it gives the parameter counts the paper names: 1.48B,
 14.64B, 28.29B), bfloat16 on meta, compiled for `cluster("a100", nodes=GPUs / 8,
 per_node=8)` (NVLink inside a node, one HDR 200 Gb/s NIC per GPU across: the paper's RoCE
 network's speed is not given) with `data_parallel=1, schedule=..., microbatches=m,
-checkpoint=False`: the plan's own placement and kernel prices. The plan's step ("plan step")
-is pipecompile's runtime's; the error is of the step as Megatron-LM runs the same schedule
+checkpoint=False`, split where the paper's script split the layers (`megatron_layout`;
+PUBLISHED_LAYOUT=plan: the plan's own placement), at the plan's kernel prices. The plan's
+step ("plan step") is pipecompile's runtime's; the error is of the step as Megatron-LM runs the same schedule
 (`megatron_runtime`: its mixed-precision optimizer with fp32 master weights, 1F1B's blocking
 exchanges, the tied embedding's gradient all-reduce), each from that repository's code.
 PUBLISHED_ROWS="14.6B, 1F1B;28.3B" runs only the Zero Bubble rows naming one of its parts;
@@ -157,7 +158,7 @@ def predict_pipeline(layers: int, hidden: int, heads: int, size: int, m: int, gp
                                        vocab=ZB_VOCAB)
     cluster = pc.cluster("a100", nodes=max(1, gpus // PER_NODE), per_node=min(gpus, PER_NODE))
     cuts = None
-    if os.environ.get("PUBLISHED_LAYOUT") == "megatron":
+    if os.environ.get("PUBLISHED_LAYOUT") != "plan":  # the layers per stage the paper ran
         sizes = megatron_layout(layers, gpus)
         cuts = [f"transformer.h.{sum(sizes[:i])}" for i in range(1, gpus)]
     pipe = pc.compile(model, args, kwargs, devices=cluster, data_parallel=1, schedule=schedule,
