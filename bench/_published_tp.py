@@ -37,6 +37,13 @@ and BigScience's model page, not the tables' text, so check a row against its PD
   recomputation "auto" (Meta recomputes selectively), on `cluster("h100")` (NVLink inside a
   node, 400 Gb/s per GPU between: Meta's RoCE is priced as InfiniBand).
 
+Sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198: the tensor-parallel group
+also splits the tokens of its norms, dropout and residuals) as each source ran it: the SC'21
+Table 1 runs did not have it (it came in 2022), BLOOM's Megatron-DeepSpeed run did not
+either (`sequence_parallel=False`); Llama 3 405B ran its tensor parallelism with it
+(`sequence_parallel=True`; the paper's tensor parallelism cites Korthikanti et al.: check
+against the PDF). `--no-sp` plans every row without it (the comparison).
+
 Each prediction is `pipe.predicted.makespan` of `compile(model_on_meta, global_batch,
 devices=cluster, data_parallel=DP, tensor_parallel=TP, ...)`: the layout's P follows (P =
 GPUs / (DP x TP)), each rank's share of a layer priced by planner/tensor_costs.py, nothing
@@ -46,6 +53,7 @@ prediction is faster than published).
 
     python bench/_published_tp.py            # every row (python bench/published.py: all)
     python bench/_published_tp.py BLOOM      # the rows whose name contains BLOOM
+    python bench/_published_tp.py Llama --no-sp   # without sequence parallelism
 """
 
 from __future__ import annotations
@@ -109,6 +117,8 @@ def _bloom_cluster():
 
 def _plan(model, args, kwargs, devices, dp, tp, schedule, m, **extra):
     start = time.perf_counter()
+    if "--no-sp" in sys.argv:
+        extra["sequence_parallel"] = False
     pipe = pc.compile(model, args, kwargs, devices=devices, data_parallel=dp,
                       tensor_parallel=tp, schedule=schedule, microbatches=m,
                       memory_limit=1e15, optimizer=lambda p: torch.optim.AdamW(p), **extra)
@@ -126,7 +136,7 @@ def rows(only: str = "") -> list[tuple]:
         devices = (_bloom_cluster() if "BLOOM" in name
                    else pc.cluster("a100", nodes=gpus // 8, per_node=8))
         pipe, seconds = _plan(model, args, kwargs, devices, dp, tp, "1f1b",
-                              batch // dp // micro, checkpoint=True)
+                              batch // dp // micro, checkpoint=True, sequence_parallel=False)
         published = megatron_flops(layers, h, vocab, seq, batch) / (gpus * tflops)
         out.append(_row(name, pipe, published, f"{tflops / 1e12:.0f} TFLOP/s (w/ recompute)",
                         seconds, (pp, dp, tp)))
@@ -139,7 +149,7 @@ def rows(only: str = "") -> list[tuple]:
     n = sum(p.numel() for p in model.parameters())
     pipe, seconds = _plan(model, args, kwargs, pc.cluster("h100", nodes=gpus // 8, per_node=8),
                           dp, tp, "interleaved-1f1b", batch // dp, virtual_stages="auto",
-                          checkpoint="auto")
+                          checkpoint="auto", sequence_parallel=True)
     published = (6 * n + 12 * layers * hidden * seq) * batch * seq / (gpus * mfu * H100_PEAK)
     out.append(_row(name, pipe, published, f"{mfu:.0%} MFU (no recompute)", seconds,
                     (pp, dp, tp)))
@@ -152,7 +162,8 @@ def _row(name, pipe, published, source, seconds, asked) -> tuple:
     o = pipe.plan.resolved
     recompute = sum(o.stage_checkpoint(s) for s in range(o.num_stages))
     step = pipe.predicted.makespan
-    return (name, f"PP{lay.pipeline} x DP{lay.data_parallel} x TP{lay.tensor_parallel}",
+    return (name, f"PP{lay.pipeline} x DP{lay.data_parallel} x TP{lay.tensor_parallel}"
+            + ("+SP" if lay.sequence_parallel else ""),
             f"{o.schedule} m={o.microbatches} v={o.virtual_stages} rc {recompute}/{o.num_stages}",
             source, f"{published:.2f}", f"{step:.2f}", f"{published / step - 1:+.1%}",
             f"{seconds:.0f}")
@@ -171,4 +182,5 @@ def main(only: str = "") -> list[float]:
 
 if __name__ == "__main__":
     print(f"# predicted vs published (tensor parallel); {C.machine()}, load {C.loadavg()}")
-    main(sys.argv[1] if len(sys.argv) > 1 else "")
+    names = [a for a in sys.argv[1:] if not a.startswith("--")]
+    main(names[0] if names else "")

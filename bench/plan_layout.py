@@ -12,6 +12,11 @@ subprocess so its peak RSS and time are its own.
     python bench/plan_layout.py                     # 70B on 64 GPUs, 8B on 8 and 64 GPUs
     python bench/plan_layout.py --case 70b-64
     python bench/plan_layout.py --case 70b-64-tp    # tensor_parallel="auto" too
+    python bench/plan_layout.py --case 70b-64-recipe  # NVIDIA's recipe, given (below)
+
+`70b-64-recipe` is not searched: NVIDIA's Llama-3-70B recipe on 64 H100 given by hand,
+`data_parallel=2, tensor_parallel=4, sequence_parallel=True, schedule="interleaved-1f1b",
+virtual_stages=5, microbatches=64, checkpoint="auto"` (P = 8 follows; `fsdp=False`).
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ import _common as C
 CASES = {  # name: factory, layers, hidden, nodes, global batch, sequence
     "70b-64": ("llama3_70b", 80, 8192, 8, 128, 8192),
     "70b-64-tp": ("llama3_70b", 80, 8192, 8, 128, 8192),  # tensor_parallel="auto"
+    "70b-64-recipe": ("llama3_70b", 80, 8192, 8, 128, 8192),  # NVIDIA's recipe (RECIPE)
     "8b-8": ("llama3_8b", 32, 4096, 1, 16, 8192),
     "8b-64": ("llama3_8b", 32, 4096, 8, 128, 8192),
 }
 PEAK = 989.4e12
+RECIPE = dict(data_parallel=2, tensor_parallel=4, sequence_parallel=True,
+              schedule="interleaved-1f1b", virtual_stages=5, microbatches=64,
+              checkpoint="auto", fsdp=False)
 
 
 def one(name: str) -> dict:
@@ -47,9 +56,10 @@ def one(name: str) -> dict:
     model, args, kwargs = getattr(factories, factory_name)(layers=layers, batch=batch, seq=seq)
     n = sum(p.numel() for p in model.parameters())
     start, cpu = time.perf_counter(), time.process_time()
+    searched = dict(data_parallel="auto", fsdp="auto",
+                    tensor_parallel="auto" if name.endswith("-tp") else 1)
     pipe = pc.compile(model, args, kwargs, devices=pc.cluster("h100", nodes=nodes, per_node=8),
-                      data_parallel="auto", fsdp="auto",
-                      tensor_parallel="auto" if name.endswith("-tp") else 1,
+                      **(RECIPE if name.endswith("-recipe") else searched),
                       optimizer=lambda p: torch.optim.AdamW(p))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     devices = nodes * 8
@@ -76,7 +86,7 @@ def main() -> None:
         print(json.dumps(one(opts.one)))
         return
     print(f"# layouts chosen by the search; {C.machine()}, load {C.loadavg()}")
-    for name in opts.case or [c for c in CASES if not c.endswith("-tp")]:
+    for name in opts.case or [c for c in CASES if not c.endswith(("-tp", "-recipe"))]:
         done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True,
                               text=True)
         if done.returncode != 0:

@@ -71,6 +71,10 @@ def compile(  # noqa: A001 - the public name of the design
     data_parallel=D: P x D x T ranks under torchrun; every rank of a replica passes its
     batch); what cannot be split exactly stays replicated (explain() says why).
     `tensor_parallel="auto"` and T with a searched layout are not built yet.
+    On `devices=pipecompile.cluster(...)` (planned, nothing runs) `sequence_parallel=True`
+    prices each tensor-parallel group as also splitting the tokens of its norms, dropout and
+    residuals (Korthikanti et al. 2022), "auto" lets the layout search try both; the runtime
+    does not split them (True there is a `ConfigError`, "auto" is False).
 
     `cache` keeps what compiling measures or derives (this machine's rates, the planning probe,
     symbolic block costs), keyed by content: the process-wide `compile_cache.default_cache`

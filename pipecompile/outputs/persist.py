@@ -189,7 +189,8 @@ def _layout_to_json(plan: Plan) -> dict[str, Any] | None:
         return None
     layout = chosen or Layout(len(o.devices), o.data_parallel, o.fsdp)
     return {"pipeline": layout.pipeline, "data_parallel": layout.data_parallel,
-            "fsdp": layout.fsdp, "inner": layout.inner, "tensor_parallel": layout.tensor_parallel}
+            "fsdp": layout.fsdp, "inner": layout.inner, "tensor_parallel": layout.tensor_parallel,
+            "sequence_parallel": layout.sequence_parallel}
 
 
 def _choices_from_json(entry: dict[str, Any] | None, options: CompileOptions) -> Choices | None:
@@ -202,7 +203,9 @@ def _choices_from_json(entry: dict[str, Any] | None, options: CompileOptions) ->
     return Choices(options.schedule, options.microbatches, options.virtual_stages, flags,
                    layout=Layout(int(entry["pipeline"]), int(entry["data_parallel"]),
                                  bool(entry["fsdp"]), str(entry["inner"]),
-                                 tensor_parallel=int(entry.get("tensor_parallel", 1))),
+                                 tensor_parallel=int(entry.get("tensor_parallel", 1)),
+                                 sequence_parallel=bool(entry.get("sequence_parallel",
+                                                                  False))),
                    devices=options.devices)
 
 

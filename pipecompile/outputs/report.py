@@ -119,7 +119,8 @@ def explain_layouts(layouts: Sequence[Any], *, top: int = 10) -> str:
         lay = c.layout
         plan = (f"{c.schedule} m={c.microbatches} v={c.virtual_stages}"
                 + (f" recompute {c.recomputed}" if c.recomputed else "")) if c.fits else "-"
-        rows.append((f"{lay.pipeline} x {lay.data_parallel} x {lay.tensor_parallel}",
+        rows.append((f"{lay.pipeline} x {lay.data_parallel} x {lay.tensor_parallel}"
+                     + ("+SP" if lay.sequence_parallel else ""),
                      "FSDP" if lay.fsdp else "replicated" if lay.data_parallel > 1 else "-",
                      lay.inner if lay.pipeline > 1 and lay.data_parallel > 1 else "-", plan,
                      f"{c.step * 1e3:.1f}" if c.fits else "-",

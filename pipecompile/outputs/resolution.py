@@ -36,7 +36,7 @@ def explain_resolution(plan: Plan) -> str:
     resolved = {
         "layout": f"{len(r.devices)} pipeline x {r.data_parallel} replica(s)"
                   + (", fsdp" if r.fsdp else ""),
-        "tensor_parallel": str(_tensor(plan)),
+        "tensor_parallel": _tensor(plan),
         "devices": ", ".join(d.name for d in r.devices),
         "topology": (f"rank {topology.rank} of {topology.world_size}: position "
                      f"{topology.position} of replica {topology.replica}")
@@ -52,7 +52,9 @@ def explain_resolution(plan: Plan) -> str:
         layout = q.layout
         asked = {
             "layout": f"data_parallel={layout.data_parallel!r}, fsdp={layout.fsdp!r}",
-            "tensor_parallel": _short(layout.tensor_parallel),
+            "tensor_parallel": _short(layout.tensor_parallel) + (
+                f", sequence_parallel={layout.sequence_parallel!r}"
+                if layout.sequence_parallel is not False else ""),
             "devices": _short(layout.devices),
             "topology": "-",
             "schedule": _short(q.schedule.schedule),
@@ -66,7 +68,11 @@ def explain_resolution(plan: Plan) -> str:
     return "\n".join(rows)
 
 
-def _tensor(plan: Plan) -> int:
-    """The tensor-parallel degree the plan resolved (1: none)."""
+def _tensor(plan: Plan) -> str:
+    """The tensor-parallel degree the plan resolved (1: none), and "+ sequence parallel" when
+    its groups also split the tokens."""
     chosen = plan.choices.layout if plan.choices is not None else None
-    return chosen.tensor_parallel if chosen is not None else 1
+    if chosen is None:
+        return "1"
+    return str(chosen.tensor_parallel) + (" + sequence parallel" if chosen.sequence_parallel
+                                          else "")

@@ -100,7 +100,10 @@ class Kernels:
     """A block's ops as kernels (sympy expressions of the sizes): matmuls as (FLOPs, bytes)
     pairs, attention FLOPs as run (causal: halved) and as counted, memory-bound bytes, and
     the number of kernels launched; and each kernel's shape (`gemms`, `flash`, `moves`: bytes
-    of each memory-bound kernel with its count), which a `Chip` prices."""
+    of each memory-bound kernel with its count), which a `Chip` prices. `split`: those of the
+    memory-bound kernels whose output has four or more dimensions (a tensor split in heads
+    when the block runs attention), as (bytes, the output's rows: its elements over its last
+    dimension, how many); tensor parallelism prices them (planner/tensor_costs.py)."""
 
     matmuls: tuple[tuple[sympy.Expr, sympy.Expr], ...] = ()
     attention: sympy.Expr = sympy.Integer(0)  # FLOPs the fused kernels run (forward)
@@ -110,6 +113,7 @@ class Kernels:
     gemms: tuple[Gemm, ...] = ()
     flash: tuple[Flash, ...] = ()
     moves: tuple[tuple[sympy.Expr, int], ...] = ()
+    split: tuple[tuple[sympy.Expr, sympy.Expr, int], ...] = ()
 
     def times(self, backward_flops: float, rates: HardwareRates,
               value: Callable[[sympy.Expr], float]) -> tuple[float, float]:
@@ -213,6 +217,7 @@ class Recorder:
     gemms: list[tuple] = field(default_factory=list)
     flash: list[tuple] = field(default_factory=list)
     moves: list[sympy.Expr] = field(default_factory=list)
+    split: list[tuple[sympy.Expr, sympy.Expr]] = field(default_factory=list)
 
     def record(self, node: fx.Node, args: Any, kwargs: Any, out: Any, flops: Any,
                causal: bool) -> None:
@@ -245,6 +250,9 @@ class Recorder:
         else:
             self.memory += moved
             self.moves.append(sympy.expand(moved))
+            if outputs[0].dim() >= 4:  # heads apart (Kernels.split)
+                rows = self.sym(outputs[0].numel()) / self.sym(outputs[0].shape[-1])
+                self.split.append((sympy.expand(moved), sympy.expand(rows)))
         self.launches += 1
 
     def _gemm(self, node: fx.Node, inputs: list[torch.Tensor], out: torch.Tensor,
@@ -278,7 +286,8 @@ class Recorder:
                        sympy.expand(self.memory), self.launches,
                        gemms=tuple((*g, n) for g, n in _counts(self.gemms).items()),
                        flash=tuple((*a, n) for a, n in _counts(self.flash).items()),
-                       moves=tuple(_counts(self.moves).items()))
+                       moves=tuple(_counts(self.moves).items()),
+                       split=tuple((*a, n) for a, n in _counts(self.split).items()))
 
 
 def _training(args: Any, kwargs: Any) -> bool:

@@ -56,7 +56,7 @@ def tensor_share(layout: Layout | None, cluster: Cluster | None, device: DeviceS
         return None
     link = (cluster.intra if cluster is not None
             else Link("link", device.bandwidth, device.latency))
-    return TensorShare(layout.tensor_parallel, link)
+    return TensorShare(layout.tensor_parallel, link, layout.sequence_parallel)
 
 
 def cost_model(plan: Plan, example: Example) -> CostModel:

@@ -3,11 +3,13 @@ ranks, and what it costs beyond the pipeline's own compute.
 
     Layout(pipeline=8, data_parallel=8, fsdp=True, inner="data")
     Layout(pipeline=2, data_parallel=32, tensor_parallel=8)      # 512 devices
+    Layout(pipeline=8, data_parallel=2, tensor_parallel=4, sequence_parallel=True)
 
 The T ranks of a tensor-parallel group are consecutive devices (rank = index * T + t), so a
 group stays inside a node when T divides the devices per node; the layout's other two
 dimensions are laid out over the groups (`index`) as below. What T costs per rank is priced
-on the blocks (planner/tensor_costs.py).
+on the blocks (planner/tensor_costs.py), with sequence parallelism when the layout says so (the
+group also splits the tokens of its norms, dropout and residuals: planned, not run).
 
 `inner` is the dimension whose neighbours are adjacent devices, so it stays inside a node:
 "pipeline" puts rank = replica * P + position (pipecompile's torch.distributed grid, pipeline
@@ -15,7 +17,8 @@ neighbours on one node), "data" puts rank = position * D + replica (a data-paral
 one node). Megatron-LM's rule is to keep the highest-volume traffic inside a node; the search
 prices both and keeps the faster.
 
-    layouts(world, ...)                  every (P, D, T, fsdp, inner) to search
+    layouts(world, ...)                  every (P, D, T, SP, fsdp, inner) to search
+    sequence_choices(asked)              the sequence-parallel settings a T > 1 is searched with
     pipeline_specs(layout, cluster)      each position's spec, sending over the link it uses
     data_group(layout, cluster)          the shape (per node x nodes) of a replica group
     tensor_group(layout, cluster)        the shape of a tensor-parallel group (one node)
@@ -45,7 +48,7 @@ from .cluster import Cluster, Link
 from .collectives import Group, all_gather, all_reduce, reduce_scatter
 
 __all__ = ["Layout", "layouts", "pipeline_specs", "data_group", "tensor_group", "Collectives",
-           "layout_static", "describe_placement", "tensor_degrees"]
+           "layout_static", "describe_placement", "tensor_degrees", "sequence_choices"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Layout:
     pipeline_rank: int | None = None
     data_rank: int | None = None
     tensor_parallel: int = 1  # T ranks shard each layer of a stage (1: none)
+    sequence_parallel: bool = False  # the T ranks also split the tokens (T > 1 only)
 
     @property
     def devices(self) -> int:
@@ -69,6 +73,7 @@ class Layout:
     def __str__(self) -> str:
         mode = "FSDP" if self.fsdp else "replicated" if self.data_parallel > 1 else "no DP"
         tp = f" x TP{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        tp += "+SP" if self.sequence_parallel else ""
         text = f"{self.pipeline} x {self.data_parallel}{tp} ({mode}, {self.inner} inside a node)"
         if self.pipeline_rank is not None:
             text += f"; this process: position {self.pipeline_rank}, replica {self.data_rank}"
@@ -84,13 +89,21 @@ def tensor_degrees(per_node: int, tensor_parallel: int | None) -> tuple[int, ...
     return tuple(t for t in range(per_node, 0, -1) if per_node % t == 0)
 
 
+def sequence_choices(asked: bool | str) -> tuple[bool, ...]:
+    """The sequence-parallel settings a layout with T > 1 is searched with: the one asked, or
+    with "auto" both (without first: a tie keeps the plainer plan)."""
+    return (False, True) if asked == "auto" else (bool(asked),)
+
+
 def layouts(world: int, *, batch: int, max_pipeline: int, fsdp: bool | None,
             nodes: int = 1, pipeline: int | None = None,
-            tensor: tuple[int, ...] = (1,)) -> tuple[Layout, ...]:
+            tensor: tuple[int, ...] = (1,), sequence: tuple[bool, ...] = (False,)
+            ) -> tuple[Layout, ...]:
     """Every layout of `world` devices: T in `tensor` dividing it, P dividing world / T (at
     most `max_pipeline`, the blocks; or exactly `pipeline` when a written schedule fixes it),
     D = world / (P T) dividing the global `batch`; FSDP and replicated when `fsdp` is None
-    (FSDP only with D >= 2); both placements when the P x D groups span several `nodes`.
+    (FSDP only with D >= 2); both placements when the P x D groups span several `nodes`;
+    with T > 1, each sequence-parallel setting in `sequence` (T = 1: none).
     Raises `ConfigError` when none exists."""
     found = []
     for t in tensor:
@@ -111,7 +124,9 @@ def layouts(world: int, *, batch: int, max_pipeline: int, fsdp: bool | None,
                 for inner in (("pipeline", "data") if (nodes > 1 and p > 1 and d > 1
                                                        and several)
                               else ("pipeline",)):
-                    found.append(Layout(p, d, shard, inner, tensor_parallel=t))
+                    found += [Layout(p, d, shard, inner, tensor_parallel=t,
+                                     sequence_parallel=sp)
+                              for sp in (sequence if t > 1 else (False,))]
     if not found:
         tp = "" if tensor == (1,) else f" x T (tensor parallel, one of {list(tensor)})"
         raise ConfigError(
@@ -239,5 +254,6 @@ def describe_placement(layout: Layout, cluster: Cluster | None) -> str:
         text += (f", tensor-parallel groups of {tp.size} on one node over {cluster.intra.name}"
                  if tp.nodes == 1 else f", tensor-parallel groups of {tp.size} on {tp.nodes} "
                  f"nodes")
+        text += ", sequence parallel" if layout.sequence_parallel else ""
     return text
 

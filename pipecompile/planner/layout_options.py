@@ -55,6 +55,11 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
     devices, data_parallel, fsdp = (given.pop(name) for name in ("devices", "data_parallel",
                                                                 "fsdp"))
     tensor_parallel = given.pop("tensor_parallel")
+    if given.pop("sequence_parallel") is True and not isinstance(devices, Cluster):
+        raise ConfigError("sequence_parallel=True is planned and priced for a cluster of "
+                          "devices that are not here (devices=pipecompile.cluster(...)); the "
+                          "runtime's tensor parallelism does not split the tokens: pass "
+                          "sequence_parallel=False (or 'auto': False when run)")
     if tensor_parallel != 1 and not isinstance(devices, Cluster) and (
             tensor_parallel == AUTO or request.layout.searched):
         raise ConfigError(f"tensor_parallel={tensor_parallel!r} with a searched layout is "

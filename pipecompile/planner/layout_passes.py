@@ -3,7 +3,8 @@ layout of the devices (planner/layout.py) is searched with the schedule search o
 replica's slice of the global batch, its devices' links, the bytes its devices hold and its
 collectives, and the fastest is kept (planner/layout_search.py). With `tensor_parallel="auto"`
 the layouts include every T dividing the devices per node, each priced as one rank's share of
-the blocks (planner/tensor_costs.py); a given T is the only one.
+the blocks (planner/tensor_costs.py); a given T is the only one. With T > 1 each layout is
+priced with sequence parallelism as asked (`sequence_parallel="auto"`: without and with).
 
     layout_search_pass(plan, example, profile) -> plan with choices (layout, P devices) and
                                                   search (the winner's candidates + layouts)
@@ -24,7 +25,7 @@ from ..ir.devices import DeviceSpec
 from ..ir.formats import format_bytes, format_stages
 from .schedule_search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
 from .schedule_search import search as search_plans
-from .layout import Collectives, Layout, layouts, pipeline_specs, tensor_degrees
+from .layout import Collectives, Layout, layouts, pipeline_specs, sequence_choices, tensor_degrees
 from .block_tables import tensor_share
 from .tensor_costs import attention_heads, shard_costs
 from ..ir.records import CostTable
@@ -47,7 +48,8 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         world, batch=example.batch, max_pipeline=finest.num_blocks,
         fsdp=None if "fsdp" in o.auto else o.fsdp,
         nodes=o.cluster.nodes if o.cluster is not None else 1, pipeline=given_p,
-        tensor=degrees)
+        tensor=degrees, sequence=sequence_choices(
+            plan.request.layout.sequence_parallel if plan.request is not None else False))
         if fixed_d is None or lay.data_parallel == fixed_d]
     if not candidates:  # D given: it must divide the batch, P = world / D fit the blocks
         enough_blocks(finest, world // (fixed_d or 1), o.granularity)
@@ -55,7 +57,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
             f"data_parallel={fixed_d} replicas cannot share the global batch of "
             f"{example.batch} samples; use a batch that is a multiple of {fixed_d}, or "
             f"data_parallel='auto'")
-    priced: dict[tuple[str, int, int], BlockTable] = {}
+    priced: dict[tuple[str, int, int, bool], BlockTable] = {}
     shapes = {n: tuple(p.shape) for n, p in captured.module.named_parameters(
         remove_duplicate=False)}
 
@@ -65,7 +67,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         if found is None:
             return None
         linear, costs = found
-        key = (linear.granularity, size, layout.tensor_parallel)
+        key = (linear.granularity, size, layout.tensor_parallel, layout.sequence_parallel)
         if key not in priced:
             costs = _rank_share(costs, layout, size)
             priced[key] = BlockTable.of(costs, linear)

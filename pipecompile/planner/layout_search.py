@@ -59,7 +59,9 @@ class LayoutCandidate:
         """Strict JSON (an infinite step as "inf")."""
         lay = self.layout
         return {"pipeline": lay.pipeline, "data_parallel": lay.data_parallel, "fsdp": lay.fsdp,
-                "inner": lay.inner, "tensor_parallel": lay.tensor_parallel, "step": self.step if self.fits else "inf",
+                "inner": lay.inner, "tensor_parallel": lay.tensor_parallel,
+                "sequence_parallel": lay.sequence_parallel,
+                "step": self.step if self.fits else "inf",
                 "schedule": self.schedule, "microbatches": self.microbatches,
                 "virtual_stages": self.virtual_stages, "recomputed": self.recomputed,
                 "memory": self.memory, "reason": self.reason}
@@ -67,7 +69,8 @@ class LayoutCandidate:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LayoutCandidate":
         layout = Layout(data["pipeline"], data["data_parallel"], data["fsdp"], data["inner"],
-                        tensor_parallel=int(data.get("tensor_parallel", 1)))
+                        tensor_parallel=int(data.get("tensor_parallel", 1)),
+                        sequence_parallel=bool(data.get("sequence_parallel", False)))
         return cls(layout, float(data["step"]), data["schedule"], data["microbatches"],
                    data["virtual_stages"], data["recomputed"], data["memory"], data["reason"])
 

@@ -7,7 +7,7 @@
     capture   how the model becomes a graph: method, symbolic_sizes, budget, verbose, rng,
               rng_seed
     layout    where it runs: devices, data_parallel, fsdp, mesh, memory_limit, bandwidth,
-              split_points, granularity, tensor_parallel
+              split_points, granularity, tensor_parallel, sequence_parallel
     schedule  how a step runs: schedule, microbatches, virtual_stages, checkpoint, vertical_sync
     training  what a step computes and how long a wait may last: loss_fn, optimizer, timeout,
               compile_stages
@@ -86,9 +86,9 @@ class CaptureRequest:
 
 @dataclass(frozen=True)
 class LayoutRequest:
-    """Where the model runs: `compile(devices=, data_parallel=, tensor_parallel=, fsdp=, mesh=,
-    memory_limit=, bandwidth=, split_points=, granularity=)`. `devices` and `data_parallel`
-    None: not given."""
+    """Where the model runs: `compile(devices=, data_parallel=, tensor_parallel=,
+    sequence_parallel=, fsdp=, mesh=, memory_limit=, bandwidth=, split_points=,
+    granularity=)`. `devices` and `data_parallel` None: not given."""
 
     devices: "int | Sequence[str | torch.device | DeviceSpec] | Cluster | None" = None
     data_parallel: int | str | None = None  # replicas, "auto" (searched) or None (not given)
@@ -100,6 +100,10 @@ class LayoutRequest:
     granularity: str | None = None  # the blocks' size (None: the coarsest that balances)
     # ranks that shard each layer of a stage (1: none; "auto": searched with the layout)
     tensor_parallel: int | str = 1
+    # the tensor-parallel groups also split the tokens of their norms, dropout and residuals
+    # (Korthikanti et al. 2022): True, False or "auto" (searched with the layout); planned and
+    # priced for a cluster, not run
+    sequence_parallel: bool | str = False
 
     def __post_init__(self) -> None:
         if self.data_parallel not in (None, AUTO) and not _positive_int(self.data_parallel):
@@ -110,6 +114,13 @@ class LayoutRequest:
                               f"{self.tensor_parallel!r}")
         if self.fsdp not in (True, False, AUTO):
             raise ConfigError(f"fsdp must be True, False or 'auto', got {self.fsdp!r}")
+        if not isinstance(self.sequence_parallel, bool) and self.sequence_parallel != AUTO:
+            raise ConfigError(f"sequence_parallel must be True, False or 'auto', got "
+                              f"{self.sequence_parallel!r}")
+        if self.sequence_parallel is True and self.tensor_parallel == 1:
+            raise ConfigError("sequence_parallel=True splits the tokens over the ranks of a "
+                              "tensor-parallel group, but tensor_parallel=1 has none; pass "
+                              "tensor_parallel=T > 1 (or 'auto'), or sequence_parallel=False")
         if self.split_points is not None and not isinstance(self.split_points, tuple):
             object.__setattr__(self, "split_points", tuple(self.split_points))
 
@@ -188,6 +199,7 @@ class Options(TypedDict, total=False):
     vertical_sync: bool
     data_parallel: int | str | None
     tensor_parallel: int | str
+    sequence_parallel: bool | str
     timeout: float
     verbose: bool
     rng: str
@@ -204,8 +216,9 @@ _WHERE: dict[str, tuple[str, str]] = {
     "capture_budget": ("capture", "budget"), "verbose": ("capture", "verbose"),
     "rng": ("capture", "rng"), "rng_seed": ("capture", "rng_seed"),
     **{name: ("layout", name) for name in ("devices", "data_parallel", "tensor_parallel",
-                                           "fsdp", "mesh", "memory_limit", "bandwidth",
-                                           "split_points", "granularity")},
+                                           "sequence_parallel", "fsdp", "mesh",
+                                           "memory_limit", "bandwidth", "split_points",
+                                           "granularity")},
     **{name: ("schedule", name) for name in ("schedule", "microbatches", "virtual_stages",
                                              "checkpoint", "vertical_sync")},
     **{name: ("training", name) for name in ("loss_fn", "optimizer", "timeout",

@@ -18,8 +18,12 @@ choice ahead of time):
   every rank, replicated, except those over the MLP's intermediate or the vocabulary (bytes
   per token a whole multiple of the widest side of the block's sharded GEMMs, when that side
   is wider than the narrowest: the MLP's activation and product, the vocabulary-parallel
-  loss), which run 1/T. Rotary embeddings on the sharded queries and keys stay whole (their
-  width is the model's): an overestimate. With sequence parallelism every memory-bound
+  loss), which run 1/T, and except those on the attention's heads, which run 1/T too: in a
+  block with attention (fused, or batched GEMMs), a kernel whose output has four or more
+  dimensions and a whole number of heads per token divisible by T (its elements over its
+  last dimension, per row of the weight matmuls: queries, keys and values as (b, heads, s,
+  d) or (s, b, heads, d), their rotary embeddings, the s x s scores of an attention written
+  out, its output before the heads merge). With sequence parallelism every memory-bound
   kernel runs on 1/T of the tokens;
 - **parameters, gradients and optimizer state**: every parameter with two or more dimensions
   one of whose first two divides by T is held 1/T per rank (Megatron shards every weight
@@ -138,8 +142,12 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
     # a memory-bound kernel over the MLP's intermediate (or the vocabulary): its bytes per
     # token a multiple of the widest sharded side above the model width (the narrowest side)
     wide = max(sides) if sides and max(sides) > min(sides) else 0
-    moves = tuple((b / t, c) if sequence or _inner(value(b), tokens, wide) else (b, c)
-                  for b, c in k.moves)
+    heads = _on_heads(k, t, value, tokens) if k.flash or batched else {}
+    moves: list[tuple[sympy.Expr, int]] = []
+    for b, c in k.moves:
+        mine_c = c if sequence or _inner(value(b), tokens, wide) else min(c, heads.get(b, 0))
+        moves += [(b / t, mine_c)] if mine_c else []
+        moves += [(b, c - mine_c)] if c > mine_c else []
     memory = sum((b * c for b, c in moves), sympy.Integer(0))
     sharded = Kernels(
         matmuls=tuple((f * share, b * share) for f, b in k.matmuls),
@@ -148,9 +156,27 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
         launches=k.launches, gemms=tuple(gemms),
         flash=tuple((heads / t, s_q, s_k, d, causal, count)
                     for heads, s_q, s_k, d, causal, count in k.flash),
-        moves=moves)
+        moves=tuple(moves))
     return _Sharded(sharded, backward, max(sides, default=0), min(sides, default=0), tokens,
                     itemsize, batched // 2)
+
+
+def _on_heads(k: Kernels, t: int, value: Callable[[sympy.Expr], float], tokens: float
+              ) -> dict[sympy.Expr, int]:
+    """How many of a block's memory-bound kernels, by their bytes, run on its attention's
+    heads: an output of four or more dimensions (`Kernels.split`) whose rows per token (its
+    elements over its last dimension and the `tokens` of the weight matmuls) are a whole
+    number of heads divisible by `t` (q, k, v and their rotary embeddings, the scores of an
+    attention written out, its output before the heads merge)."""
+    found: dict[sympy.Expr, int] = {}
+    if tokens <= 0:
+        return found
+    for nbytes, rows, count in k.split:
+        per_token = value(rows) / tokens
+        whole = round(per_token)
+        if whole >= t and abs(per_token - whole) < 1e-9 and whole % t == 0:
+            found[nbytes] = found.get(nbytes, 0) + count
+    return found
 
 
 def _inner(nbytes: float, tokens: float, wide: int) -> bool:
