@@ -1,8 +1,13 @@
 """Predicted against published: runs that shard every layer with tensor parallelism (TP x PP x
 DP), planned here with the run's own layout (`bench/published.py` prints this section).
 
-Published runs (the numbers transcribed from the papers; the `search` tool found the papers
-and BigScience's model page, not the tables' text, so check a row against its PDF):
+Published runs (the numbers transcribed from the papers). Checked against public copies of
+the tables, not the PDFs themselves: BLOOM's "about 150 TFLOPs" on BigScience's 176B model
+page (bigscience.notion.site); Megatron's layers, hidden sizes and heads of 39.1B, 145.6B and
+310.1B in AWS's Megatron-LM training recipes (awsome-distributed-training), and the 145.6B row
+(TP 8, PP 8, 1536 GPUs, 148 TFLOP/s, 47 % of peak) in a transcription of Table 1; Llama 3's
+43 % MFU at 8,192 GPUs (41 % at 16,384) in secondary summaries of the paper. The 39.1B and
+310.1B throughputs (138, 155 TFLOP/s) were found in no copy here: check them against the PDF.
 
 - Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM", SC'21, arXiv 2104.04473, **Table 1** (GPT models, sequence 2048, vocabulary
