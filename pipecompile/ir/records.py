@@ -16,6 +16,7 @@ the names of stage inputs/outputs and of ONNX values.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Sequence
@@ -327,7 +328,20 @@ class StageCost:
 
 
 def evaluate(expr: Any, sizes: Mapping[sympy.Symbol, int]) -> float:
-    """Value of a cost expression at concrete sizes (unknown symbols are an internal error)."""
+    """Value of a cost expression at concrete sizes (unknown symbols are an internal error).
+
+    Remembered per (expression, sizes): the searches price the same few expressions (every
+    layer of a model records the same ones) at the same sizes many times, and substituting
+    into a sympy expression is most of pricing a block. The value is a pure function of the
+    two, so a remembered one is the one `subs` would give again."""
+    try:
+        return _evaluate_at(expr, tuple(sizes.items()))
+    except TypeError:  # an unhashable expression: evaluated every time
+        return _evaluate_at.__wrapped__(expr, tuple(sizes.items()))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _evaluate_at(expr: Any, sizes: tuple[tuple[sympy.Symbol, int], ...]) -> float:
     value = sympy.sympify(expr).subs(dict(sizes))
     assert not value.free_symbols, f"unbound symbols {value.free_symbols} in {expr}"
     result = float(value)

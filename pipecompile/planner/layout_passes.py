@@ -57,7 +57,14 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
             f"data_parallel={fixed_d} replicas cannot share the global batch of "
             f"{example.batch} samples; use a batch that is a multiple of {fixed_d}, or "
             f"data_parallel='auto'")
+    # what one rank of T runs per (granularity, micro-batch size, T, sequence parallel), and
+    # the bytes a device holds under FSDP per (that key, D): each priced once, since every
+    # layout, schedule, micro-batch count and virtual stage count that shares the key prices
+    # the same table (a pure function of the key: the captured costs, T's share and the
+    # cluster's link)
+    shared: dict[tuple[str, int, int, bool], CostTable] = {}
     priced: dict[tuple[str, int, int, bool], BlockTable] = {}
+    sharded: dict[tuple[str, int, int, bool, int], BlockTable] = {}
     shapes = {n: tuple(p.shape) for n, p in captured.module.named_parameters(
         remove_duplicate=False)}
 
@@ -68,14 +75,17 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
             return None
         linear, costs = found
         key = (linear.granularity, size, layout.tensor_parallel, layout.sequence_parallel)
-        if key not in priced:
-            costs = _rank_share(costs, layout, size)
-            priced[key] = BlockTable.of(costs, linear)
+        if key not in shared:
+            shared[key] = _rank_share(costs, layout, size)
+            priced[key] = BlockTable.of(shared[key], linear)
         table = priced[key]
         if not layout.fsdp:
             return table
-        fsdp = BlockTable.of(_rank_share(costs, layout, size), None, layout)
-        return replace(table, static_bytes=fsdp.static_bytes)
+        held = (*key, layout.data_parallel)
+        if held not in sharded:
+            fsdp = BlockTable.of(shared[key], None, layout)
+            sharded[held] = replace(table, static_bytes=fsdp.static_bytes)
+        return sharded[held]
 
     def _rank_share(costs: CostTable, layout: Layout, size: int) -> CostTable:
         share = tensor_share(layout, o.cluster, o.devices[0])

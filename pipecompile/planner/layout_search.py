@@ -81,19 +81,27 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
     """The fastest layout's search result and every layout's candidate (winner first, then by
     step; those that fit nothing last, saying why). `bound(layout)`: a lower bound of its
     step (its compute spread over its pipeline, no bubble); a layout whose bound is above the
-    best step found so far is not searched (its reason says so)."""
+    best step found so far is not searched (its reason says so).
+
+    With `bound`, the layouts are searched in the order of their bounds (the lowest first,
+    `layouts`' order among equal ones), so that the fast ones are found first and prune the
+    rest; which layout wins does not depend on that order: a layout is skipped only when its
+    step, at least its bound, is above (1 + `tie`) times a step already found, so above the
+    fastest's tie window, and ties still go to the earliest in `layouts`' order."""
+    seen: dict[int, LayoutCandidate] = {}
     results: dict[int, Any] = {}
-    found: list[LayoutCandidate] = []
     errors: list[tuple[float, str]] = []
     progress = Progress(log, "layout search", len(layouts), unit="layouts")
-    for k, layout in enumerate(layouts):
-        best = min((c.step for c in found if c.fits), default=math.inf)
+    floors = _floors(layouts, bound)
+    for k in sorted(range(len(layouts)), key=lambda k: (floors[k], k)):
+        layout = layouts[k]
+        best = min((c.step for c in seen.values() if c.fits), default=math.inf)
         progress.advance(note=f"best so far {best * 1e3:.1f} ms" if math.isfinite(best) else "")
-        floor = bound(layout) if bound is not None and math.isfinite(best) else 0.0
-        if floor > best * (1 + tie):
-            found.append(LayoutCandidate(layout, reason=(
+        floor = floors[k]
+        if math.isfinite(best) and floor > best * (1 + tie):
+            seen[k] = LayoutCandidate(layout, reason=(
                 f"not searched: its compute alone takes {floor * 1e3:.1f} ms "
-                f"(+{(floor / best - 1) * 100:.1f}% over the best)")))
+                f"(+{(floor / best - 1) * 100:.1f}% over the best)"))
             continue
         try:
             result = run(layout)
@@ -101,20 +109,21 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
             need = error.memory_needed or math.inf
             errors.append((need, str(error)))
             least = "at least " if isinstance(error, StateTooLarge) else ""
-            found.append(LayoutCandidate(layout, reason=f"does not fit: needs {least}"
-                                         f"{format_bytes(need)} on a device" + (
-                                             f"; {TENSOR_PARALLEL_NOTE}"
-                                             if layout.data_parallel == 1 else "")))
+            seen[k] = LayoutCandidate(layout, reason=f"does not fit: needs {least}"
+                                       f"{format_bytes(need)} on a device" + (
+                                           f"; {TENSOR_PARALLEL_NOTE}"
+                                           if layout.data_parallel == 1 else ""))
             continue
         except PartitionError as error:
-            found.append(LayoutCandidate(layout, reason=f"not valid: {str(error)[:80]}"))
+            seen[k] = LayoutCandidate(layout, reason=f"not valid: {str(error)[:80]}")
             continue
         best = result.best
         results[k] = result
-        found.append(LayoutCandidate(layout, best.step, best.schedule, best.microbatches,
-                                     best.virtual_stages, len(best.recomputed),
-                                     max(best.memory, default=0.0)))
+        seen[k] = LayoutCandidate(layout, best.step, best.schedule, best.microbatches,
+                                   best.virtual_stages, len(best.recomputed),
+                                   max(best.memory, default=0.0))
     progress.done()
+    found = [seen[k] for k in range(len(layouts))]  # back in `layouts`' order
     order = {id(c): k for k, c in enumerate(found)}
     fitting = [c for c in found if c.fits]
     if not fitting and not results:
@@ -136,6 +145,14 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
                                               order[id(c)]))
     labelled = [c if c is winner or not c.fits else _lost(c, winner) for c in ranked]
     return results[order[id(winner)]], tuple(labelled)
+
+
+def _floors(layouts: Sequence[Layout], bound: Callable[[Layout], float] | None
+            ) -> list[float]:
+    """Each layout's lower bound of its step (0: none known, so it is always searched)."""
+    if bound is None:
+        return [0.0] * len(layouts)
+    return [bound(layout) for layout in layouts]
 
 
 def _lost(c: LayoutCandidate, winner: LayoutCandidate) -> LayoutCandidate:

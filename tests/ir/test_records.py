@@ -41,6 +41,23 @@ def test_evaluate_substitutes_sizes_and_refuses_unbound_symbols():
         evaluate(b * sympy.Symbol("s"), {b: 2})
 
 
+def test_evaluate_remembers_a_value_per_expression_and_sizes():
+    """A value is remembered for its expression and sizes (the searches ask again and again),
+    so a second call substitutes nothing; other sizes give their own value."""
+    from pipecompile.ir import records
+
+    b, s = sympy.symbols("b_mem s_mem", positive=True, integer=True)
+    expr = 3 * b * s + b ** 2 / 7
+    first = evaluate(expr, {b: 4, s: 9})
+    before = records._evaluate_at.cache_info().hits
+    assert evaluate(expr, {b: 4, s: 9}) == first == float((3 * b * s + b ** 2 / 7).subs(
+        {b: 4, s: 9}))
+    assert records._evaluate_at.cache_info().hits == before + 1
+    assert evaluate(expr, {b: 5, s: 9}) == float(expr.subs({b: 5, s: 9}))
+    with pytest.raises(AssertionError, match="unbound"):  # not remembered as a value
+        evaluate(expr, {b: 4})
+
+
 def test_block_cost_times_add_up_and_blocks_print_short():
     cost = NumericBlockCost(forward_flops=1.0, backward_flops=2.0, forward_time=0.5,
                             backward_input_time=0.25, backward_weight_time=0.75,
