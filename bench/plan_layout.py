@@ -12,6 +12,7 @@ subprocess so its peak RSS and time are its own.
     python bench/plan_layout.py                     # 70B on 64 GPUs, 8B on 8 and 64 GPUs
     python bench/plan_layout.py --case 70b-64
     python bench/plan_layout.py --case 70b-64-tp    # tensor_parallel="auto" too
+    python bench/plan_layout.py --case 70b-64-tp-sp # and sequence_parallel="auto"
     python bench/plan_layout.py --case 70b-64-recipe  # NVIDIA's recipe, given (below)
 
 `70b-64-recipe` is not searched: NVIDIA's Llama-3-70B recipe on 64 H100 given by hand,
@@ -34,6 +35,7 @@ import _common as C
 CASES = {  # name: factory, layers, hidden, nodes, global batch, sequence
     "70b-64": ("llama3_70b", 80, 8192, 8, 128, 8192),
     "70b-64-tp": ("llama3_70b", 80, 8192, 8, 128, 8192),  # tensor_parallel="auto"
+    "70b-64-tp-sp": ("llama3_70b", 80, 8192, 8, 128, 8192),  # and sequence_parallel="auto"
     "70b-64-recipe": ("llama3_70b", 80, 8192, 8, 128, 8192),  # NVIDIA's recipe (RECIPE)
     "8b-8": ("llama3_8b", 32, 4096, 1, 16, 8192),
     "8b-64": ("llama3_8b", 32, 4096, 8, 128, 8192),
@@ -57,7 +59,9 @@ def one(name: str) -> dict:
     n = sum(p.numel() for p in model.parameters())
     start, cpu = time.perf_counter(), time.process_time()
     searched = dict(data_parallel="auto", fsdp="auto",
-                    tensor_parallel="auto" if name.endswith("-tp") else 1)
+                    tensor_parallel="auto" if "-tp" in name else 1)
+    if name.endswith("-sp"):
+        searched["sequence_parallel"] = "auto"
     pipe = pc.compile(model, args, kwargs, devices=pc.cluster("h100", nodes=nodes, per_node=8),
                       **(RECIPE if name.endswith("-recipe") else searched),
                       optimizer=lambda p: torch.optim.AdamW(p))

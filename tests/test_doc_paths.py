@@ -25,6 +25,10 @@ NOT_OURS = {
     "loss_ctc.py",  # transformers' CTC loss, named in a capture error's example
     "stage.py",  # torch.distributed.pipelining's own module
     "transformers/utils/generic.py",  # a transformers file named in a traceback example
+    # Megatron-LM's (and the Zero Bubble paper's fork's) modules, cited as a price's source
+    "megatron/optimizer/optimizer.py",
+    "core/pipeline_parallel/p2p_communication.py",
+    "zb_schedules.py",
 }
 
 
