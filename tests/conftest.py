@@ -1,0 +1,38 @@
+"""Session hooks for the suite.
+
+Under pytest-xdist (`-n 2`, with `--dist loadgroup` from pyproject.toml) a module-scoped
+fixture is computed once on every worker that runs one of the tests using it. A module whose
+tests share a costly one (a gloo job, a subprocess running a bench, a capture) computed it
+twice, once per worker: 75 s for the GPU bench's dry run, about 90 s for the 4-rank
+tensor-parallel job. This hook puts every test that uses a module- or class-scoped fixture of
+its own module into one xdist group named after the module (`planner/test_breakdown`), so the fixture runs once; a test
+that names its own group keeps it, and tests without such a fixture are still spread one by
+one. Without -n it changes nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+_SHARED_SCOPES = frozenset({"module", "class"})
+
+
+def _uses_a_shared_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    for name in info.names_closure:
+        defs = info.name2fixturedefs.get(name)
+        # the definition the test sees is the last; plugins' fixtures have an empty baseid
+        if defs and defs[-1].scope in _SHARED_SCOPES and defs[-1].baseid:
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None and _uses_a_shared_fixture(item):
+            path = item.nodeid.split("::")[0]  # tests/planner/test_breakdown.py
+            group = path.removeprefix("tests/").removesuffix(".py")  # planner/test_breakdown
+            item.add_marker(pytest.mark.xdist_group(group))
