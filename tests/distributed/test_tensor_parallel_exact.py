@@ -55,7 +55,7 @@ def pp2_tp2(tmp_path_factory):
 
 
 TP4 = [("gpt4", 1, "1f1b")]
-DP2_TP2 = [("gpt", 1, "1f1b"), ("llama", 1, "gpipe")]
+DP2_TP2 = [("gpt", 1, "1f1b"), ("llama", 1, "gpipe"), ("llama", 1, "1f1b", "sp")]
 PP2_TP2_DP2 = [("gpt", 2, "1f1b")]
 
 
