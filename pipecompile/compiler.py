@@ -73,8 +73,9 @@ def compile(  # noqa: A001 - the public name of the design
     `tensor_parallel="auto"` and T with a searched layout are not built yet.
     On `devices=pipecompile.cluster(...)` (planned, nothing runs) `sequence_parallel=True`
     prices each tensor-parallel group as also splitting the tokens of its norms, dropout and
-    residuals (Korthikanti et al. 2022), "auto" lets the layout search try both; the runtime
-    does not split them (True there is a `ConfigError`, "auto" is False).
+    residuals (Korthikanti et al. 2022), "auto" lets the layout search try both. Under
+    torchrun with a given T, `sequence_parallel=True` runs it: the tokens between each row and
+    the next column split over the T ranks, pipeline messages whole ("auto" is False there).
 
     `cache` keeps what compiling measures or derives (this machine's rates, the planning probe,
     symbolic block costs), keyed by content: the process-wide `compile_cache.default_cache`

@@ -33,11 +33,13 @@ def layout(plan: Plan) -> Layout:
     chosen = plan.choices.layout if plan.choices is not None else None
     topology = o.ranks.topology
     base = chosen or Layout(len(o.devices), o.data_parallel, o.fsdp,
-                            tensor_parallel=o.tensor_parallel)  # a given T, under torchrun
+                            tensor_parallel=o.tensor_parallel,  # a given T, under torchrun
+                            sequence_parallel=o.sequence_parallel)
     if topology is None:
         return base
     return Layout(base.pipeline, base.data_parallel, base.fsdp, base.inner,
-                  topology.position, topology.replica, tensor_parallel=base.tensor_parallel)
+                  topology.position, topology.replica, tensor_parallel=base.tensor_parallel,
+                  sequence_parallel=base.sequence_parallel)
 
 
 def describe(plan: Plan) -> str:

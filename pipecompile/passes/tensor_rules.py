@@ -3,6 +3,7 @@ each ATen op a split input may reach, where its output is split, or why it canno
 (the columns it came from then stay replicated).
 
     rule(node, {input: State}, T, grads) -> State | reason
+    attention_heads_of(gm)               -> (query heads, key/value heads) of each attention
 
 `State` is "split along `dim`" (with a fused projection's `parts` still whole in it); each rule
 keeps the rank's graph exact: elementwise ops and views into/out of heads keep the split,
@@ -19,7 +20,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-__all__ = ["State", "rule", "node_args", "shape_of", "VIEWS", "SPLITS"]
+__all__ = ["State", "rule", "node_args", "shape_of", "VIEWS", "SPLITS", "attention_heads_of"]
 
 aten = torch.ops.aten
 
@@ -209,3 +210,31 @@ def _split(node: fx.Node, s: State, shape: tuple, degree: int) -> State | str:
         (column,) = s.origins
         return f"fused:{column}:{','.join(str(p) for p in pieces)}"
     return f"a split into {pieces} that T={degree} does not divide part by part"
+
+
+_REPEAT = {aten.expand.default, aten.unsqueeze.default, aten.slice.Tensor, aten.clone.default,
+           aten.contiguous.default, aten.alias.default, *VIEWS}
+
+
+def attention_heads_of(gm: fx.GraphModule) -> tuple[tuple[int, int], ...]:
+    """(query heads, key/value heads) of each fused attention of `gm` (q, k as (b, heads, s,
+    d)), once per distinct pair: GQA's key/value heads are those before their repeat to the
+    query heads (the expand and reshape of `repeat_kv`, or `enable_gqa`'s fewer heads)."""
+    found: set[tuple[int, int]] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _ATTENTION:
+            continue
+        q, k = node_args(node)[:2]
+        q_shape = shape_of(q)
+        if q_shape is None or len(q_shape) != 4 or not isinstance(q_shape[1], int):
+            continue
+        kv, at = q_shape[1], k
+        while isinstance(at, fx.Node):
+            shape = shape_of(at)
+            if shape is not None and len(shape) == 4 and isinstance(shape[1], int):
+                kv = min(kv, shape[1])
+            if at.op != "call_function" or at.target not in _REPEAT:
+                break
+            at = node_args(at)[0]
+        found.add((q_shape[1], kv))
+    return tuple(sorted(found))

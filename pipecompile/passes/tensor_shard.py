@@ -22,6 +22,7 @@ Lowering (Megatron-LM, Shoeybi et al. 2019): `copy` (identity forward, all-reduc
 on a column's input, `reduce` (all-reduce forward, identity backward) on a row's output before
 its bias; view/expand/split sizes of the split dim divided by T. Collectives are handed in as
 callables: this module imports no process group. The per-op rules are passes/tensor_rules.py.
+With sequence parallelism the lowered graph is then rewritten by passes/sequence_shard.py.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.fx as fx
 __all__ = ["choose", "lower"]
 
 from ..ir.shard_plan import Placement, ShardPlan
+from .sequence_shard import shard_sequence
 from .tensor_rules import SPLITS, VIEWS, State, node_args, rule, shape_of
 
 aten = torch.ops.aten
@@ -195,10 +197,13 @@ def _propagate(gm: fx.GraphModule, degree: int, matmuls: Mapping[str, Any],
 
 
 def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callable,
-          local: Callable | None = None) -> fx.GraphModule:
+          local: Callable | None = None, sequence: Mapping[str, Callable] | None = None
+          ) -> fx.GraphModule:
     """The graph rank r runs for `plan` (module docstring); the parameters stay `gm`'s
     (the caller replaces them by their local slices). `local`, if given, wraps every
-    parameter read (a DTensor parameter's local tensor)."""
+    parameter read (a DTensor parameter's local tensor). `sequence`, if given, are the
+    sequence-parallel collectives: the tokens between each row and the next column are
+    split too (passes/sequence_shard.py)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     T = plan.degree
@@ -231,6 +236,8 @@ def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callab
         new.args, new.kwargs = args, kwargs
         env[node] = new
     lowered = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    if sequence is not None and plan.rows:
+        lowered = shard_sequence(lowered, T, sequence, copy=copy, reduce=reduce)
     return lowered
 
 
@@ -246,6 +253,7 @@ def _row(graph: fx.Graph, node: fx.Node, args: tuple, reduce: Callable) -> fx.No
         x, w, bias = (list(args) + [None])[:3]
         y = graph.call_function(aten.linear.default, (x, w))
     y = graph.call_function(reduce, (y,))
+    y.meta = dict(node.meta)
     if bias is not None:
         y = graph.call_function(aten.add.Tensor, (y, bias))
     y.meta = dict(node.meta)

@@ -55,11 +55,7 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
     devices, data_parallel, fsdp = (given.pop(name) for name in ("devices", "data_parallel",
                                                                 "fsdp"))
     tensor_parallel = given.pop("tensor_parallel")
-    if given.pop("sequence_parallel") is True and not isinstance(devices, Cluster):
-        raise ConfigError("sequence_parallel=True is planned and priced for a cluster of "
-                          "devices that are not here (devices=pipecompile.cluster(...)); the "
-                          "runtime's tensor parallelism does not split the tokens: pass "
-                          "sequence_parallel=False (or 'auto': False when run)")
+    sequence_parallel = given.pop("sequence_parallel")
     if tensor_parallel != 1 and not isinstance(devices, Cluster) and (
             tensor_parallel == AUTO or request.layout.searched):
         raise ConfigError(f"tensor_parallel={tensor_parallel!r} with a searched layout is "
@@ -75,6 +71,7 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
     rest = {**given, "fsdp": fsdp}
     if tensor_parallel != 1 and not isinstance(devices, Cluster):
         rest["tensor_parallel"] = tensor_parallel  # the given layout, run under torchrun
+        rest["sequence_parallel"] = sequence_parallel is True  # "auto": False when run
     if world > 1 and request.layout.searched and not isinstance(devices, Cluster):
         names, ranks = ranks_options(world, devices, fsdp, example)
         return layout_resolved(example, names, ranks, microbatches, schedule, virtual_stages,

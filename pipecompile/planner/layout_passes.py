@@ -28,6 +28,7 @@ from .schedule_search import search as search_plans
 from .layout import Collectives, Layout, layouts, pipeline_specs, sequence_choices, tensor_degrees
 from .block_tables import tensor_share
 from .tensor_costs import attention_heads, shard_costs
+from ..passes.tensor_rules import attention_heads_of
 from ..ir.records import CostTable
 from .layout_search import StateTooLarge, search_layouts
 
@@ -143,9 +144,9 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
 def _tensor_degrees(plan: Plan, world: int, tables: BlockTables, example: Example
                     ) -> tuple[int, ...]:
     """The tensor-parallel degrees to search: the one asked (it must divide the devices per
-    node, the devices and the query heads of every attention the capture shows: else a
-    `ConfigError` naming both), or with "auto" every divisor of the devices per node that
-    divides the heads."""
+    node, the devices, the query and the key/value heads of every attention the capture
+    shows: else a `ConfigError` naming both), or with "auto" every divisor of the devices per
+    node that divides the heads (query and key/value)."""
     asked = plan.request.layout.tensor_parallel if plan.request is not None else 1
     cluster = plan.resolved.cluster
     per_node = cluster.per_node if cluster is not None else world
@@ -166,8 +167,23 @@ def _tensor_degrees(plan: Plan, world: int, tables: BlockTables, example: Exampl
             raise ConfigError(
                 f"tensor_parallel={given} does not divide the {bad[0]} attention heads of the "
                 f"model (each rank runs heads / T of them): use a divisor of {bad[0]}")
+        _check_kv_heads(plan, given)
         return (given,)
-    return tuple(t for t in tensor_degrees(per_node, None) if all(h % t == 0 for h in heads))
+    kv = [k for _, k in attention_heads_of(plan.ready.captured.module)]
+    return tuple(t for t in tensor_degrees(per_node, None)
+                 if all(h % t == 0 for h in (*heads, *kv)))
+
+
+def _check_kv_heads(plan: Plan, given: int) -> None:
+    """A given T must divide the key/value heads of each GQA attention too (each rank runs
+    1/T of them beside its queries): else a `ConfigError` naming both."""
+    for q, kv in attention_heads_of(plan.ready.captured.module):
+        if kv % given:
+            divisors = [d for d in range(1, kv + 1) if kv % d == 0]
+            raise ConfigError(
+                f"tensor_parallel={given} does not divide the {kv} key/value heads of the "
+                f"model's attention ({q} query heads share them, GQA): each rank runs heads / T "
+                f"of them; use one of {divisors}")
 
 
 def _check_state_fits(table: BlockTable | None, layout: Layout,

@@ -202,7 +202,8 @@ def shard_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
 
 def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     """tensor_parallel=T: this rank's stages lowered to their local shards (one all-reduce
-    per column/row pair), parameters DTensors over the "tp" mesh dimension."""
+    per column/row pair; with sequence_parallel=True a reduce-scatter and an all-gather, the
+    tokens between them split), parameters DTensors over the "tp" mesh dimension."""
     from ..passes.tensor_shard import choose, lower
     from ..runtime.tensor_parallel import shard_stage_tensors, tensor_parallel_mesh
     from ..schedule.messages import gradient_values
@@ -227,8 +228,13 @@ def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
                                                  if n not in needs_grad))
              for s in own}
     mesh = tensor_parallel_mesh(topology, local_device())
-    program = shard_stage_tensors(program, own, plans, mesh, lower)
+    program = shard_stage_tensors(program, own, plans, mesh, lower,
+                                  sequence=o.sequence_parallel)
     notes = "; ".join(f"stage {s}: {p.summary()}" for s, p in plans.items())
+    if o.sequence_parallel:
+        notes += ("; sequence parallel: the tokens between each row and the next column split "
+                  f"over the {o.tensor_parallel} ranks (reduce-scatter / all-gather), pipeline "
+                  "messages whole")
     if not any(p.params for p in plans.values()):
         notes += (f" -- nothing worth sharding: every rank of a tensor-parallel group computes "
                   f"the whole stage (use tensor_parallel=1)")

@@ -84,6 +84,7 @@ class CompileOptions:
     vertical_sync: bool = False
     data_parallel: int = 1
     tensor_parallel: int = 1  # T ranks share each layer of a stage (runtime/tensor_parallel.py)
+    sequence_parallel: bool = False  # and split the tokens between its layers (T > 1)
     timeout: float = 300.0
     verbose: bool = False  # capture: show torch's own output
     rng: str = "global"  # "per-microbatch": random streams from (seed, step, micro-batch, op)
@@ -306,20 +307,22 @@ def _check_async(options: CompileOptions) -> None:
 
 def _check_tensor_parallel(options: CompileOptions) -> None:
     """tensor_parallel=T > 1: built for pipeline x data x tensor parallelism with synchronous
-    schedules; what it is not yet built with is refused, saying so."""
+    schedules (with or without sequence parallelism); what it is not yet built with is
+    refused, saying so."""
     if options.tensor_parallel == 1:
         return
     refused = {"fsdp=True": options.fsdp,
                f"schedule={options.schedule!r}": options.asynchronous,
                "compile_stages=True": options.compile_stages,
                "checkpoint=True": options.checkpoint is not False}
+    sp = ", sequence_parallel=True" if options.sequence_parallel else ""
     for what, given in refused.items():
         if given:
             raise ConfigError(
-                f"tensor_parallel={options.tensor_parallel} with {what} is not built yet; use "
-                f"pipeline x data x tensor parallelism (devices=P, data_parallel=D, "
+                f"tensor_parallel={options.tensor_parallel}{sp} with {what} is not built yet; "
+                f"use pipeline x data x tensor parallelism (devices=P, data_parallel=D, "
                 f"tensor_parallel=T: P x D x T ranks) with a synchronous schedule, or "
-                f"tensor_parallel=1")
+                f"tensor_parallel=1" + (", or leave out " + what.split("=")[0] if sp else ""))
 
 
 def _check_fsdp(options: CompileOptions) -> None:

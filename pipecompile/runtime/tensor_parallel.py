@@ -18,6 +18,13 @@ DTensors while the graph runs plain local ops plus two collectives:
 
 One all-reduce per column/row pair forward and one backward, as Megatron-LM (Shoeybi et al.
 2019). Stage boundaries stay whole (replicated): the pipeline's messages are unchanged.
+
+With sequence parallelism (`sequence_collectives`, Korthikanti et al. 2022) each row's
+all-reduce becomes a reduce-scatter along the sequence and each column's input an all-gather
+(backward: the mirror). The reduce-scatter runs as an all-reduce keeping this rank's part
+(gloo has no reduce-scatter; the same sums on every backend): twice the bytes of the
+reduce-scatter the planner prices (planner/tensor_costs.py), a cost, not a difference in
+values.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ if TYPE_CHECKING:
     from ..ir.records import StagedProgram
     from .distributed import Topology
 
-__all__ = ["tensor_parallel_mesh", "collectives", "shard_stage_tensors", "placement_of",
+__all__ = ["tensor_parallel_mesh", "collectives", "sequence_collectives", "shard_stage_tensors", "placement_of",
            "local_slice", "to_local"]
 
 # the graph pass that lowers a stage for its plan (passes/tensor_shard.lower), handed in by
@@ -86,6 +93,48 @@ def collectives(group: Any) -> tuple[Callable, Callable]:
     return tp_copy, tp_reduce
 
 
+def sequence_collectives(group: Any, degree: int, rank: int) -> dict[str, Callable]:
+    """The four collectives of sequence parallelism over `group` (passes/sequence_shard.py),
+    each a function (tensor, dim) -> tensor, autograd-aware: reduce_scatter (backward
+    all-gather), gather_column (backward reduce-scatter), gather (backward this rank's 1/T),
+    scatter (backward all-gather)."""
+
+    def all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(degree)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
+        x = x.contiguous()  # the sum (an all-reduce: gloo has no reduce-scatter), this part
+        dist.all_reduce(x, group=group)
+        return x.chunk(degree, dim=dim)[rank].contiguous()
+
+    def mine(x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x.chunk(degree, dim=dim)[rank].contiguous()
+
+    def function(forward: Callable, backward: Callable) -> Callable:
+        class _Op(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+                ctx.dim = dim
+                return forward(x, dim)
+
+            @staticmethod
+            def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+                return backward(grad, ctx.dim), None
+
+        def op(x: torch.Tensor, dim: int) -> torch.Tensor:
+            return _Op.apply(x, dim)
+
+        return op
+
+    return {"reduce_scatter": function(reduce_scatter, all_gather),
+            "gather_column": function(all_gather, reduce_scatter),
+            "gather": function(all_gather, mine),
+            "scatter": function(mine, all_gather)}
+
+
 def to_local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor parameter's local tensor (differentiable), any other tensor as it is."""
     from torch.distributed.tensor import DTensor
@@ -115,20 +164,22 @@ def placement_of(placement: "Placement | None") -> Any:
 
 
 def shard_stage_tensors(program: "StagedProgram", own: Sequence[int],
-                        plans: "Mapping[int, ShardPlan]", mesh: Any, lower: Lower
-                        ) -> "StagedProgram":
+                        plans: "Mapping[int, ShardPlan]", mesh: Any, lower: Lower, *,
+                        sequence: bool = False) -> "StagedProgram":
     """`program` with each stage of `own` lowered for its plan (by `lower`) and its
     parameters DTensors over `mesh` (1-D, "tp"): this rank's slice of each split one, the
-    whole of the rest."""
+    whole of the rest. `sequence`: with sequence parallelism (the tokens between a row and
+    the next column split over the T ranks too)."""
     from torch.distributed.tensor import DTensor
 
     T, rank = mesh.size(), mesh.get_local_rank()
     copy, reduce = collectives(mesh.get_group())
+    extra = {"sequence": sequence_collectives(mesh.get_group(), T, rank)} if sequence else {}
     stages = list(program.stages)
     swapped: dict[int, torch.Tensor] = {}  # id(old parameter) -> its DTensor
     for index in own:
         stage, plan = program.stages[index], plans[index]
-        module = lower(stage.module, plan, copy=copy, reduce=reduce, local=to_local)
+        module = lower(stage.module, plan, copy=copy, reduce=reduce, local=to_local, **extra)
         for name, param in list(module.named_parameters(remove_duplicate=False)):
             if id(param) not in swapped:
                 placement = plan.params.get(name)

@@ -106,10 +106,10 @@ def _checkpoint(pipe, opt, directory: str) -> dict:
     return {"keys": sorted(model_sd), "save": refused}
 
 
-def run_cases(rank: int, cases: list[tuple[str, int, str]], replicas: int = 1,
+def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
               directory: str | None = None) -> dict:
-    """Each case (model, pipeline devices P, schedule) on P x D x T ranks (D = `replicas`,
-    each taking its 1/D of the batch's rows): one step's loss and full gradients, the local
+    """Each case (model, pipeline devices P, schedule[, "sp": sequence_parallel=True]) on
+    P x D x T ranks (D = `replicas`, each taking its 1/D of the batch's rows): one step's loss and full gradients, the local
     and whole sizes of each parameter, the clipped norm, then the user's AdamW step and the
     next step's loss. With `directory`, the first Llama case's model and optimizer after that
     step go to a torch.distributed.checkpoint there, and `pipe.save` is tried (a fused
@@ -118,7 +118,9 @@ def run_cases(rank: int, cases: list[tuple[str, int, str]], replicas: int = 1,
     from torch.distributed.tensor import DTensor
 
     results = {}
-    for name, P, schedule in cases:
+    for case in cases:
+        name, P, schedule = case[:3]
+        sp = len(case) > 3 and case[3] == "sp"  # sequence_parallel=True
         T = dist.get_world_size() // (P * replicas)
         model, args, kwargs, target, loss_fn = MODELS[name]()
         replica = rank // (P * T)
@@ -126,7 +128,8 @@ def run_cases(rank: int, cases: list[tuple[str, int, str]], replicas: int = 1,
         target = target.chunk(replicas)[replica]
         pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=P,
                           data_parallel=replicas, tensor_parallel=T, loss_fn=loss_fn,
-                          schedule=schedule, microbatches=2, timeout=300)
+                          schedule=schedule, microbatches=2, timeout=300,
+                          sequence_parallel=sp)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
         comms = _comm_counts(pipe, args) if P == 1 and replicas == 1 else None
         loss = pipe.step(*args, target=target, **kwargs)
@@ -149,13 +152,14 @@ def run_cases(rank: int, cases: list[tuple[str, int, str]], replicas: int = 1,
         evaluated = pipe.eval_step(*args, target=target, **kwargs).item()
         with torch.no_grad():  # this replica's rows: the global loss with one replica only
             forward = loss_fn(pipe(*args, **kwargs), target).item() if replicas == 1 else None
-        results[(name, P, schedule)] = {
+        results[tuple(case)] = {
             "loss": loss.item(), "grads": grads, "sizes": sizes, "values": values,
             "state": state, "norm": norm, "torch_norm": torch_norm, "comms": comms,
             "loss2": loss2.item(), "eval": evaluated, "forward": forward, "saved": saved,
             "explain": pipe.explain(),
             "layout": (pipe.layout.pipeline, pipe.layout.data_parallel,
                        pipe.layout.tensor_parallel),
+            "sp": pipe.layout.sequence_parallel,
             "dtensor": all(isinstance(p, DTensor) for p in pipe.parameters())}
         dist.barrier()
     return results

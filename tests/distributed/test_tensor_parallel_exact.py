@@ -11,9 +11,12 @@ from tests.distributed.ranks import run_ranks
 from tests.distributed.tensor_parallel_cases import MODELS, run_cases
 from tests.support.reference import reference_step
 
-TP2 = [("gpt", 1, "gpipe"), ("llama", 1, "1f1b"), ("gpt2", 1, "1f1b")]
+# "sp": sequence_parallel=True, in the same jobs (one spawn each, no new one)
+TP2_SP = [("gpt", 1, "1f1b", "sp"), ("llama", 1, "gpipe", "sp")]
+TP2 = [("gpt", 1, "gpipe"), ("llama", 1, "1f1b"), ("gpt2", 1, "1f1b"), *TP2_SP]
+PP2_TP2_SP = [("gpt", 2, "1f1b", "sp"), ("llama", 2, "1f1b", "sp")]
 PP2_TP2 = [("gpt", 2, "gpipe"), ("gpt", 2, "1f1b"), ("llama", 2, "1f1b"), ("gpt2", 2, "gpipe"),
-           ("gpt", 2, "zb-h1"), ("gpt", 2, "interleaved-1f1b")]
+           ("gpt", 2, "zb-h1"), ("gpt", 2, "interleaved-1f1b"), *PP2_TP2_SP]
 
 
 def _reference(name, microbatches=2):
@@ -52,7 +55,7 @@ def pp2_tp2(tmp_path_factory):
 
 
 TP4 = [("gpt4", 1, "1f1b")]
-DP2_TP2 = [("gpt", 1, "1f1b"), ("llama", 1, "gpipe")]
+DP2_TP2 = [("gpt", 1, "1f1b"), ("llama", 1, "gpipe"), ("llama", 1, "1f1b", "sp")]
 PP2_TP2_DP2 = [("gpt", 2, "1f1b")]
 
 
@@ -72,20 +75,24 @@ def _check(results, case, replicas=1):
         got = r[case]
         P, T = case[1], len(results) // (case[1] * replicas)
         assert got["layout"] == (P, replicas, T)  # pipe.layout reports the given T
+        assert got["sp"] == (case[3:] == ("sp",))
         assert abs(got["loss"] - loss) <= 1e-10, (rank, got["loss"], loss)
         assert abs(got["loss2"] - loss2) <= 1e-9, (rank, got["loss2"], loss2)  # after AdamW
         # the same weights, forward only: eval_step and pipe(x) on every rank
         assert abs(got["eval"] - loss2) <= 1e-9
         assert replicas > 1 or abs(got["forward"] - loss2) <= 1e-9
     # gradients: every parameter, from the ranks that hold its stage (all, in full_tensor())
-    seen = set()
+    seen, worst = set(), 0.0
     for r in results:
         for name, g in r[case]["grads"].items():
             want = grads[name]
             err = (g - want).abs().max().item() / max(want.abs().max().item(), 1e-300)
             assert err <= 1e-9, (case, name, err)
             seen.add(name)
+            worst = max(worst, err)
     assert seen == set(grads), set(grads) - seen
+    print(f"{case}: loss {max(abs(r[case]['loss'] - loss) for r in results):.1e}, "
+          f"gradients {worst:.1e} relative")  # shown with -s
 
 
 @pytest.mark.parametrize("case", TP2, ids=lambda c: "-".join(map(str, c)))
@@ -164,6 +171,15 @@ def test_a_column_row_pair_costs_one_all_reduce(tp2):
     comms = tp2[1][0][("gpt", 1, "gpipe")]["comms"]
     assert comms["forward"] == {"c10d.allreduce_": 4}, comms
     assert comms["both"] == {"c10d.allreduce_": 8}, comms
+
+
+def test_sequence_parallel_splits_the_tokens_between_pairs(tp2):
+    """GPT, 2 layers, TP2+SP: each row's all-reduce a reduce-scatter (run as an all-reduce
+    keeping this rank's half: gloo has none), an all-gather before the 3 columns whose input
+    is split and one before the output layer; explain() and the layout say so."""
+    got = tp2[1][0][("gpt", 1, "1f1b", "sp")]
+    assert got["comms"]["forward"] == {"c10d.allreduce_": 4, "c10d.allgather_": 4}, got["comms"]
+    assert "sequence parallel" in got["explain"]
 
 
 def test_explain_names_the_tensor_parallel_pass(tp2):

@@ -190,3 +190,29 @@ def test_a_view_into_heads_keeps_the_split_where_t_divides_the_heads():
     split = {node.args[0]: State(2, (16,), frozenset({"fc"}))}
     assert rule(node, split, 2, set()) == State(2, (16,), frozenset({"fc"}), fresh=False)
     assert rule(node, split, 8, set()) == "4 (heads) does not divide by T=8"
+
+
+def test_attention_heads_count_gqa_key_value_heads_before_their_repeat(graphs):
+    """Llama repeats its 2 key/value heads to the 4 query heads (expand, reshape) before the
+    fused attention: the heads found are those of k_proj, not of the repeat."""
+    from pipecompile.passes.tensor_rules import attention_heads_of
+
+    assert attention_heads_of(graphs["llama"][0]) == ((4, 2),)
+    assert attention_heads_of(graphs["gpt"][0]) == ((2, 2),)
+
+
+def test_a_given_t_that_does_not_divide_the_key_value_heads_is_refused(graphs):
+    """The planner's check of a given T (a cluster's layout search): 4 query heads divide by
+    T=4, the 2 key/value heads do not: a ConfigError naming both. At run time (torchrun) the
+    pass keeps that attention whole instead (exact: see the test above on T=4)."""
+    from types import SimpleNamespace
+
+    from pipecompile.errors import ConfigError
+    from pipecompile.planner.layout_passes import _check_kv_heads
+
+    plan = SimpleNamespace(ready=SimpleNamespace(captured=SimpleNamespace(
+        module=graphs["llama"][0])))
+    _check_kv_heads(plan, 2)
+    with pytest.raises(ConfigError, match="tensor_parallel=4 does not divide the 2 key/value "
+                                          r"heads .*4 query heads.*use one of \[1, 2\]"):
+        _check_kv_heads(plan, 4)

@@ -1,6 +1,6 @@
 """Sequence parallelism planned and priced on a cluster of absent devices, and the kernels on
 an attention's heads priced 1/T: `sequence_parallel=` is checked once (a bool or "auto"; True
-needs T > 1 and a cluster), flows to the layout, its text, explain() and a saved plan, and
+needs T > 1; it runs under torchrun, not with FSDP or an asynchronous schedule), flows to the layout, its text, explain() and a saved plan, and
 "auto" keeps it where it is faster; rotary embeddings on the sharded queries and keys run on
 heads / T of them."""
 
@@ -40,10 +40,25 @@ def test_the_option_is_a_bool_or_auto_and_needs_tensor_parallelism():
     assert Request.of(tensor_parallel="auto", sequence_parallel=True).layout.sequence_parallel
     assert Request.of(sequence_parallel="auto").layout.sequence_parallel == "auto"
     model, ids = _gpt()
-    # the runtime's tensor parallelism does not split the tokens: planned for a cluster only
-    with pytest.raises(ConfigError, match="sequence_parallel=True is planned and priced for a "
-                                          "cluster"):
+    # it runs under torchrun (tests/distributed/test_tensor_parallel_exact.py), one rank per
+    # shard: in one process it is refused as tensor_parallel=2 is
+    with pytest.raises(ConfigError, match="tensor_parallel=2 runs one rank per shard: launch"):
         pc.compile(model, (ids,), devices=2, tensor_parallel=2, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("what", [{"fsdp": True}, {"schedule": "pipedream"},
+                                  {"compile_stages": True}])
+def test_what_sequence_parallelism_does_not_run_with_is_refused_naming_it(what):
+    from pipecompile.ir.devices import DeviceSpec
+    from pipecompile.planner.options import CompileOptions, _check_tensor_parallel
+
+    options = CompileOptions(**{"devices": (DeviceSpec(),), "microbatches": 2,
+                                "schedule": "1f1b", "tensor_parallel": 2,
+                                "sequence_parallel": True, **what})
+    (name,) = what
+    with pytest.raises(ConfigError, match=f"tensor_parallel=2, sequence_parallel=True with "
+                                          f"{name}=.* is not built yet.*leave out {name}"):
+        _check_tensor_parallel(options)
 
 
 def test_layouts_try_both_settings_for_t_above_one():
