@@ -9,6 +9,7 @@ Pure functions of a kernel's shape and a `Chip` (the figures of one GPU); no tor
     mixed_precision_optimizer_seconds(bandwidth, parameters)   Adam over fp32 master weights
     softmax_bytes(rows, row, itemsize, backward=)      torch's CUDA softmax / log-softmax
     cross_entropy_bytes(rows, classes, itemsize, backward=)   torch's cross-entropy
+    embedding_bytes(indices, width, table, itemsize, backward=)   torch's embedding
 
 Matmul (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning Performance
 docs): cuBLAS splits the output into tiles (256x128, 128x256, 128x128, 64x64 here), one tile
@@ -56,6 +57,12 @@ sum, then the result) and the output once; softmax (not log-softmax) first multi
 gradient by the output in a kernel of its own. Cross-entropy is log-softmax, then NLL; NLL's
 backward fills a gradient of the logits' size with zeros before scattering into it
 (aten/src/ATen/native/cuda/Loss.cu / LossNLL.cu).
+
+An embedding (aten/src/ATen/native/Embedding.cpp: `weight.index_select(0, indices)`) reads
+the rows it gathers, not its table. Its backward (`embedding_dense_backward_cuda`,
+aten/src/ATen/native/cuda/Embedding.cu and EmbeddingBackwardKernel.cu) zero-fills a gradient
+the size of the whole table (`at::zeros({num_weights, ...})`), sorts the indices, sums the
+gathered rows' gradients per index in fp32 partial sums and writes them into it.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ __all__ = ["Chip", "Attention", "CHIPS", "matmul_seconds", "matmul_efficiency",
            "attention_seconds", "attention_efficiency", "memory_seconds", "optimizer_seconds", "ADAMW_PASSES", "CLIP_PASSES",
            "mixed_precision_bytes", "mixed_precision_optimizer_seconds",
            "FLASH_BLOCK", "SOFTMAX_HEAD_DIM", "softmax_bytes", "cross_entropy_bytes",
+           "embedding_bytes",
            "SHARED_MEMORY_PER_BLOCK", "MEMORY_EFFICIENCY"]
 
 #: Sustained / peak HBM bandwidth of eager memory-bound kernels (module docstring): standard
@@ -269,6 +277,19 @@ def cross_entropy_bytes(rows: float, classes: float, itemsize: int, *,
         return softmax_bytes(rows, classes, itemsize) + targets + itemsize
     return (rows * classes * itemsize + targets
             + softmax_bytes(rows, classes, itemsize, backward=True))
+
+
+def embedding_bytes(indices: float, width: float, table: float, itemsize: int, *,
+                    backward: bool = False) -> float:
+    """HBM bytes of torch's embedding: `indices` int64 indices into a `table` x `width` weight
+    of `itemsize` bytes (module docstring). Forward: the indices, the gathered rows read and
+    written. Backward: the whole table's gradient zero-filled; the indices sorted (keys and
+    positions read and written, 32 bytes each); each row's gradient read, summed in fp32
+    partial sums (written and read) and written into the table's gradient."""
+    rows = indices * width
+    if not backward:
+        return indices * 8 + 2 * rows * itemsize
+    return table * width * itemsize + indices * 32 + rows * (2 * itemsize + 2 * 4)
 
 
 TERA = 1e12

@@ -13,8 +13,9 @@ records, per op, what the device would do (`Recorder`), and prices the block (`K
                 backward twice that, except where the kernels torch runs are known
                 (`ruled`): a softmax, log-softmax or cross-entropy over rows too long for
                 shared memory (passes/kernel_prices.py: three passes over each row forward,
-                the gradient read twice backward, NLL's zero-filled gradient) and a dtype
-                cast (backward: one cast of the gradient back, the same bytes)
+                the gradient read twice backward, NLL's zero-filled gradient), a dtype
+                cast (backward: one cast of the gradient back, the same bytes) and an
+                embedding (the rows it gathers; backward zero-fills the table's gradient)
     view        an op whose output shares an input's storage (view, transpose, expand): free
 
 On a preset (`HardwareRates.chip`) each kernel is priced by its shape (passes/kernel_prices.py:
@@ -40,7 +41,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .kernel_prices import (SHARED_MEMORY_PER_BLOCK, Chip, attention_seconds,
-                            cross_entropy_bytes, matmul_seconds, softmax_bytes)
+                            cross_entropy_bytes, embedding_bytes, matmul_seconds,
+                            softmax_bytes)
 
 __all__ = ["ATTENTION_OPS", "Kernels", "KernelTimes", "Recorder", "fused_attention",
            "is_causal_mask", "HardwareRates"]
@@ -58,6 +60,7 @@ _DROPOUT = _aten.dropout.default
 _SOFTMAX = {_aten._softmax.default: False, _aten.softmax.int: False,
             _aten._log_softmax.default: True, _aten.log_softmax.int: True}
 _CROSS_ENTROPY = _aten.cross_entropy_loss.default
+_EMBEDDING = _aten.embedding.default
 #: A dtype cast: its backward casts the gradient back (the same bytes, one kernel).
 _CASTS = {_aten.to.dtype, _aten.to.dtype_layout, _aten._to_copy.default}
 #: FlashAttention's backward runs 2.5x its forward FLOPs (recomputes QK^T; dQ, dK, dV, dP).
@@ -284,10 +287,16 @@ class Recorder:
               ) -> tuple[sympy.Expr, sympy.Expr] | None:
         """(forward, backward) bytes of an op whose kernels are known (`Kernels.ruled`), else
         None: softmax-like ops over the last dimension of rows shared memory cannot hold,
-        cross-entropy over 2-D logits with class indices, dtype casts."""
+        cross-entropy over 2-D logits with class indices, dtype casts, embeddings."""
         x = inputs[0] if inputs else None
         if x is None or x.dim() == 0 or not x.is_floating_point():
             return None
+        if (node.target is _EMBEDDING and x.dim() == 2 and len(inputs) > 1
+                and not inputs[1].is_floating_point()):
+            n, size = self.sym(inputs[1].numel()), x.element_size()
+            width, table = self.sym(x.shape[1]), self.sym(x.shape[0])
+            return (embedding_bytes(n, width, table, size),
+                    embedding_bytes(n, width, table, size, backward=True))
         if node.target in _CASTS and out.dtype != x.dtype:
             moved = self._bytes(x) + self._bytes(out)
             return moved, moved

@@ -15,6 +15,7 @@ from pipecompile.passes.kernel_prices import (
     attention_efficiency,
     attention_seconds,
     cross_entropy_bytes,
+    embedding_bytes,
     matmul_efficiency,
     matmul_seconds,
     memory_seconds,
@@ -161,3 +162,10 @@ def test_cross_entropy_is_log_softmax_then_nll_whose_backward_zero_fills_the_log
     assert cross_entropy_bytes(rows, classes, 4) == 16 * logits + targets + 4
     # zero-filled gradient (4) + log-softmax's backward (gradient twice, output, written: 16)
     assert cross_entropy_bytes(rows, classes, 4, backward=True) == 20 * logits + targets
+
+
+def test_an_embedding_reads_its_rows_and_its_backward_zero_fills_the_table():
+    n, width, table = 2048, 3072, 256000
+    assert embedding_bytes(n, width, table, 2) == n * 8 + 2 * n * width * 2
+    assert embedding_bytes(n, width, table, 2, backward=True) == (
+        table * width * 2 + n * 32 + n * width * (2 * 2 + 2 * 4))

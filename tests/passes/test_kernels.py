@@ -177,3 +177,22 @@ def test_the_loss_over_a_vocabulary_and_a_cast_are_priced_by_the_kernels_torch_r
         (cross_entropy_bytes(8, 32000, 4, backward=True) + 8 * 32000 * 6
          + 2 * 8 * 128 * 4) / 1e12)
     assert priced[0].memory == pytest.approx((forward + 8 * 32000 * 6 + 8 * 128 * 4) / 1e12)
+
+
+def test_an_embedding_is_priced_by_the_rows_it_gathers_and_its_zero_filled_gradient():
+    import torch.fx as fx
+
+    from pipecompile.passes.kernel_prices import embedding_bytes
+    from pipecompile.passes.kernels import Recorder
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(torch.ops.aten.embedding.default, (x, x))
+    weight = torch.empty(1000, 64, dtype=torch.bfloat16, device="meta")
+    ids = torch.empty(4, 16, dtype=torch.long, device="meta")
+    recorder = Recorder(sym=lambda v: sympy.Integer(int(v)))
+    recorder.record(node, (weight, ids), {}, torch.empty(4, 16, 64, device="meta",
+                                                         dtype=torch.bfloat16), 0, False)
+    forward = embedding_bytes(64, 64, 1000, 2)
+    assert recorder.moves == [forward] and forward < 1000 * 64 * 2  # not the table
+    assert recorder.ruled == [(forward, embedding_bytes(64, 64, 1000, 2, backward=True))]
