@@ -7,6 +7,9 @@ Pure functions of a kernel's shape and a `Chip` (the figures of one GPU); no tor
     memory_seconds(chip, nbytes)               a memory-bound kernel moving `nbytes`
     optimizer_seconds(chip, param_bytes, grad_bytes, state_bytes)     AdamW + clipping
     mixed_precision_optimizer_seconds(bandwidth, parameters)   Adam over fp32 master weights
+    softmax_bytes(rows, row, itemsize, backward=)      torch's CUDA softmax / log-softmax
+    cross_entropy_bytes(rows, classes, itemsize, backward=)   torch's cross-entropy
+    embedding_bytes(indices, width, table, itemsize, backward=)   torch's embedding
 
 Matmul (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning Performance
 docs): cuBLAS splits the output into tiles (256x128, 128x256, 128x128, 64x64 here), one tile
@@ -41,6 +44,25 @@ writes in 41.7 ms, 0.97 TB/s of the 1.5 TB/s the paper gives for its A100 40GB),
 STREAM copy's 0.9: training's memory-bound kernels are reductions (softmax, norms), multi-
 output (dropout and its mask) and strided, not plain copies. Every kernel lasts at least
 `launch` seconds (a small kernel costs its launch, not its bytes).
+
+Softmax over a long row (torch's CUDA kernels, aten/src/ATen/native/cuda/SoftMax.cu,
+`host_softmax` and `host_softmax_backward`): one thread block per row makes three passes
+over it (the maximum, the sum of exponentials, the output). A row of at most 1024 elements
+and 4096 bytes runs the warp-per-row kernel, and a row that fits a block's shared memory
+(`SHARED_MEMORY_PER_BLOCK`, 48 KB: 12,256 fp32 elements) is cached there
+(`cunn_SoftMaxForwardSmem`), so HBM sees it once; a longer row (the logits over a
+vocabulary) is read from HBM by each of the three passes (`cunn_SoftMaxForward`). Backward
+(`cunn_SoftMaxBackward` for rows over 1024 elements) reads the incoming gradient twice (its
+sum, then the result) and the output once; softmax (not log-softmax) first multiplies the
+gradient by the output in a kernel of its own. Cross-entropy is log-softmax, then NLL; NLL's
+backward fills a gradient of the logits' size with zeros before scattering into it
+(aten/src/ATen/native/cuda/Loss.cu / LossNLL.cu).
+
+An embedding (aten/src/ATen/native/Embedding.cpp: `weight.index_select(0, indices)`) reads
+the rows it gathers, not its table. Its backward (`embedding_dense_backward_cuda`,
+aten/src/ATen/native/cuda/Embedding.cu and EmbeddingBackwardKernel.cu) zero-fills a gradient
+the size of the whole table (`at::zeros({num_weights, ...})`), sorts the indices, sums the
+gathered rows' gradients per index in fp32 partial sums and writes them into it.
 """
 
 from __future__ import annotations
@@ -51,8 +73,9 @@ from dataclasses import dataclass, replace
 __all__ = ["Chip", "Attention", "CHIPS", "matmul_seconds", "matmul_efficiency",
            "attention_seconds", "attention_efficiency", "memory_seconds", "optimizer_seconds", "ADAMW_PASSES", "CLIP_PASSES",
            "mixed_precision_bytes", "mixed_precision_optimizer_seconds",
-           "FLASH_BLOCK", "SOFTMAX_HEAD_DIM",
-           "MEMORY_EFFICIENCY"]
+           "FLASH_BLOCK", "SOFTMAX_HEAD_DIM", "softmax_bytes", "cross_entropy_bytes",
+           "embedding_bytes",
+           "SHARED_MEMORY_PER_BLOCK", "MEMORY_EFFICIENCY"]
 
 #: Sustained / peak HBM bandwidth of eager memory-bound kernels (module docstring): standard
 #: attention's 40.3 GB in 41.7 ms on a 1.555 TB/s A100 40GB (FlashAttention, Dao et al. 2022,
@@ -67,6 +90,12 @@ SOFTMAX_HEAD_DIM = 16
 ADAMW_PASSES = (2, 1, 2)  # (parameter, gradient, optimizer state) bytes, each this many times
 #: Clipping by the global norm: reads every gradient for the norm, reads and writes it to scale.
 CLIP_PASSES = 3
+#: Shared memory a thread block gets without opting in (CUDA C++ Programming Guide, compute
+#: capabilities 8.0 and 9.0: 48 KB), which torch's softmax asks for (`sharedMemPerBlock`).
+SHARED_MEMORY_PER_BLOCK = 48 * 1024
+#: torch's softmax kernel: 1024 threads per row, whose warps each keep one float for the
+#: block's reductions (the shared memory the row cache cannot use).
+_SOFTMAX_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -210,6 +239,57 @@ def mixed_precision_optimizer_seconds(bandwidth: float, parameters: float, *,
     memory-bound (multi-tensor elementwise and reductions)."""
     return parameters * mixed_precision_bytes(model_bytes=model_bytes, loss_scale=loss_scale,
                                               clip=clip) / bandwidth
+
+
+def _row_cached(row: float, itemsize: int) -> bool:
+    """Whether torch's softmax reads a row of `row` elements from HBM once (module docstring):
+    the warp-per-row kernel, or the row cached in shared memory."""
+    if row <= 1024 and row * itemsize <= 4096:
+        return True
+    reduction = _SOFTMAX_THREADS // 32 * 4
+    return row < (SHARED_MEMORY_PER_BLOCK - reduction) / itemsize
+
+
+def softmax_bytes(rows: float, row: float, itemsize: int, out_itemsize: int | None = None, *,
+                  backward: bool = False, log: bool = True) -> float:
+    """HBM bytes torch's CUDA (log-)softmax over the last dimension moves: `rows` rows of `row`
+    elements, input of `itemsize` bytes, output (and its gradient) of `out_itemsize` (module
+    docstring). Forward: the input once per pass (one, or three for a row shared memory cannot
+    hold), the output once. Backward: the gradient twice for rows over 1024 elements (once at
+    most 1024), the output once, the input's gradient written; softmax adds grad x output."""
+    out = out_itemsize or itemsize
+    n = rows * row
+    if not backward:
+        return n * ((1 if _row_cached(row, itemsize) else 3) * itemsize + out)
+    reads = 1 if row <= 1024 and row * out <= 4096 else 2
+    moved = n * (reads * out + out + itemsize)
+    return moved if log else moved + 3 * n * out
+
+
+def cross_entropy_bytes(rows: float, classes: float, itemsize: int, *,
+                        backward: bool = False) -> float:
+    """HBM bytes of torch's cross-entropy over `rows` rows of `classes` logits of `itemsize`
+    bytes (class indices as targets, no label smoothing): log-softmax then NLL (module
+    docstring); the targets are int64. Backward: NLL's gradient zero-filled at the logits'
+    size and scattered into, then log-softmax's backward."""
+    targets = rows * (8 + itemsize)  # read each target and its logit (or write its gradient)
+    if not backward:
+        return softmax_bytes(rows, classes, itemsize) + targets + itemsize
+    return (rows * classes * itemsize + targets
+            + softmax_bytes(rows, classes, itemsize, backward=True))
+
+
+def embedding_bytes(indices: float, width: float, table: float, itemsize: int, *,
+                    backward: bool = False) -> float:
+    """HBM bytes of torch's embedding: `indices` int64 indices into a `table` x `width` weight
+    of `itemsize` bytes (module docstring). Forward: the indices, the gathered rows read and
+    written. Backward: the whole table's gradient zero-filled; the indices sorted (keys and
+    positions read and written, 32 bytes each); each row's gradient read, summed in fp32
+    partial sums (written and read) and written into the table's gradient."""
+    rows = indices * width
+    if not backward:
+        return indices * 8 + 2 * rows * itemsize
+    return table * width * itemsize + indices * 32 + rows * (2 * itemsize + 2 * 4)
 
 
 TERA = 1e12

@@ -9,7 +9,13 @@ records, per op, what the device would do (`Recorder`), and prices the block (`K
                 and the log-sum-exp, O(s), never the s x s scores), recorded with its batch x
                 heads, sequences, head dimension and whether its mask is causal
     memory      every other op that makes a new tensor (norms, softmax, elementwise, the loss):
-                the bytes it reads and writes (dropout: and its one-byte mask per element)
+                the bytes it reads and writes (dropout: and its one-byte mask per element);
+                backward twice that, except where the kernels torch runs are known
+                (`ruled`): a softmax, log-softmax or cross-entropy over rows too long for
+                shared memory (passes/kernel_prices.py: three passes over each row forward,
+                the gradient read twice backward, NLL's zero-filled gradient), a dtype
+                cast (backward: one cast of the gradient back, the same bytes) and an
+                embedding (the rows it gathers; backward zero-fills the table's gradient)
     view        an op whose output shares an input's storage (view, transpose, expand): free
 
 On a preset (`HardwareRates.chip`) each kernel is priced by its shape (passes/kernel_prices.py:
@@ -34,7 +40,9 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .kernel_prices import Chip, attention_seconds, matmul_seconds
+from .kernel_prices import (SHARED_MEMORY_PER_BLOCK, Chip, attention_seconds,
+                            cross_entropy_bytes, embedding_bytes, matmul_seconds,
+                            softmax_bytes)
 
 __all__ = ["ATTENTION_OPS", "Kernels", "KernelTimes", "Recorder", "fused_attention",
            "is_causal_mask", "HardwareRates"]
@@ -48,6 +56,13 @@ _MATMUL = {_aten.matmul.default}
 #: Dropout as recorded: one op whose CUDA kernel also writes a one-byte mask per element
 #: (aten native_dropout: the bool mask that backward reads), which the op's output omits.
 _DROPOUT = _aten.dropout.default
+#: Softmax-like ops over the last dimension: (is log-softmax) by op.
+_SOFTMAX = {_aten._softmax.default: False, _aten.softmax.int: False,
+            _aten._log_softmax.default: True, _aten.log_softmax.int: True}
+_CROSS_ENTROPY = _aten.cross_entropy_loss.default
+_EMBEDDING = _aten.embedding.default
+#: A dtype cast: its backward casts the gradient back (the same bytes, one kernel).
+_CASTS = {_aten.to.dtype, _aten.to.dtype_layout, _aten._to_copy.default}
 #: FlashAttention's backward runs 2.5x its forward FLOPs (recomputes QK^T; dQ, dK, dV, dP).
 FLASH_BACKWARD = 2.5
 
@@ -103,7 +118,10 @@ class Kernels:
     of each memory-bound kernel with its count), which a `Chip` prices. `split`: those of the
     memory-bound kernels whose output has four or more dimensions (a tensor split in heads
     when the block runs attention), as (bytes, the output's rows: its elements over its last
-    dimension, how many); tensor parallelism prices them (planner/tensor_costs.py)."""
+    dimension, how many); tensor parallelism prices them (planner/tensor_costs.py). `ruled`:
+    those of the memory-bound kernels whose backward is not twice the forward's traffic, as
+    (forward bytes, backward bytes, how many): a priced backward is corrected by the
+    difference (planner/tensor_costs.py keeps `moves` only: there they fall back to twice)."""
 
     matmuls: tuple[tuple[sympy.Expr, sympy.Expr], ...] = ()
     attention: sympy.Expr = sympy.Integer(0)  # FLOPs the fused kernels run (forward)
@@ -114,6 +132,7 @@ class Kernels:
     flash: tuple[Flash, ...] = ()
     moves: tuple[tuple[sympy.Expr, int], ...] = ()
     split: tuple[tuple[sympy.Expr, sympy.Expr, int], ...] = ()
+    ruled: tuple[tuple[sympy.Expr, sympy.Expr, int], ...] = ()
 
     def times(self, backward_flops: float, rates: HardwareRates,
               value: Callable[[sympy.Expr], float]) -> tuple[float, float]:
@@ -137,12 +156,13 @@ class Kernels:
         rate = flops / compute if compute > 0 else rates.matmul  # the block's matmul rate
         attention = value(self.attention) / rates.attention
         memory = value(self.memory) / rates.memory
+        ruled = sum(c * (value(b) - 2 * value(f)) for f, b, c in self.ruled) / rates.memory
         launch = self.launches * rates.launch
         counted = value(self.attention_counted)
         matmul_backward = max(0.0, backward_flops - FLASH_BACKWARD * counted)
         return (KernelTimes(compute, attention, memory, launch),
-                KernelTimes(matmul_backward / rate, FLASH_BACKWARD * attention, 2 * memory,
-                            2 * launch))
+                KernelTimes(matmul_backward / rate, FLASH_BACKWARD * attention,
+                            2 * memory + ruled, 2 * launch))
 
     def _shaped(self, backward_flops: float, chip: Chip, dtype: str | None,
                 value: Callable[[sympy.Expr], float]) -> tuple[KernelTimes, KernelTimes]:
@@ -171,6 +191,9 @@ class Kernels:
             seconds = value(nbytes) / chip.bandwidth
             fwd.memory(count, seconds)
             bwd.memory(2 * count, seconds)  # backward: twice the traffic and launches
+        for forward, backward, count in self.ruled:  # the kernels' own backward instead
+            extra = count * (value(backward) - 2 * value(forward)) / chip.bandwidth
+            bwd.times = bwd.times + KernelTimes(memory=extra)
         return fwd.times, bwd.times
 
 
@@ -218,6 +241,7 @@ class Recorder:
     flash: list[tuple] = field(default_factory=list)
     moves: list[sympy.Expr] = field(default_factory=list)
     split: list[tuple[sympy.Expr, sympy.Expr]] = field(default_factory=list)
+    ruled: list[tuple[sympy.Expr, sympy.Expr]] = field(default_factory=list)
 
     def record(self, node: fx.Node, args: Any, kwargs: Any, out: Any, flops: Any,
                causal: bool) -> None:
@@ -243,6 +267,10 @@ class Recorder:
         moved = sum((self._bytes(t) for t in [*inputs, *outputs]), sympy.Integer(0))
         if node.target is _DROPOUT and _training(args, kwargs):
             moved += self.sym(outputs[0].numel())  # the mask: one byte per element
+        rule = self._rule(node, args, inputs, outputs[0])
+        if rule is not None:
+            moved = rule[0]
+            self.ruled.append((sympy.expand(rule[0]), sympy.expand(rule[1])))
         flops = self.sym(flops)
         if flops != 0:
             self.matmuls.append((flops, moved))
@@ -254,6 +282,41 @@ class Recorder:
                 rows = self.sym(outputs[0].numel()) / self.sym(outputs[0].shape[-1])
                 self.split.append((sympy.expand(moved), sympy.expand(rows)))
         self.launches += 1
+
+    def _rule(self, node: fx.Node, args: Any, inputs: list[torch.Tensor], out: torch.Tensor
+              ) -> tuple[sympy.Expr, sympy.Expr] | None:
+        """(forward, backward) bytes of an op whose kernels are known (`Kernels.ruled`), else
+        None: softmax-like ops over the last dimension of rows shared memory cannot hold,
+        cross-entropy over 2-D logits with class indices, dtype casts, embeddings."""
+        x = inputs[0] if inputs else None
+        if x is None or x.dim() == 0 or not x.is_floating_point():
+            return None
+        if (node.target is _EMBEDDING and x.dim() == 2 and len(inputs) > 1
+                and not inputs[1].is_floating_point()):
+            n, size = self.sym(inputs[1].numel()), x.element_size()
+            width, table = self.sym(x.shape[1]), self.sym(x.shape[0])
+            return (embedding_bytes(n, width, table, size),
+                    embedding_bytes(n, width, table, size, backward=True))
+        if node.target in _CASTS and out.dtype != x.dtype:
+            moved = self._bytes(x) + self._bytes(out)
+            return moved, moved
+        row = self.sym(x.shape[-1])
+        rows = self.sym(x.numel()) / row
+        size = x.element_size()
+        # a row's length is a model size (the vocabulary), never the symbolic batch
+        long = isinstance(x.shape[-1], int) and x.shape[-1] >= _cached_row(size)
+        if (node.target in _SOFTMAX and long and len(args) > 1
+                and isinstance(args[1], int) and args[1] in (-1, x.dim() - 1)):
+            log = _SOFTMAX[node.target]
+            return (softmax_bytes(rows, row, size, out.element_size(), log=log),
+                    softmax_bytes(rows, row, size, out.element_size(), log=log,
+                                  backward=True))
+        smoothing = float(args[5]) if len(args) > 5 else 0.0
+        if (node.target is _CROSS_ENTROPY and x.dim() == 2 and len(inputs) > 1
+                and not inputs[1].is_floating_point() and not smoothing and long):
+            return (cross_entropy_bytes(rows, row, size),
+                    cross_entropy_bytes(rows, row, size, backward=True))
+        return None
 
     def _gemm(self, node: fx.Node, inputs: list[torch.Tensor], out: torch.Tensor,
               flops: sympy.Expr) -> tuple:
@@ -287,7 +350,14 @@ class Recorder:
                        gemms=tuple((*g, n) for g, n in _counts(self.gemms).items()),
                        flash=tuple((*a, n) for a, n in _counts(self.flash).items()),
                        moves=tuple(_counts(self.moves).items()),
-                       split=tuple((*a, n) for a, n in _counts(self.split).items()))
+                       split=tuple((*a, n) for a, n in _counts(self.split).items()),
+                       ruled=tuple((*a, n) for a, n in _counts(self.ruled).items()))
+
+
+def _cached_row(itemsize: int) -> int:
+    """The shortest row (elements) torch's softmax reads from HBM once per pass: longer than
+    shared memory holds (kernel_prices.softmax_bytes)."""
+    return int((SHARED_MEMORY_PER_BLOCK - 128) / itemsize)
 
 
 def _training(args: Any, kwargs: Any) -> bool:

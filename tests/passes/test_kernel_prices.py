@@ -14,12 +14,15 @@ from pipecompile.passes.kernel_prices import (
     Chip,
     attention_efficiency,
     attention_seconds,
+    cross_entropy_bytes,
+    embedding_bytes,
     matmul_efficiency,
     matmul_seconds,
     memory_seconds,
     mixed_precision_bytes,
     mixed_precision_optimizer_seconds,
     optimizer_seconds,
+    softmax_bytes,
 )
 from pipecompile.passes.kernels import HardwareRates, Kernels
 
@@ -135,3 +138,34 @@ def test_kernels_by_shape_split_forward_and_backward_by_kind():
     # frozen weights: autograd runs half the backward GEMMs
     assert kernels.parts(gemm, rates, value)[1].matmul == pytest.approx(backward.matmul / 2)
     assert math.isclose(forward.total, forward.matmul + forward.attention + forward.memory)
+
+
+def test_softmax_over_a_row_longer_than_shared_memory_reads_it_three_times():
+    """torch's SoftMax.cu: a row of 32,000 fp32 (125 KB > 48 KB of shared memory) is read by
+    each of three passes and written once; a 1024-element bf16 row (the warp kernel) and a
+    4096-element bf16 row (cached in shared memory) are read once. Backward over 1024+
+    elements reads the gradient twice and the output once, then writes; softmax (not log)
+    first writes grad x output."""
+    assert softmax_bytes(10, 32000, 4) == 10 * 32000 * (3 * 4 + 4)
+    assert softmax_bytes(10, 1024, 2) == 10 * 1024 * (2 + 2)
+    assert softmax_bytes(10, 4096, 2) == 10 * 4096 * (2 + 2)
+    assert softmax_bytes(10, 32000, 4, backward=True) == 10 * 32000 * (2 * 4 + 4 + 4)
+    assert softmax_bytes(10, 32000, 4, backward=True, log=False) == 10 * 32000 * (16 + 12)
+    assert softmax_bytes(10, 1024, 2, backward=True) == 10 * 1024 * (2 + 2 + 2)
+    assert softmax_bytes(10, 32000, 2, 4) == 10 * 32000 * (3 * 2 + 4)  # bf16 in, fp32 out
+
+
+def test_cross_entropy_is_log_softmax_then_nll_whose_backward_zero_fills_the_logits():
+    rows, classes = 2048, 256000
+    logits = rows * classes
+    targets = rows * (8 + 4)
+    assert cross_entropy_bytes(rows, classes, 4) == 16 * logits + targets + 4
+    # zero-filled gradient (4) + log-softmax's backward (gradient twice, output, written: 16)
+    assert cross_entropy_bytes(rows, classes, 4, backward=True) == 20 * logits + targets
+
+
+def test_an_embedding_reads_its_rows_and_its_backward_zero_fills_the_table():
+    n, width, table = 2048, 3072, 256000
+    assert embedding_bytes(n, width, table, 2) == n * 8 + 2 * n * width * 2
+    assert embedding_bytes(n, width, table, 2, backward=True) == (
+        table * width * 2 + n * 32 + n * width * (2 * 2 + 2 * 4))

@@ -140,3 +140,59 @@ def test_dropout_in_training_also_writes_its_one_byte_mask():
         recorder.record(node, args, {}, torch.empty_like(t), 0, False)
         moved += recorder.moves
     assert moved == [4 * 8 * 5, 4 * 8 * 4, 4 * 8 * 4]
+
+
+def test_the_loss_over_a_vocabulary_and_a_cast_are_priced_by_the_kernels_torch_runs():
+    """Cross-entropy over 32,000 fp32 logits per row: log-softmax reading each row three
+    times, then NLL (kernel_prices.cross_entropy_bytes), forward and backward (`ruled`), not
+    the op's inputs and outputs with twice that backward; a bf16 -> fp32 cast's backward is
+    one cast back. A short softmax keeps the default (ruled by nothing)."""
+    import torch.fx as fx
+
+    from pipecompile.passes.kernel_prices import cross_entropy_bytes
+    from pipecompile.passes.kernels import Recorder
+
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    loss = graph.call_function(aten.cross_entropy_loss.default, (x, x))
+    cast = graph.call_function(aten.to.dtype, (x, torch.float32))
+    soft = graph.call_function(aten._softmax.default, (x, -1, False))
+    logits = torch.empty(8, 32000, dtype=torch.float32, device="meta")
+    target = torch.empty(8, dtype=torch.long, device="meta")
+    half = torch.empty(8, 32000, dtype=torch.bfloat16, device="meta")
+    short = torch.empty(8, 128, dtype=torch.bfloat16, device="meta")
+    recorder = Recorder(sym=lambda v: sympy.Integer(int(v)))
+    recorder.record(loss, (logits, target), {}, torch.empty((), device="meta"), 0, False)
+    recorder.record(cast, (half, torch.float32), {}, logits, 0, False)
+    recorder.record(soft, (short, -1, False), {}, torch.empty_like(short), 0, False)
+    forward = cross_entropy_bytes(8, 32000, 4)
+    assert recorder.moves == [forward, 8 * 32000 * 6, 8 * 128 * 4]
+    assert recorder.ruled == [(forward, cross_entropy_bytes(8, 32000, 4, backward=True)),
+                              (8 * 32000 * 6, 8 * 32000 * 6)]
+    kernels = recorder.kernels()
+    priced = kernels.parts(0.0, RATES, float)
+    # backward: the ruled ops their own bytes, the short softmax twice its forward
+    assert priced[1].memory == pytest.approx(
+        (cross_entropy_bytes(8, 32000, 4, backward=True) + 8 * 32000 * 6
+         + 2 * 8 * 128 * 4) / 1e12)
+    assert priced[0].memory == pytest.approx((forward + 8 * 32000 * 6 + 8 * 128 * 4) / 1e12)
+
+
+def test_an_embedding_is_priced_by_the_rows_it_gathers_and_its_zero_filled_gradient():
+    import torch.fx as fx
+
+    from pipecompile.passes.kernel_prices import embedding_bytes
+    from pipecompile.passes.kernels import Recorder
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(torch.ops.aten.embedding.default, (x, x))
+    weight = torch.empty(1000, 64, dtype=torch.bfloat16, device="meta")
+    ids = torch.empty(4, 16, dtype=torch.long, device="meta")
+    recorder = Recorder(sym=lambda v: sympy.Integer(int(v)))
+    recorder.record(node, (weight, ids), {}, torch.empty(4, 16, 64, device="meta",
+                                                         dtype=torch.bfloat16), 0, False)
+    forward = embedding_bytes(64, 64, 1000, 2)
+    assert recorder.moves == [forward] and forward < 1000 * 64 * 2  # not the table
+    assert recorder.ruled == [(forward, embedding_bytes(64, 64, 1000, 2, backward=True))]
