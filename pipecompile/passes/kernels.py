@@ -121,7 +121,7 @@ class Kernels:
     dimension, how many); tensor parallelism prices them (planner/tensor_costs.py). `ruled`:
     those of the memory-bound kernels whose backward is not twice the forward's traffic, as
     (forward bytes, backward bytes, how many): a priced backward is corrected by the
-    difference (planner/tensor_costs.py keeps `moves` only: there they fall back to twice)."""
+    difference (planner/tensor_costs.py splits them as it splits their `moves`)."""
 
     matmuls: tuple[tuple[sympy.Expr, sympy.Expr], ...] = ()
     attention: sympy.Expr = sympy.Integer(0)  # FLOPs the fused kernels run (forward)

@@ -149,6 +149,12 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
         moves += [(b / t, mine_c)] if mine_c else []
         moves += [(b, c - mine_c)] if c > mine_c else []
     memory = sum((b * c for b, c in moves), sympy.Integer(0))
+    # a kernel with its own backward (a loss over the vocabulary): split as its move is
+    ruled: list[tuple[sympy.Expr, sympy.Expr, int]] = []
+    for f, bw, c in k.ruled:
+        mine_c = c if sequence or _inner(value(f), tokens, wide) else min(c, heads.get(f, 0))
+        ruled += [(f / t, bw / t, mine_c)] if mine_c else []
+        ruled += [(f, bw, c - mine_c)] if c > mine_c else []
     sharded = Kernels(
         matmuls=tuple((f * share, b * share) for f, b in k.matmuls),
         attention=k.attention / t, attention_counted=k.attention_counted / t,
@@ -156,7 +162,7 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
         launches=k.launches, gemms=tuple(gemms),
         flash=tuple((heads / t, s_q, s_k, d, causal, count)
                     for heads, s_q, s_k, d, causal, count in k.flash),
-        moves=tuple(moves))
+        moves=tuple(moves), ruled=tuple(ruled))
     return _Sharded(sharded, backward, max(sides, default=0), min(sides, default=0), tokens,
                     itemsize, batched // 2)
 

@@ -5,6 +5,7 @@ of its sharded work plus the per-layer all-reduces, and bad degrees say what to 
 from __future__ import annotations
 
 import pytest
+import sympy
 import torch
 
 import pipecompile as pc
@@ -210,3 +211,19 @@ def test_attention_written_as_matmuls_is_split_by_heads():
     half, _ = mine.kernels.times(mine.backward_flops, rates, value)
     assert sharded.blocks[block].forward_time == pytest.approx(
         costs.blocks[block].forward_time * half / whole + 2 * reduce)
+
+
+def test_a_kernel_with_its_own_backward_is_split_as_its_move():
+    """A loss over the vocabulary (`Kernels.ruled`: forward and backward bytes of its own) is
+    split over T exactly where its memory-bound move is, so one rank's backward is the
+    kernel's own backward over T, not twice its forward."""
+    from pipecompile.passes.kernels import Kernels
+
+    tokens, width, vocab = 64.0, 32, 128
+    gemm = (sympy.Integer(64), sympy.Integer(vocab), sympy.Integer(width), sympy.Integer(1), 2, 1)
+    loss = sympy.Integer(int(tokens) * vocab * 16)  # bytes per row: a multiple of the vocabulary
+    k = Kernels(gemms=(gemm,), moves=((loss, 1),), ruled=((loss, loss * 20 / 16, 1),),
+                memory=loss, launches=2)
+    mine = _shard_kernels(k, 2, float, 0.0, False).kernels
+    assert mine.moves == ((loss / 2, 1),)
+    assert mine.ruled == ((loss / 2, loss * 20 / 32, 1),)
