@@ -15,8 +15,8 @@ Only the named module counts: `import pipecompile.runtime.foo` does not count fo
 `pipecompile.runtime`, nor does a test that reaches a module through another one.
 
 A folder of tests/ mirrors a folder of the package, or is one of `OTHER_FOLDERS` (tests that
-belong to no single folder: multi-rank jobs, whole-model runs, the CI checks, and the helpers
-they share); any other folder is reported, so that a misspelt tests/runtme/ is not read past.
+belong to no single folder: the bench scripts' checks, multi-rank jobs, whole-model runs, the
+CI checks, and the helpers they share); any other folder is reported, so that a misspelt tests/runtme/ is not read past.
 
 Usage: python .ci/check_test_imports.py [--package DIR] [--tests DIR]
 Prints each module imported by no test of its folder, with the folder its test belongs in, and
@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # folders of tests/ that mirror no package folder on purpose (see the module docstring)
-OTHER_FOLDERS = ("ci", "distributed", "integration", "support")
+OTHER_FOLDERS = ("bench", "ci", "distributed", "integration", "support")
 
 
 def modules(package: Path) -> dict[str, Path]:

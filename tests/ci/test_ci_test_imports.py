@@ -93,7 +93,7 @@ def test_a_folder_that_mirrors_no_package_folder_is_named(tmp_path, capsys):
     assert checker.main(["--package", str(package), "--tests", str(tests)]) == 1
     assert capsys.readouterr().out.splitlines() == [
         "tests/sbu/: mirrors no folder of pkg/; move its files into the folder they test, or "
-        "into one of ci, distributed, integration, support"]
+        "into one of bench, ci, distributed, integration, support"]
     (tests / "sbu" / "test_y.py").unlink()
     (tests / "sbu").rmdir()
     assert checker.main(["--package", str(package), "--tests", str(tests)]) == 0

@@ -11,7 +11,7 @@ import sympy
 import pipecompile as pc
 from pipecompile.passes.annotate import PricedBlockCost
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from _megatron_gpt import megatron_gpt  # noqa: E402
 
