@@ -69,5 +69,5 @@ def test_one_optimizer_per_own_stage_over_its_parameters():
 
     assert stage_optimizers(program, None, (0, 1)) == {}
     optimizers = stage_optimizers(program, sgd, (0, 1))
-    assert sorted(optimizers) == [0, 1] and made == [4, 2]  # two Linears, then one
+    assert sorted(optimizers) == [0, 1] and made == [2, 4]  # one Linear, then two
     assert sorted(stage_optimizers(program, sgd, (1,))) == [1]
