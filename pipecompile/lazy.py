@@ -62,13 +62,12 @@ class Plans:
 
 
 def _check_can_replan(plan: Plan, reason: str) -> None:
-    options = plan.resolved
-    if options.ranks.distributed:
+    if plan.resolved.ranks.distributed:
         raise ConfigError(
             f"these inputs need a new plan ({reason}), but under torch.distributed every "
             f"rank would have to re-plan at the same step; pass inputs the first plan runs "
             f"(any size capture kept symbolic may vary)")
-    if options.optimizer is not None:
+    if plan.asked.optimizer is not None:
         raise ConfigError(
             f"these inputs need a new plan ({reason}), whose stages would get new "
             f"optimizers from optimizer=...; pass inputs the first plan runs, or use your "

@@ -164,7 +164,7 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         its rows; the loss is the global batch's (`runtime.data_parallel.replica_microbatches`)."""
         self._ready(args, kwargs, target, where="pipe.step()")
         if num_items_in_batch is not None:
-            check_num_items(self.plan.resolved.loss_fn, num_items_in_batch)
+            check_num_items(self.plan.asked.loss_fn, num_items_in_batch)
         mbs = self._microbatches(args, kwargs, target)
         scale = loss_scale_value(loss_scale, self.runtime.wiring.devices[-1])
         self._last = self.runtime.run(self.schedule, mbs, batches=1, loss_scale=scale,
@@ -183,7 +183,7 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         rank passes the global batch (data_parallel="auto" under torch.distributed)."""
         o = self.plan.resolved
         topology = o.ranks.topology
-        if o.global_batch and topology is not None and topology.data_parallel > 1:
+        if self.plan.asked.global_batch and topology is not None and topology.data_parallel > 1:
             return replica_microbatches(args, kwargs, target, microbatches=o.microbatches,
                                         replica=topology.replica,
                                         replicas=topology.data_parallel)

@@ -142,7 +142,7 @@ def test_loaded_pipeline_keeps_vertical_sync(tmp_path):
                       schedule="pipedream", optimizer=sgd, vertical_sync=True)
     pipe.save(tmp_path)
     loaded = pc.load(tmp_path, loss_fn=zoo.lm_loss, optimizer=sgd)
-    assert loaded.plan.resolved.vertical_sync
+    assert loaded.plan.asked.vertical_sync
     assert all(w.versions.rule.vertical_sync for w in loaded.runtime.workers.values())
     y = torch.randint(0, 32, (8, 8))
     torch.testing.assert_close(loaded.step(x, target=y), pipe.step(x, target=y), rtol=1e-12,

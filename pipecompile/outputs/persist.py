@@ -49,7 +49,7 @@ import torch.fx as fx
 from ..errors import ConfigError
 from .graph_code import build_module, install, module_source
 from ..ir.records import Block, CapturedModel, LinearGraph, NodeRole, StageCost, ValueInfo
-from ..planner.resolved import Choices
+from ..planner.resolved import Choices, Resolved, resolve
 from ..planner.layout import Layout
 from ..planner.options import CompileOptions
 from ..ir.devices import DeviceSpec
@@ -69,7 +69,7 @@ VERSION = 1
 
 def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
     """Write the finished `plan` to `directory` (created if needed); returns plan.json's path."""
-    program, options = plan.program, plan.resolved
+    program, options, asked = plan.program, plan.resolved, plan.asked
     assert program is not None and plan.schedule is not None, "only a finished plan is saved"
     if options.tensor_parallel > 1:
         from ..errors import ConfigError
@@ -90,9 +90,9 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
         "microbatches": options.microbatches,
         "checkpoint": (list(options.checkpoint) if isinstance(options.checkpoint, tuple)
                        else options.checkpoint),  # per stage, or one flag for all
-        "timeout": float(options.timeout), "vertical_sync": options.vertical_sync,
-        "compile_stages": options.compile_stages,
-        "rng": options.rng, "rng_seed": options.rng_seed,  # the seeded ops' streams
+        "timeout": float(asked.timeout), "vertical_sync": asked.vertical_sync,
+        "compile_stages": asked.compile_stages,
+        "rng": asked.rng, "rng_seed": asked.rng_seed,  # the seeded ops' streams
         "layout": _layout_to_json(plan),
         "schedule": "schedule.json", "bounds": list(program.bounds), "stages": stages,
         "producer": dict(program.producer),
@@ -161,7 +161,10 @@ def load_plan(
         virtual_stages=schedule.num_stages // schedule.num_devices,
         capture=program.captured.method, granularity=program.linear.granularity)
     passes = tuple(PassRecord(**p) for p in data["passes"])
-    plan = Plan(options, choices=_choices_from_json(data.get("layout"), options),
+    choices = _choices_from_json(data.get("layout"), options)
+    resolved = Resolved.start(options)
+    plan = Plan(options, resolved=resolved if choices is None else resolve(resolved, choices),
+                choices=choices,
                 captured=program.captured, schedule=schedule, linear=program.linear,
                 program=program,
                 stage_costs=stage_costs,
@@ -194,7 +197,8 @@ def _layout_to_json(plan: Plan) -> dict[str, Any] | None:
 
 
 def _choices_from_json(entry: dict[str, Any] | None, options: CompileOptions) -> Choices | None:
-    """The saved layout as the plan's choices (what `resolved.resolve` applies), or None."""
+    """The saved layout as the plan's choices (what `resolved.resolve` applies to the loaded
+    plan's `Resolved`), or None."""
     if entry is None:
         return None
     checkpoint = options.checkpoint

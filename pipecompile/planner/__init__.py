@@ -4,7 +4,8 @@
     request.py         compile's options as one frozen, grouped `Request`, each value checked
     options.py         the options checked against each other, the example and the ranks
     layout_options.py  the starting options when the layout (P x D x T, FSDP) is searched
-    resolved.py        the search's `Choices`, and `resolve`: the options as compile runs them
+    resolved.py        the search's `Choices`, the `Resolved` record and `resolve`: what the
+                       join, search and ranks passes resolved (layout, devices, schedule, ...)
   the recipe and its passes:
     recipe.py          the passes as one flat list (`PASSES`) and `plan_for`
     plan.py            the plan record the passes advance, their contracts, the pass runner

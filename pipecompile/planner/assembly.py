@@ -1,4 +1,5 @@
-"""From a finished plan to its runtime: the one place compile's options become a `RuntimeSpec`.
+"""From a finished plan to its runtime: the one place what was asked (`plan.asked`) and what was
+resolved (`plan.resolved`) become a `RuntimeSpec`.
 
     Plan ──runtime_spec──▶ RuntimeSpec ──assemble (runtime/assemble.py)──▶ Runtime
 
@@ -18,16 +19,17 @@ __all__ = ["runtime_spec", "assemble_plan"]
 
 
 def runtime_spec(plan: Plan) -> RuntimeSpec:
-    """What the runtime needs of `plan`'s options."""
-    options, program = plan.resolved, plan.program
+    """What the runtime needs of `plan`: its settings as asked, its layout, schedule, counts
+    and recomputation as resolved."""
+    asked, resolved, program = plan.asked, plan.resolved, plan.program
     assert program is not None, "a finished plan has its program"
     stages = range(program.num_stages)
     return RuntimeSpec(
-        microbatches=options.microbatches, loss_fn=options.loss_fn, optimizer=options.optimizer,
-        checkpoint=frozenset(s for s in stages if options.stage_checkpoint(s)),
-        rng=options.rng, vertical_sync=options.vertical_sync,
-        compile_stages=options.compile_stages, fsdp=options.fsdp, timeout=options.timeout,
-        topology=options.ranks.topology, eval_graph=eval_graph)
+        microbatches=resolved.microbatches, loss_fn=asked.loss_fn, optimizer=asked.optimizer,
+        checkpoint=frozenset(s for s in stages if resolved.stage_checkpoint(s)),
+        rng=asked.rng, vertical_sync=asked.vertical_sync,
+        compile_stages=asked.compile_stages, fsdp=resolved.fsdp, timeout=asked.timeout,
+        topology=resolved.topology, eval_graph=eval_graph)
 
 
 def assemble_plan(plan: Plan) -> Runtime:

@@ -63,13 +63,13 @@ def cost_model(plan: Plan, example: Example) -> CostModel:
     """How this plan's blocks are costed: the measured device model, the resolved micro-batch
     size, profiling, the calibration so far, the compile cache, and once the layout is chosen
     one rank's share under its tensor parallelism."""
-    o = plan.resolved
+    o, asked = plan.resolved, plan.asked
     chosen = plan.choices.layout if plan.choices is not None else None
     return CostModel(device=plan.ready.device_model,
-                     microbatch_size=example_microbatch_size(example, o),
+                     microbatch_size=example_microbatch_size(example, asked, o),
                      microbatches=o.microbatches,
-                     optimizer_factor=optimizer_state_factor(o.optimizer), profile=o.profile,
-                     calibration=plan.calibration, cache=o.cache,
+                     optimizer_factor=optimizer_state_factor(asked.optimizer), profile=o.profile,
+                     calibration=plan.calibration, cache=asked.cache,
                      tensor=tensor_share(chosen, plan.asked.cluster, o.devices[0]))
 
 
@@ -88,7 +88,7 @@ class BlockTables:
         (`microbatches` of them), or None when no granularity gives `stages` blocks."""
         captured, o = self.plan.ready.captured, self.plan.resolved
         if stages not in self._linears:
-            found = coarsest(captured, o.granularity, stages)
+            found = coarsest(captured, self.plan.asked.granularity, stages)
             self._linears[stages] = found if found.num_blocks >= stages else None
         linear = self._linears[stages]
         if linear is None:

@@ -37,9 +37,9 @@ __all__ = ["layout_search_pass"]
 
 def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Plan, str]:
     """Choose P x D, FSDP, placement and, per layout, the "auto" options (schedule_search.py)."""
-    o = plan.resolved
+    o, devices = plan.asked, plan.resolved.devices  # the search starts from what was asked
     captured = plan.ready.captured
-    world = len(o.devices)
+    world = len(devices)
     finest = linearize(captured, granularity=o.granularity or GRANULARITIES[-1])
     given_p = o.given_schedule.num_devices if o.given_schedule is not None else None
     fixed_d = None if "data_parallel" in o.auto else o.data_parallel
@@ -89,7 +89,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         return sharded[held]
 
     def _rank_share(costs: CostTable, layout: Layout, size: int) -> CostTable:
-        share = tensor_share(layout, o.cluster, o.devices[0])
+        share = tensor_share(layout, o.cluster, devices[0])
         if share is None:
             return costs
         return shard_costs(costs, share, shapes=shapes, rates=plan.ready.device_model.kernels,
@@ -97,7 +97,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
 
     def run(layout: Layout):
         local = example.batch // layout.data_parallel
-        specs = pipeline_specs(layout, o.cluster, o.devices)
+        specs = pipeline_specs(layout, o.cluster, devices)
         _check_state_fits(costs_for(layout, 1, layout.pipeline), layout, specs)
         space = Space(
             schedules=(FSDP_SCHEDULES if layout.fsdp else SYNC_SCHEDULES)
@@ -112,7 +112,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         return search_plans(space, specs, lambda m, s: costs_for(layout, m, s),
                             overhead=plan.overhead, split_ratio=plan.split_ratio,
                             efficiency=plan.efficiency, searched=tuple(sorted(o.auto)),
-                            collectives=Collectives.of(layout, o.cluster, o.devices[0]),
+                            collectives=Collectives.of(layout, o.cluster, devices[0]),
                             memo=memo, written=o.given_schedule, advise=False)
 
     memo: dict = {}  # the schedules built, shared by every layout's search
@@ -122,7 +122,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         if table is None:
             return 0.0
         work = sum(table.forward) + sum(table.backward_input) + sum(table.backward_weight)
-        return work / layout.pipeline / max(d.speed for d in o.devices)
+        return work / layout.pipeline / max(d.speed for d in devices)
 
     found, tried = search_layouts(candidates, run, bound=floor)
     chosen = tried[0].layout
@@ -131,7 +131,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
     recompute = (tuple(best.recompute) if "checkpoint" in o.auto
                  else (bool(o.checkpoint) and not chosen.fsdp,) * stages)
     choices = Choices(best.schedule, best.microbatches, best.virtual_stages, recompute, profile,
-                      layout=chosen, devices=pipeline_specs(chosen, o.cluster, o.devices))
+                      layout=chosen, devices=pipeline_specs(chosen, o.cluster, devices))
     fits = sum(c.fits for c in tried)
     return replace(plan, choices=choices, search=replace(found, layouts=tried)), (
         f"layout {chosen}: {best.schedule}, {best.microbatches} micro-batches of "
@@ -148,7 +148,7 @@ def _tensor_degrees(plan: Plan, world: int, tables: BlockTables, example: Exampl
     shows: else a `ConfigError` naming both), or with "auto" every divisor of the devices per
     node that divides the heads (query and key/value)."""
     asked = plan.request.layout.tensor_parallel if plan.request is not None else 1
-    cluster = plan.resolved.cluster
+    cluster = plan.asked.cluster
     per_node = cluster.per_node if cluster is not None else world
     given = None if asked == "auto" else int(asked)
     if given == 1:

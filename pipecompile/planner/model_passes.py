@@ -67,16 +67,17 @@ def _first_sizes(symbolic_sizes: str, example: Example) -> str:
 
 
 def capture_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
-    o = plan.resolved
+    o, asked = plan.resolved, plan.asked
     meta = is_meta_model(example.model)
     inputs = (example.args, dict(example.kwargs))
     claim = claimable([d.name for d in o.devices]) if meta else None
 
     def capture(args: tuple, kwargs: dict) -> CapturedModel:
-        return capture_model(example.model, args, kwargs, method=o.capture,
-                             static_batch_size=example_microbatch_size(example, o),
-                             verbose=o.verbose, sizes=_first_sizes(o.symbolic_sizes, example),
-                             budget=o.capture_budget)
+        return capture_model(example.model, args, kwargs, method=asked.capture,
+                             static_batch_size=example_microbatch_size(example, asked, o),
+                             verbose=asked.verbose,
+                             sizes=_first_sizes(asked.symbolic_sizes, example),
+                             budget=asked.capture_budget)
 
     if claim is not None:  # the model's code sees the device it will run on
         with claiming(example.model, inputs, claim) as ((args, kwargs), originals):
@@ -84,22 +85,22 @@ def capture_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
         captured = restore_tensors(captured, example.model, originals, claim)
     else:  # real tensors, or a plan for devices this torch cannot fake: traced on meta
         captured = capture(*(on_meta(inputs) if meta else inputs))
-    if o.rng == "per-microbatch":
-        captured = seed_captured(captured, o.rng_seed)
+    if asked.rng == "per-microbatch":
+        captured = seed_captured(captured, asked.rng_seed)
     if meta:  # traced on meta inputs too (no op mixes devices); nothing can be timed
         note = ("model on the meta device: analytic costs only (no planning probe"
                 + (", profile=True ignored" if o.profile else "") + ")")
         captured = replace(captured, notes=captured.notes + (note,))
     return replace(plan, captured=captured), (
-        f"{o.capture}: {len(captured.module.graph.nodes)} nodes, "
+        f"{asked.capture}: {len(captured.module.graph.nodes)} nodes, "
         f"{'dynamic' if captured.dynamic_batch else 'static'} batch"
         + "".join(f"\n{'':24}{note}" for note in captured.notes))
 
 
 def linearize_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
-    o = plan.resolved
-    linear = coarsest(plan.ready.captured, o.granularity, o.num_stages)
-    enough_blocks(linear, o.num_stages, o.granularity)
+    o, granularity = plan.resolved, plan.asked.granularity
+    linear = coarsest(plan.ready.captured, granularity, o.num_stages)
+    enough_blocks(linear, o.num_stages, granularity)
     widest = max((len(b) for b in linear.boundaries), default=0)
     return replace(plan, linear=linear), (
         f"{linear.num_blocks} blocks ({linear.granularity}), max boundary {widest} values")
@@ -111,12 +112,12 @@ def annotate_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
     total = sum(b.forward_flops for b in costs.blocks)
     return replace(plan, costs=costs), (
         f"{format_count(total)}FLOP forward per micro-batch of "
-        f"{example_microbatch_size(example, o)}" + (" (measured times)" if o.profile else ""))
+        f"{example_microbatch_size(example, plan.asked, o)}" + (" (measured times)" if o.profile else ""))
 
 
 def partition_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
     placement = place(plan.ready.linear, plan.ready.costs, target(plan))
-    how = "split_points" if plan.resolved.split_points is not None else "optimal DP"
+    how = "split_points" if plan.asked.split_points is not None else "optimal DP"
     recomputed = [s for s, r in enumerate(plan.ready.choices.checkpoint) if r]
     return replace(plan, placement=placement), (
         f"{how}: bounds {placement.bounds}, bottleneck {placement.bottleneck * 1e3:.3f} ms/mb"
@@ -132,9 +133,9 @@ def calibrate_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     before = plan.ready.placement.bounds
     program = split(linear, before, _stage_devices(plan, example), placed=example.placed)
     measured = measure(program, plan.ready.schedule, example,
-                       microbatches=o.microbatches, loss_fn=o.loss_fn, ranks=o.ranks)
+                       microbatches=o.microbatches, loss_fn=plan.asked.loss_fn, ranks=o.ranks)
     calibration = fit_calibration(estimated, before, measured,
-                                  loss_timed=loss_runs(o.loss_fn, example.target))
+                                  loss_timed=loss_runs(plan.asked.loss_fn, example.target))
     costs = calibrate_blocks(estimated, calibration)
     placement = place(linear, costs, target(plan))
     return replace(plan, calibration=calibration, costs=costs, placement=placement), (
@@ -143,8 +144,8 @@ def calibrate_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
 
 
 def refine_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
-    o = plan.resolved
-    if o.granularity is not None or o.split_points is not None:
+    o, asked = plan.resolved, plan.asked
+    if asked.granularity is not None or asked.split_points is not None:
         return None
     start = Choice(plan.ready.linear, plan.ready.costs, plan.ready.placement)
     better = refine(plan.ready.captured, start, model=cost_model(plan, example),
@@ -164,7 +165,7 @@ def split_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
     program = split(plan.ready.linear, placement.bounds, _stage_devices(plan, example),
                     placed=example.placed)
     measured = (measure(program, schedule, example, microbatches=o.microbatches,
-                        loss_fn=o.loss_fn, ranks=o.ranks) if o.profile else None)
+                        loss_fn=plan.asked.loss_fn, ranks=o.ranks) if o.profile else None)
     specs = plan.stage_specs
     table = BlockTable.of(costs, plan.ready.linear)  # priced as the search priced it
     stage_costs = simulator_costs(table, placement.bounds, specs,
@@ -191,7 +192,7 @@ def shard_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
         return None
     topology = o.ranks.topology
     own = o.ranks.own_stages(plan.ready.schedule)
-    mesh = data_parallel_mesh(topology, local_device(), o.mesh)
+    mesh = data_parallel_mesh(topology, local_device(), plan.asked.mesh)
     program = shard_stages(plan.ready.program, own, mesh)
     local = sum(local_tensor(p).numel() for s in own for p in program.stages[s].module.parameters())
     return replace(plan, program=program), (

@@ -4,9 +4,10 @@
                     job's ranks: devices as `DeviceSpec`s, the virtual stage count, the ranks
                     of a distributed run. The options given as "auto" are named in `auto` and
                     hold only a starting value (`starting_values`: the micro-batch count a
-                    static capture is made at); a plan's `asked` is this record, its
-                    `resolved` the same once the join, search and ranks passes resolved it
-                    (resolved.py). One option's own value is checked in request.py.
+                    static capture is made at); a plan's `asked` is this record; what
+                    the join, search and ranks passes resolve of it is the plan's
+                    `resolved` (resolved.py). One option's own value is checked in
+                    request.py.
 
 Devices given by their figures (absolute `DeviceSpec`s: `flops=`, or `pipecompile.preset("h100")`)
 get their relative `speed` here, at the model's compute dtype (`compute_dtype`); they need not be
@@ -50,6 +51,7 @@ from ..schedule.schedules import (
 
 if TYPE_CHECKING:
     from ..ir.records import StagedProgram
+    from .resolved import Resolved
 
 __all__ = ["CompileOptions", "resolve_options", "example_microbatch_size",
            "check_async_ties", "compute_dtype", "device_present", "require_present", "AUTO",
@@ -284,11 +286,12 @@ def starting_values(auto: frozenset[str], example: Example | None, name: str,
     return microbatches, name, virtual_stages
 
 
-def example_microbatch_size(example: Example, options: CompileOptions) -> int:
+def example_microbatch_size(example: Example, asked: CompileOptions, resolved: "Resolved"
+                            ) -> int:
     """Samples per micro-batch of the example batch (the size a static capture is made at):
     of a replica's slice when the example is the global batch."""
-    replicas = options.data_parallel if options.global_batch else 1
-    return microbatch_size(example.batch, options.microbatches * replicas)
+    replicas = resolved.data_parallel if asked.global_batch else 1
+    return microbatch_size(example.batch, resolved.microbatches * replicas)
 
 
 def _check_async(options: CompileOptions) -> None:

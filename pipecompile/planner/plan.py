@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from .resolved import Choices, resolve
+from .resolved import Choices, Resolved, merged_options, resolve
 from .options import CompileOptions
 from ..ir.progress import pass_done, passes_done
 from ..ir.records import Example
@@ -66,8 +66,10 @@ class PassContractError(RuntimeError):
 class Plan:
     """Everything compile decided, filled in pass by pass (None: not yet, or not applicable).
 
-    `asked` is what the user asked and `choices` what the search resolved of it; `options`
-    is the two together. `captured`, `linear` and `costs` describe the model; `probe`,
+    `asked` is what the user asked (validated, "auto" at its starting value), `choices` what
+    the search chose and `resolved` what the join, search and ranks passes resolved (a
+    `Resolved`: layout, devices, ranks, schedule, counts, recomputation); a setting nothing
+    resolves is read from `asked`. `captured`, `linear` and `costs` describe the model; `probe`,
     `device_model`, `overhead`, `calibration`, `efficiency` and `split_ratio` what was measured
     of this machine; `schedule` and `inflight` the action lists and the micro-batches each
     stage holds at peak; `placement` the partitioner's choice; `program` the split stages;
@@ -77,9 +79,9 @@ class Plan:
     """
 
     asked: CompileOptions
-    # the options as compile runs them: `asked` until the join, search and ranks passes
-    # resolve them (resolved.py); never None once built
-    resolved: CompileOptions = None  # type: ignore[assignment]
+    # what the join, search and ranks passes resolved (resolved.py): the asked starting
+    # values until they run; never None once built
+    resolved: Resolved = None  # type: ignore[assignment]
     request: "Request | None" = field(default=None, compare=False)  # what the user asked
     captured: "CapturedModel | None" = None
     probe: "Probe | None" = None  # the planning probe's measurements (None: not probed)
@@ -105,16 +107,20 @@ class Plan:
     produced: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        if self.resolved is None:  # nothing resolved yet (or a loaded plan: its choices)
-            start = self.asked if self.choices is None else resolve(self.asked, self.choices)
+        if self.resolved is None:  # nothing resolved yet: the asked starting values
+            start = Resolved.start(self.asked)
+            if self.choices is not None:  # a plan built with its choices (tests, loading)
+                start = resolve(start, self.choices)
             object.__setattr__(self, "resolved", start)
 
     @property
     def options(self) -> CompileOptions:
-        """Deprecated: `plan.resolved` (the options as compile runs them)."""
-        warnings.warn("Plan.options is deprecated; read plan.resolved (the options as "
-                      "resolved) or plan.request (as asked)", DeprecationWarning, stacklevel=2)
-        return self.resolved
+        """Deprecated: `plan.resolved` (what the passes resolved) and `plan.asked` (every
+        other setting); this merges the two into the old single record."""
+        warnings.warn("Plan.options is deprecated; read plan.resolved (the layout, devices, "
+                      "schedule and counts as resolved) or plan.asked (every other setting)",
+                      DeprecationWarning, stacklevel=2)
+        return merged_options(self.asked, self.resolved)
 
     @property
     def ready(self) -> "Ready":

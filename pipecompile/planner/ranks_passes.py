@@ -48,11 +48,11 @@ def searched_here(options: "CompileOptions") -> bool:
 
 def join_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
     """Join the process group, measure the link between ranks (module docstring)."""
-    o = plan.resolved
+    o, timeout = plan.resolved, plan.asked.timeout
     if o.ranks.distributed or world_size() <= 1:
         return None
-    if not searched_here(o):  # the layout given: join as devices x data_parallel
-        given = topology_from_environment(len(o.devices), o.data_parallel, o.timeout,
+    if not searched_here(plan.asked):  # the layout given: join as devices x data_parallel
+        given = topology_from_environment(len(o.devices), o.data_parallel, timeout,
                                           o.tensor_parallel)
         if given is None:
             from ..errors import ConfigError
@@ -64,7 +64,7 @@ def join_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
             f"devices x {o.data_parallel} replicas"
             + (f" x {o.tensor_parallel} tensor-parallel" if o.tensor_parallel > 1 else "") + ")")
     world = len(o.devices)
-    topology = topology_from_environment(world, 1, o.timeout)
+    topology = topology_from_environment(world, 1, timeout)
     if topology is None:  # the group went away between validation and now
         from ..errors import ConfigError
 
@@ -85,7 +85,7 @@ def join_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
 def ranks_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
     """This process's place in the chosen P x D grid."""
     o, layout = plan.resolved, plan.ready.choices.layout
-    if layout is None or not searched_here(o) or o.ranks.topology is None:
+    if layout is None or not searched_here(plan.asked) or o.ranks.topology is None:
         return None
     t = o.ranks.topology
     placed = Topology(t.rank, t.world_size, layout.pipeline, layout.data_parallel)

@@ -1,32 +1,38 @@
-"""What compile resolved of its options: the search pass's `Choices`, and `resolve`, the one
-place they become the options compile runs with.
+"""What compile resolved of its options: the search's `Choices`, the `Resolved` record and
+`resolve`, the one place choices become what compile runs.
 
 The `Request` (request.py) keeps what the user asked, "auto" as "auto"; `plan.asked` holds the
-starting values the passes begin from (the micro-batch count a static capture is made at).
-Three passes resolve the rest, each writing `plan.resolved` (the options as compile runs
-them: the layout, the devices and their links, this process's topology, the schedule, the
-micro-batch and virtual stage counts, recomputation per stage) and nothing else rewrites it:
+validated options with the starting values the passes begin from (the micro-batch count a
+static capture is made at). `plan.resolved` is a `Resolved`: only what the passes resolve (the
+layout, the devices and their links, this process's ranks, the schedule, the micro-batch and
+virtual stage counts, recomputation per stage, whether blocks are measured). Settings nothing
+resolves (loss_fn, split_points, capture, rng, timeout, ...) are read from `plan.asked`; no
+view merges the two. Three passes resolve it, and nothing else rewrites it:
 
     join    the process group joined, the link between ranks measured    (ranks_passes.py)
     search  the "auto" options chosen: `Choices`, then `resolve`           (shape_passes.py)
     ranks   this process's place in the chosen P x D                      (ranks_passes.py)
 
     Choices(schedule="1f1b", microbatches=4, virtual_stages=1, checkpoint=(True, False))
+    Resolved.start(asked) --resolve(., choices)--> Resolved(devices=..., microbatches=4, ...)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from dataclasses import replace
+from ..measure.ranks import Ranks
+from ..schedule.schedules import SCHEDULE_NAMES, properties_of
 
 if TYPE_CHECKING:
     from ..ir.devices import DeviceSpec
+    from ..runtime.distributed import Topology
+    from ..schedule.actions import Schedule
     from .layout import Layout
     from .options import CompileOptions
 
-__all__ = ["Choices", "resolve"]
+__all__ = ["Choices", "Resolved", "resolve", "merged_options"]
 
 
 @dataclass(frozen=True)
@@ -55,13 +61,82 @@ class Choices:
                 + (f", layout {self.layout}" if self.layout is not None else ""))
 
 
-def resolve(options: "CompileOptions", choices: Choices) -> "CompileOptions":
-    """`options` with what the search chose: the schedule, counts, recomputation per stage and,
-    for a searched layout, its P pipeline devices, D and FSDP."""
-    resolved = replace(options, schedule=choices.schedule, microbatches=choices.microbatches,
-                       virtual_stages=choices.virtual_stages, checkpoint=choices.checkpoint,
-                       profile=choices.profile)
+@dataclass(frozen=True)
+class Resolved:
+    """What the join, search and ranks passes resolved: the layout (P devices x D replicas x
+    T tensor-parallel ranks, FSDP), the pipeline devices with the links they send over, this
+    process's ranks, the schedule, the counts and recomputation. Before the search it holds
+    the asked starting values (`start`)."""
+
+    devices: "tuple[DeviceSpec, ...]"  # one per pipeline device, each with its link
+    ranks: Ranks  # this process's place in the job (topology) and how ranks share results
+    data_parallel: int  # D replicas of the pipeline
+    tensor_parallel: int  # T ranks share each layer of a stage (a searched T: choices.layout)
+    fsdp: bool  # each stage fully_shard-ed over the replicas
+    schedule: str  # a built-in schedule's name, or the written schedule's
+    given_schedule: "Schedule | None"  # the written schedule itself (None: a built-in one)
+    microbatches: int
+    virtual_stages: int
+    checkpoint: bool | tuple[bool, ...]  # all stages (not yet searched), or per stage
+    profile: bool  # block times measured rather than modelled
+
+    @classmethod
+    def start(cls, asked: "CompileOptions") -> "Resolved":
+        """The asked options' starting values, before any pass resolved them."""
+        return cls(devices=asked.devices, ranks=asked.ranks, data_parallel=asked.data_parallel,
+                   tensor_parallel=asked.tensor_parallel, fsdp=asked.fsdp,
+                   schedule=asked.schedule, given_schedule=asked.given_schedule,
+                   microbatches=asked.microbatches, virtual_stages=asked.virtual_stages,
+                   checkpoint=asked.checkpoint, profile=asked.profile)
+
+    @property
+    def topology(self) -> "Topology | None":
+        """This process's place (None: every stage in this process)."""
+        return self.ranks.topology
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.devices) * self.virtual_stages
+
+    def stage_checkpoint(self, stage: int) -> bool:
+        """Whether `stage` recomputes its forward in backward (activation checkpointing)."""
+        if isinstance(self.checkpoint, tuple):
+            return self.checkpoint[stage]
+        return bool(self.checkpoint)
+
+    @property
+    def asynchronous(self) -> bool:
+        """PipeDream and 2BW update the weights during a step."""
+        if self.given_schedule is not None:
+            return self.given_schedule.asynchronous
+        return self.schedule in SCHEDULE_NAMES and properties_of(self.schedule).asynchronous
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule splits backwards into input (I) and weight (W) gradients."""
+        if self.given_schedule is not None:
+            return self.given_schedule.splits_backward
+        return self.schedule in SCHEDULE_NAMES and properties_of(self.schedule).splits_backward
+
+
+def resolve(resolved: Resolved, choices: Choices) -> Resolved:
+    """`resolved` with what the search chose: the schedule, counts, recomputation per stage
+    and, for a searched layout, its P pipeline devices, D and FSDP."""
+    chosen = replace(resolved, schedule=choices.schedule, microbatches=choices.microbatches,
+                     virtual_stages=choices.virtual_stages, checkpoint=choices.checkpoint,
+                     profile=choices.profile)
     if choices.layout is None or choices.devices is None:
-        return resolved
-    return replace(resolved, devices=choices.devices,
-                   data_parallel=choices.layout.data_parallel, fsdp=choices.layout.fsdp)
+        return chosen
+    return replace(chosen, devices=choices.devices, data_parallel=choices.layout.data_parallel,
+                   fsdp=choices.layout.fsdp)
+
+
+def merged_options(asked: "CompileOptions", resolved: Resolved) -> "CompileOptions":
+    """The old single view (deprecated `Plan.options`): `asked` with every resolved value in
+    place. Compile itself never reads it."""
+    return replace(asked, devices=resolved.devices, ranks=resolved.ranks,
+                   data_parallel=resolved.data_parallel, tensor_parallel=resolved.tensor_parallel,
+                   fsdp=resolved.fsdp, schedule=resolved.schedule,
+                   given_schedule=resolved.given_schedule, microbatches=resolved.microbatches,
+                   virtual_stages=resolved.virtual_stages, checkpoint=resolved.checkpoint,
+                   profile=resolved.profile)

@@ -51,10 +51,10 @@ __all__ = ["probe_pass", "search_pass", "schedule_pass", "cost_model", "target",
 def probe_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
     """Measure what the search needs of this machine (`measure.rates`, `measure.probe`):
     nothing for devices described by their figures."""
-    o = plan.resolved
+    o, cache = plan.resolved, plan.asked.cache
     dtype = compute_dtype(example.model)
-    model = device_model(o.devices[0], o.ranks, dtype, cache=o.cache)
-    overhead = action_cost(o.devices[0], o.ranks, cache=o.cache)
+    model = device_model(o.devices[0], o.ranks, dtype, cache=cache)
+    overhead = action_cost(o.devices[0], o.ranks, cache=cache)
     plan = replace(plan, device_model=model, overhead=overhead)
     rates = (describe_devices(o.devices, dtype) if all_described(o.devices) else
              f"matmul {format_count(model.flops)}FLOP/s, {overhead * 1e6:.0f} us per action")
@@ -72,34 +72,35 @@ def _probe(plan: Plan, example: Example) -> tuple[Probe | None, str]:
     block at about 4 micro-batches (`measure.probe.probe`); rank 0's numbers under
     torch.distributed. None, and why, where nothing searched depends on time, for devices
     described by their figures (they need not be here), a meta model or one of one block."""
-    o = plan.resolved
+    o, asked = plan.resolved, plan.asked
     # recomputation alone is chosen by memory (it only ever adds time): measured times could
     # not change the choice, so the probe's forward and backward passes are saved
-    if o.auto <= {"checkpoint"}:
+    if asked.auto <= {"checkpoint"}:
         return None, "no searched option depends on time"
     if all_described(o.devices):
         return None, "devices described by their figures"
     if is_meta_model(example.model):  # no weights to run: analytic
         return None, "model on the meta device"
     captured = plan.ready.captured
-    linear = coarsest(captured, o.granularity, 2)
+    linear = coarsest(captured, asked.granularity, 2)
     if linear.num_blocks < 2:
         return None, "the model is one block"
     m = (min(microbatch_choices(example.batch), key=lambda c: (abs(c - 4), c))
-         if "microbatches" in o.auto else o.microbatches)
+         if "microbatches" in asked.auto else o.microbatches)
     if o.ranks.topology is not None and o.ranks.topology.rank != 0:
         return o.ranks.shared(None), ""  # rank 0 measures, the others wait for its numbers
     model = replace(cost_model(plan, example), profile=False, calibration=None,
                     microbatch_size=captured.microbatch_size(m), microbatches=m)
     table = cost(linear, model, example, o.ranks)
     device = local_device() if o.ranks.distributed else torch.device(o.devices[0].name)
-    found = probe(linear, table, example, device, microbatches=m, loss_fn=o.loss_fn,
-                  threads=len(o.devices), cores=shared_cores(o.devices, o.ranks), cache=o.cache)
+    found = probe(linear, table, example, device, microbatches=m,
+                  loss_fn=asked.loss_fn, threads=len(o.devices),
+                  cores=shared_cores(o.devices, o.ranks), cache=asked.cache)
     return o.ranks.shared(found), ""
 
 
 def search_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
-    """The "auto" options chosen (`_search`), and the options resolved with them (resolved.py):
+    """The "auto" options chosen (`_search`), and what is resolved with them (resolved.py):
     `plan.choices` and `plan.resolved`."""
     searched, summary = _search(plan, example)
     choices = searched.ready.choices
@@ -109,22 +110,22 @@ def search_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
 def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
     """Choose the "auto" options by predicted step time (schedule_search.py), over the analytic costs
     calibrated by the probe; record the candidates. Given options are kept as given."""
-    o = plan.resolved
+    o, asked = plan.resolved, plan.asked
     captured = plan.ready.captured
     profile = o.profile and not is_meta_model(example.model)
-    if not o.auto:
+    if not asked.auto:
         given = Choices(o.schedule, o.microbatches, o.virtual_stages,
                         (bool(o.checkpoint),) * o.num_stages, profile)
         return replace(plan, choices=given), (
             "nothing searched: schedule, micro-batches, virtual stages and checkpoint were given")
-    if "layout" in o.auto:  # P x D too (planner/layout_search.py)
+    if "layout" in asked.auto:  # P x D too (planner/layout_search.py)
         from .layout_passes import layout_search_pass
 
         return layout_search_pass(plan, example, profile)
     if o.given_schedule is not None:  # it fixes all but recomputation
         return _recompute_for(plan, example, o.given_schedule, profile)
-    fewest = len(o.devices) * (1 if "virtual_stages" in o.auto else o.virtual_stages)
-    enough_blocks(coarsest(captured, o.granularity, fewest), fewest, o.granularity)
+    fewest = len(o.devices) * (1 if "virtual_stages" in asked.auto else o.virtual_stages)
+    enough_blocks(coarsest(captured, asked.granularity, fewest), fewest, asked.granularity)
     tables = BlockTables(plan, example,
                          plan.probe.calibration if plan.probe is not None else None)
 
@@ -133,21 +134,21 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
         return BlockTable.of(found[1], found[0]) if found is not None else None
 
     space = Space(
-        schedules=(FSDP_SCHEDULES if o.fsdp else SYNC_SCHEDULES) if "schedule" in o.auto
+        schedules=(FSDP_SCHEDULES if o.fsdp else SYNC_SCHEDULES) if "schedule" in asked.auto
         else (o.schedule,),
         microbatches=(microbatch_choices(example.batch)
-                      if "microbatches" in o.auto and captured.dynamic_batch
+                      if "microbatches" in asked.auto and captured.dynamic_batch
                       else (o.microbatches,)),
-        virtual_stages=(_split_point_stages(o) if "virtual_stages" in o.auto
+        virtual_stages=(_split_point_stages(asked) if "virtual_stages" in asked.auto
                         else (o.virtual_stages,)),
-        checkpoint=None if "checkpoint" in o.auto and not o.fsdp else bool(o.checkpoint))
+        checkpoint=None if "checkpoint" in asked.auto and not o.fsdp else bool(o.checkpoint))
     found = search_plans(space, o.devices, costs_for, overhead=plan.overhead,
                          split_ratio=plan.split_ratio,
                          cores=shared_cores(o.devices, o.ranks), efficiency=plan.efficiency,
-                         searched=tuple(sorted(o.auto)), collectives=_one_replica(o))
+                         searched=tuple(sorted(asked.auto)), collectives=_one_replica(asked))
     best = found.best
     stages = len(o.devices) * best.virtual_stages
-    recompute = (tuple(best.recompute) if "checkpoint" in o.auto
+    recompute = (tuple(best.recompute) if "checkpoint" in asked.auto
                  else (bool(o.checkpoint),) * stages)
     choices = Choices(best.schedule, best.microbatches, best.virtual_stages, recompute, profile)
     fits = sum(c.fits for c in found.candidates)
@@ -161,10 +162,10 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
 def _recompute_for(plan: Plan, example: Example, given: Schedule, profile: bool
                    ) -> tuple[Plan, str]:
     """A written schedule, checkpoint="auto": recompute where memory needs it (as the search)."""
-    o = plan.resolved
+    o, granularity = plan.resolved, plan.asked.granularity
     schedule = make_schedule(given, len(o.devices), o.microbatches, virtual_stages=o.virtual_stages)
-    linear = coarsest(plan.ready.captured, o.granularity, o.num_stages)
-    enough_blocks(linear, o.num_stages, o.granularity)
+    linear = coarsest(plan.ready.captured, granularity, o.num_stages)
+    enough_blocks(linear, o.num_stages, granularity)
     costs = cost(linear, replace(cost_model(plan, example), profile=False), example, o.ranks)
     staged = replace(plan, schedule=schedule, inflight=inflight(schedule))  # for target only
     goal = replace(target(staged), recompute=(False if o.fsdp else None,) * o.num_stages)
@@ -201,7 +202,7 @@ def target(plan: Plan) -> Target:
                  else tuple(o.stage_checkpoint(s) for s in range(o.num_stages)))
     return Target(stage_specs=plan.stage_specs, inflight=plan.inflight, schedule=o.schedule,
                   microbatches=o.microbatches, virtual_stages=o.virtual_stages,
-                  split_points=o.split_points, recompute=recompute,
+                  split_points=asked.split_points, recompute=recompute,
                   backward_ratio=placement_ratio(plan.ready.schedule, plan.split_ratio),
                   layout=plan.choices.layout if plan.choices is not None else None,
                   stage_to_device=tuple(plan.ready.schedule.stage_to_device))

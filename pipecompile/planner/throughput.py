@@ -60,14 +60,14 @@ def throughput(plan: Plan) -> Throughput | None:
     """The predicted throughput of a compiled plan (None: no prediction or block costs)."""
     if plan.predicted is None or plan.costs is None or plan.captured is None:
         return None
-    o = plan.resolved
+    o, whole = plan.resolved, plan.asked.global_batch  # whole: the example is the global batch
     captured = plan.captured
     replicas = o.data_parallel
-    local = (captured.captured_batch_size // replicas if o.global_batch
+    local = (captured.captured_batch_size // replicas if whole
              else captured.captured_batch_size)
     samples = local * replicas
     microbatch_flops = sum(b.forward_flops for b in plan.costs.blocks)
-    size = captured.microbatch_size(o.microbatches * (replicas if o.global_batch else 1))
+    size = captured.microbatch_size(o.microbatches * (replicas if whole else 1))
     model_flops = 3 * microbatch_flops * samples / max(1, size)
     spec = o.devices[0]
     accelerator = accelerator_of(spec) if spec.absolute else None

@@ -13,6 +13,10 @@ behaviour of each kind from its options, and each call goes to that behaviour.
     backward_input(i, grads)     -> input grads      zero-bubble I: keeps what W needs
     backward_weight(i)                               zero-bubble W: accumulates param .grad
 
+What the runtime asks of it between calls goes through its own methods, never by setting its
+fields from outside: `begin_call` (before a run), `use_module` (train/eval graphs),
+`scaled_loss` (a loss scale or num_items for one step), `take_losses` (the step's losses).
+
 The generated code of each device row (`codegen.py`) names the behaviours of its stages
 (`behaviours`). The parts the behaviours share: `StageCall` (how the module is called),
 `InFlight` (the saved micro-batches, losses and activation bytes: `activations`, read by
@@ -21,7 +25,9 @@ The generated code of each device row (`codegen.py`) names the behaviours of its
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+from dataclasses import replace
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -125,6 +131,42 @@ class StageWorker:
     def loss_of(self, outputs: Mapping[str, Any], target: Any) -> torch.Tensor:
         """The last stage's loss of `outputs` (by output name), e.g. of an `infer` result."""
         return self._loss(tuple(outputs[n] for n in self.output_names), target)
+
+    # -- what a step or a mode switch asks of the worker ----------------------------------
+
+    def begin_call(self, *, summed: bool) -> None:
+        """Before a run of a schedule: peak in-flight counted afresh, an asynchronous stage's
+        weight versions told a call begins, the gradient hooks told whether the step's
+        gradients are sums (`num_items`) or means."""
+        self.held.peak_inflight = 0
+        if self.versions is not None:
+            self.versions.begin_call()
+        if self._sync is not None:
+            self._sync.summed(summed)
+
+    def use_module(self, module: torch.nn.Module) -> None:
+        """Run `module` from now on (the runtime's train/eval switch: `stage_modes.py`)."""
+        self.call.module = module
+
+    def take_losses(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """The last stage's losses of micro-batches `indices`, in that order, no longer held."""
+        return [self.held.losses.pop(i) for i in indices]
+
+    @contextlib.contextmanager
+    def scaled_loss(self, loss_scale: float | None, num_items: Any = None) -> Iterator[None]:
+        """The last stage's loss multiplied by `loss_scale` before backward (a GradScaler's
+        scale) and, with `num_items`, summed over micro-batches rather than averaged, for the
+        body; the loss spec as before afterwards. Nothing changes on other stages."""
+        spec = self._loss.spec
+        if (loss_scale is None and num_items is None) or spec is None:
+            yield
+            return
+        scale = 1.0 if num_items is not None else spec.scale  # a sum, not a mean
+        self._loss.spec = replace(spec, scale=scale * (loss_scale or 1.0), num_items=num_items)
+        try:
+            yield
+        finally:
+            self._loss.spec = spec
 
     def forward_code(self) -> str:
         """The Python a training forward of this stage runs: the graph's direct calls (under

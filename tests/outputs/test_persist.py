@@ -112,7 +112,7 @@ def test_a_loaded_pipeline_draws_the_same_per_microbatch_masks(tmp_path):
     pipe = pc.compile(model, (x,), **options)
     pipe.save(tmp_path / "saved")
     loaded = pc.load(tmp_path / "saved", loss_fn=torch.nn.functional.mse_loss)
-    assert (loaded.plan.resolved.rng, loaded.plan.resolved.rng_seed) == ("per-microbatch", 3)
+    assert (loaded.plan.asked.rng, loaded.plan.asked.rng_seed) == ("per-microbatch", 3)
     for step in range(2):
         torch.manual_seed(100 + step)  # the global generator must not matter
         want = pipe.step(x, target=y)

@@ -14,6 +14,8 @@ import pipecompile as pc
 from pipecompile.ir.compile_cache import CompileCache
 from pipecompile.ir.records import Example
 from pipecompile.planner.layout_options import job_options
+from pipecompile.planner.options import CompileOptions
+from pipecompile.planner.resolved import Resolved
 from pipecompile.planner.recipe import PASSES, plan_for
 from pipecompile.planner.request import AUTO, LayoutRequest, Request, ScheduleRequest
 
@@ -82,7 +84,7 @@ def test_the_recipe_resolves_into_plan_resolved_and_keeps_what_was_asked():
     assert [p.name for p in PASSES if "resolved" in p.updates] == ["join", "search", "ranks"]
     request = Request.of(devices=["cpu", "cpu"], microbatches=2, cache=CompileCache())
     unplanned = plan_for(None, request)
-    assert unplanned.passes == () and unplanned.resolved is unplanned.asked
+    assert unplanned.passes == () and unplanned.resolved == Resolved.start(unplanned.asked)
     example = Example(_model(), (torch.randn(4, 4),), {})
     plan = plan_for(example, request)
     assert plan.request is request and plan.asked == unplanned.asked
@@ -91,8 +93,13 @@ def test_the_recipe_resolves_into_plan_resolved_and_keeps_what_was_asked():
         2, plan.ready.choices.schedule)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert plan.options is plan.resolved
+        merged = plan.options
     assert [w.category for w in caught] == [DeprecationWarning]
+    # the old single record: what was asked with every resolved value in place
+    assert isinstance(merged, CompileOptions) and merged.loss_fn is plan.asked.loss_fn
+    assert (merged.schedule, merged.microbatches, merged.checkpoint, merged.devices) == (
+        plan.resolved.schedule, plan.resolved.microbatches, plan.resolved.checkpoint,
+        plan.resolved.devices)
 
 
 def test_the_old_pass_list_path_still_answers_with_a_warning():
