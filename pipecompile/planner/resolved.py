@@ -72,6 +72,7 @@ class Resolved:
     ranks: Ranks  # this process's place in the job (topology) and how ranks share results
     data_parallel: int  # D replicas of the pipeline
     tensor_parallel: int  # T ranks share each layer of a stage (a searched T: choices.layout)
+    sequence_parallel: bool  # and split the tokens between its layers (T > 1)
     fsdp: bool  # each stage fully_shard-ed over the replicas
     schedule: str  # a built-in schedule's name, or the written schedule's
     given_schedule: "Schedule | None"  # the written schedule itself (None: a built-in one)
@@ -84,7 +85,8 @@ class Resolved:
     def start(cls, asked: "CompileOptions") -> "Resolved":
         """The asked options' starting values, before any pass resolved them."""
         return cls(devices=asked.devices, ranks=asked.ranks, data_parallel=asked.data_parallel,
-                   tensor_parallel=asked.tensor_parallel, fsdp=asked.fsdp,
+                   tensor_parallel=asked.tensor_parallel,
+                   sequence_parallel=asked.sequence_parallel, fsdp=asked.fsdp,
                    schedule=asked.schedule, given_schedule=asked.given_schedule,
                    microbatches=asked.microbatches, virtual_stages=asked.virtual_stages,
                    checkpoint=asked.checkpoint, profile=asked.profile)
@@ -136,7 +138,7 @@ def merged_options(asked: "CompileOptions", resolved: Resolved) -> "CompileOptio
     place. Compile itself never reads it."""
     return replace(asked, devices=resolved.devices, ranks=resolved.ranks,
                    data_parallel=resolved.data_parallel, tensor_parallel=resolved.tensor_parallel,
-                   fsdp=resolved.fsdp, schedule=resolved.schedule,
+                   sequence_parallel=resolved.sequence_parallel, fsdp=resolved.fsdp, schedule=resolved.schedule,
                    given_schedule=resolved.given_schedule, microbatches=resolved.microbatches,
                    virtual_stages=resolved.virtual_stages, checkpoint=resolved.checkpoint,
                    profile=resolved.profile)

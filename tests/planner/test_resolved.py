@@ -17,9 +17,10 @@ ASKED = CompileOptions(devices=(DeviceSpec("cpu"), DeviceSpec("cpu")), microbatc
 
 def test_resolved_holds_only_what_the_passes_resolve():
     names = [f.name for f in fields(Resolved)]
-    assert names == ["devices", "ranks", "data_parallel", "tensor_parallel", "fsdp", "schedule",
-                     "given_schedule", "microbatches", "virtual_stages", "checkpoint", "profile"]
-    assert (len(names), len(fields(CompileOptions))) == (11, 29)
+    assert names == ["devices", "ranks", "data_parallel", "tensor_parallel", "sequence_parallel",
+                     "fsdp", "schedule", "given_schedule", "microbatches", "virtual_stages",
+                     "checkpoint", "profile"]
+    assert (len(names), len(fields(CompileOptions))) == (12, 30)
     never_resolved = {"loss_fn", "optimizer", "split_points", "capture", "rng", "timeout",
                       "auto", "cache", "cluster", "global_batch", "mesh"}
     assert never_resolved.isdisjoint(names)
