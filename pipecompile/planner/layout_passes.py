@@ -95,7 +95,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         return shard_costs(costs, share, shapes=shapes, rates=plan.ready.device_model.kernels,
                            batch_size=size)
 
-    def run(layout: Layout):
+    def run(layout: Layout, above: float):
         local = example.batch // layout.data_parallel
         specs = pipeline_specs(layout, o.cluster, devices)
         _check_state_fits(costs_for(layout, 1, layout.pipeline), layout, specs)
@@ -113,7 +113,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
                             overhead=plan.overhead, split_ratio=plan.split_ratio,
                             efficiency=plan.efficiency, searched=tuple(sorted(o.auto)),
                             collectives=Collectives.of(layout, o.cluster, devices[0]),
-                            memo=memo, written=o.given_schedule, advise=False)
+                            memo=memo, written=o.given_schedule, advise=False, above=above)
 
     memo: dict = {}  # the schedules built, shared by every layout's search
 
@@ -124,7 +124,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         work = sum(table.forward) + sum(table.backward_input) + sum(table.backward_weight)
         return work / layout.pipeline / max(d.speed for d in devices)
 
-    found, tried = search_layouts(candidates, run, bound=floor)
+    found, tried = search_layouts(candidates, run, bound=floor, above=True)
     chosen = tried[0].layout
     best = found.best
     stages = chosen.pipeline * best.virtual_stages

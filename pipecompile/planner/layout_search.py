@@ -23,6 +23,7 @@ from ..errors import PartitionMemoryError
 from ..ir.formats import format_bytes
 from ..ir.progress import Progress
 from .layout import Layout
+from .schedule_search import NOT_SIMULATED, Outpaced
 
 __all__ = ["LayoutCandidate", "search_layouts", "TENSOR_PARALLEL_NOTE", "StateTooLarge"]
 
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 TENSOR_PARALLEL_NOTE = ("bound by tensor parallelism: a stage does not fit even with the most "
                         "pipeline stages and recomputation (try tensor_parallel='auto' or a "
                         "larger T)")
+
+
+#: A layout's reason where some of its plans were not simulated (their bounds over a step found):
+#: its step is the best of those simulated.
+PARTLY = "its plans bounded over the best not simulated"
 
 
 class StateTooLarge(PartitionMemoryError):
@@ -75,9 +81,9 @@ class LayoutCandidate:
                    data["virtual_stages"], data["recomputed"], data["memory"], data["reason"])
 
 
-def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
-                   tie: float = 1e-3, bound: Callable[[Layout], float] | None = None
-                   ) -> tuple[Any, tuple[LayoutCandidate, ...]]:
+def search_layouts(layouts: Sequence[Layout], run: Callable[..., Any],
+                   tie: float = 1e-3, bound: Callable[[Layout], float] | None = None, *,
+                   above: bool = False) -> tuple[Any, tuple[LayoutCandidate, ...]]:
     """The fastest layout's search result and every layout's candidate (winner first, then by
     step; those that fit nothing last, saying why). `bound(layout)`: a lower bound of its
     step (its compute spread over its pipeline, no bubble); a layout whose bound is above the
@@ -87,7 +93,13 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
     `layouts`' order among equal ones), so that the fast ones are found first and prune the
     rest; which layout wins does not depend on that order: a layout is skipped only when its
     step, at least its bound, is above (1 + `tie`) times a step already found, so above the
-    fastest's tie window, and ties still go to the earliest in `layouts`' order."""
+    fastest's tie window, and ties still go to the earliest in `layouts`' order.
+
+    With `above`, `run(layout, best)` is given the best step found so far (inf: none) and may
+    skip the plans whose step is surely over (1 + `tie`) x it (the schedule search's `above`):
+    raising `Outpaced` when nothing else fits (listed as not searched in full), else its
+    result's best is the layout's step (exact where it beats `best`, else the best of the
+    plans it simulated, which its reason says)."""
     seen: dict[int, LayoutCandidate] = {}
     results: dict[int, Any] = {}
     errors: list[tuple[float, str]] = []
@@ -104,7 +116,12 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
                 f"(+{(floor / best - 1) * 100:.1f}% over the best)"))
             continue
         try:
-            result = run(layout)
+            result = run(layout, best) if above else run(layout)
+        except Outpaced as error:
+            seen[k] = LayoutCandidate(layout, reason=(
+                f"not searched in full: its plans take at least {error.floor * 1e3:.1f} ms "
+                f"(+{(error.floor / best - 1) * 100:.1f}% over the best) or do not fit"))
+            continue
         except PartitionMemoryError as error:
             need = error.memory_needed or math.inf
             errors.append((need, str(error)))
@@ -117,11 +134,12 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
         except PartitionError as error:
             seen[k] = LayoutCandidate(layout, reason=f"not valid: {str(error)[:80]}")
             continue
+        partial = above and any(c.reason.startswith(NOT_SIMULATED) for c in result.candidates)
         best = result.best
         results[k] = result
         seen[k] = LayoutCandidate(layout, best.step, best.schedule, best.microbatches,
                                    best.virtual_stages, len(best.recomputed),
-                                   max(best.memory, default=0.0))
+                                   max(best.memory, default=0.0), PARTLY if partial else "")
     progress.done()
     found = [seen[k] for k in range(len(layouts))]  # back in `layouts`' order
     order = {id(c): k for k, c in enumerate(found)}
@@ -143,7 +161,8 @@ def search_layouts(layouts: Sequence[Layout], run: Callable[[Layout], Any],
     ranked = [winner] + sorted((c for c in found if c is not winner),
                                key=lambda c: (not c.fits, c.step, "not searched" in c.reason,
                                               order[id(c)]))
-    labelled = [c if c is winner or not c.fits else _lost(c, winner) for c in ranked]
+    labelled = [(_won(c) if c is winner else c if not c.fits else _lost(c, winner))
+                for c in ranked]
     return results[order[id(winner)]], tuple(labelled)
 
 
@@ -155,9 +174,18 @@ def _floors(layouts: Sequence[Layout], bound: Callable[[Layout], float] | None
     return [bound(layout) for layout in layouts]
 
 
+def _won(c: LayoutCandidate) -> LayoutCandidate:
+    """The winner, without a note that some of its plans were not simulated (its step is
+    exact: the plans skipped were bounded over a step it beats)."""
+    from dataclasses import replace
+
+    return replace(c, reason="") if c.reason == PARTLY else c
+
+
 def _lost(c: LayoutCandidate, winner: LayoutCandidate) -> LayoutCandidate:
     from dataclasses import replace
 
     if c.step > winner.step * 1.001:
-        return replace(c, reason=f"slower (+{(c.step / winner.step - 1) * 100:.1f}%)")
+        return replace(c, reason=f"slower (+{(c.step / winner.step - 1) * 100:.1f}%)" + (
+            f"; {PARTLY}" if c.reason == PARTLY else ""))
     return replace(c, reason="tie (later in order)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -31,6 +32,9 @@ from ..schedule.lowering import add_communication
 from ..schedule.schedules import SCHEDULES, TWO_STAGES_PER_DEVICE, make_schedule
 from ..schedule.lowering import relower
 from ..schedule.simulate import inflight, simulate
+from ..schedule.bounds import makespan_floor
+from ..schedule.messages import Dataflow
+from ..schedule.validate import dependencies
 from .device_share import device_memory, fit_devices
 from .layout import Collectives
 from ..schedule.actions import Kind
@@ -48,7 +52,8 @@ from .stage_costs import (
 
 # BlockTable and SPLIT_BACKWARD_RATIO live in stage_costs (the pricing); named here for callers
 __all__ = ["FSDP_SCHEDULES", "BlockTable", "Space", "Candidate", "SearchResult", "search",
-           "microbatch_choices", "SYNC_SCHEDULES", "SPLIT_BACKWARD_RATIO", "ANY_V_SCHEDULES"]
+           "microbatch_choices", "SYNC_SCHEDULES", "SPLIT_BACKWARD_RATIO", "ANY_V_SCHEDULES",
+           "Outpaced", "NOT_SIMULATED"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,22 @@ ANY_V_SCHEDULES: tuple[str, ...] = ("interleaved-1f1b", "interleaved-zb")
 
 #: Predicted steps within this fraction of the fastest are ties, decided by peak memory.
 TIE = 1e-3
+
+#: How many relowered schedules (and their dependencies) a search keeps for the next layouts.
+_LOWERED_KEPT = 64
+
+#: How a candidate skipped by its lower bound (`search`'s `above`) begins its reason.
+NOT_SIMULATED = "not simulated"
+
+
+class Outpaced(PipecompileError):
+    """`search` with `above`: no candidate that was simulated fits and every other one's lower
+    bound is over the step to beat, so the space holds no plan as fast (`floor`: the lowest of
+    those bounds)."""
+
+    def __init__(self, message: str, floor: float) -> None:
+        super().__init__(message)
+        self.floor = floor
 
 
 @dataclass(frozen=True)
@@ -169,7 +190,8 @@ def search(space: Space, devices: Sequence[DeviceSpec],
            split_ratio: float | None = None, cores: int | None = None,
            efficiency: float = 1.0, searched: tuple[str, ...] = (),
            collectives: Collectives | None = None, memo: dict | None = None,
-           written: Schedule | None = None, advise: bool = True) -> SearchResult:
+           written: Schedule | None = None, advise: bool = True,
+           above: float | None = None) -> SearchResult:
     """Cost every candidate of `space` on `devices` and pick the fastest that fits.
 
     `costs_for(m, num_stages)` is the block table at micro-batch size batch/m, linearized finely
@@ -182,13 +204,22 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     Raises `PartitionMemoryError` when no candidate fits in memory; with `advise`, its message
     names the fewest devices that would fit (a search over more stages: the layout search,
     which compares device counts itself, passes False).
+    With `above` (the layout search's best step so far, inf for none), a candidate is not
+    simulated where a lower bound of its step is over (1 + TIE) x the lower of `above` and the
+    best step found in this search: before building its schedule, its compute over the
+    devices; after placing it, `schedule.bounds.makespan_floor`. Such a candidate cannot win or
+    tie (its step is at least its bound), so the winner and its step are those of the full
+    search; it is listed last, its reason saying so (`NOT_SIMULATED`). Where nothing simulated
+    fits and some candidate was skipped, `Outpaced` is raised.
     """
     devices = tuple(devices)
     p = len(devices)
     schedules = _Schedules(memo, written)
     found: list[Candidate] = []
+    skipped: list[tuple[float, Candidate]] = []  # (its lower bound, it)
     total = sum(len(space.microbatches) * len(space.virtual_for(n)) for n in space.schedules)
     progress = Progress(log, f"schedule search on {p} devices", total, unit="candidates")
+    speed = sum(d.speed for d in devices)
     for name in space.schedules:
         for m in space.microbatches:
             for v in space.virtual_for(name):
@@ -196,10 +227,25 @@ def search(space: Space, devices: Sequence[DeviceSpec],
                 progress.advance()
                 if table is None:
                     continue
-                found.append(_candidate(name, m, v, table, devices, space.checkpoint, schedules,
-                                        overhead=overhead, split_ratio=split_ratio, cores=cores,
-                                        efficiency=efficiency, collectives=collectives))
+                limit = _limit(above, found)
+                work = m * (sum(table.forward) + sum(table.backward_input)
+                            + sum(table.backward_weight)) / speed
+                if work > limit:  # every device's compute together, spread evenly
+                    skipped.append((work, _skip(name, m, v, work, limit, "its compute alone")))
+                    continue
+                c = _candidate(name, m, v, table, devices, space.checkpoint, schedules,
+                               overhead=overhead, split_ratio=split_ratio, cores=cores,
+                               efficiency=efficiency, collectives=collectives, limit=limit)
+                if isinstance(c, Candidate):
+                    found.append(c)
+                else:  # its timeline's floor is over the limit
+                    skipped.append((c, _skip(name, m, v, c, limit, "its timeline")))
     progress.done()
+    if skipped and not any(c.fits for c in found):
+        floor = min(f for f, _ in skipped)
+        raise Outpaced(f"no plan on {p} devices is as fast as {(above or 0.0) * 1e3:.1f} ms: "
+                       f"{len(skipped)} of them take at least {floor * 1e3:.1f} ms and the "
+                       f"others do not fit", floor)
     if not found:
         raise PartitionError(
             f"no schedule of {list(space.schedules)} with micro-batches {list(space.microbatches)}"
@@ -229,11 +275,24 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     speed = sum(d.speed for d in devices) * share
     bound = best.microbatches * (sum(table.forward) + sum(table.backward_input)
                                  + sum(table.backward_weight)) / speed
-    labelled = [_label(c, best) for c in ranked]
+    labelled = [_label(c, best) for c in ranked] + [c for _, c in skipped]
     note = ("compute / devices, no bubble, no overhead" if cores is None or cores >= p else
             f"compute over {p} device threads, of which this machine's cores run {cores} at a "
             f"time at {efficiency:.2f} of their speed; no bubble, no overhead")
     return SearchResult(labelled[0], tuple(labelled), bound, searched, note)
+
+
+def _limit(above: float | None, found: Sequence[Candidate]) -> float:
+    """The bound over which a candidate is not simulated (inf: every one is)."""
+    if above is None:
+        return math.inf
+    return min([above] + [c.step for c in found if c.fits]) * (1 + TIE)
+
+
+def _skip(name: str, m: int, v: int, floor: float, limit: float, what: str) -> Candidate:
+    return Candidate(name, m, v, reason=(
+        f"{NOT_SIMULATED}: {what} takes at least {floor * 1e3:.1f} ms > "
+        f"{limit * 1e3:.1f} ms (a plan found, + {TIE:.1%})"))
 
 
 # -- one candidate ------------------------------------------------------------------------------
@@ -250,6 +309,10 @@ class _Schedules:
         self._made: dict[tuple[str, int, int, int], tuple[Schedule, tuple[int, ...]]] = (
             {} if memo is None else memo)
         self._written = written
+        # the last relowered schedules, shared like the schedules (in `memo`, under a key no
+        # schedule has): the searches of layouts with as many devices meet the same ones
+        self._low: OrderedDict[tuple, tuple[Schedule, dict]] = self._made.setdefault(
+            ("lowered",), OrderedDict())  # type: ignore[arg-type, assignment]
 
     def get(self, name: str, p: int, m: int, v: int) -> tuple[Schedule, tuple[int, ...]]:
         key = (name, p, m, v)
@@ -262,6 +325,26 @@ class _Schedules:
                                          else name, p, m, virtual_stages=v)
             self._made[key] = schedule, inflight(schedule)
         return self._made[key]
+
+    def lowered(self, name: str, p: int, m: int, v: int, links: Dataflow | None
+                ) -> tuple[Schedule, dict]:
+        """The schedule relowered with `links`' messages and its dependencies: both depend
+        on which stages link (with or without a gradient), not on the values' names or
+        bytes, so candidates whose cuts link the same stages share them."""
+        shape = None if links is None else tuple((k.src, k.dst, bool(k.grads))
+                                                   for k in links.links)
+        key = (name, p, m, v, shape)
+        low = self._low
+        if key in low:
+            low.move_to_end(key)
+        else:
+            schedule = self.get(name, p, m, v)[0]
+            if links is not None:
+                schedule = relower(schedule, links)
+            low[key] = schedule, dependencies(schedule, links)
+            if len(low) > _LOWERED_KEPT:
+                low.popitem(last=False)
+        return low[key]
 
 
 def _problem(schedule: Schedule, peaks: tuple[int, ...], table: BlockTable,
@@ -277,7 +360,9 @@ def _problem(schedule: Schedule, peaks: tuple[int, ...], table: BlockTable,
 def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[DeviceSpec, ...],
                checkpoint: bool | None, schedules: _Schedules, *, overhead: float,
                split_ratio: float | None, cores: int | None, efficiency: float,
-               collectives: Collectives | None = None) -> Candidate:
+               collectives: Collectives | None = None, limit: float = math.inf
+               ) -> Candidate | float:
+    """The candidate costed, or where its timeline's floor is over `limit`, that floor."""
     try:
         schedule, peaks = schedules.get(name, len(devices), m, v)
     except PipecompileError as error:  # e.g. interleaving needs m to be a multiple of p
@@ -310,9 +395,14 @@ def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[Devi
     costs = with_collectives(costs, table, placement.bounds, collectives, recompute=recompute,
                              split=any(a.kind is Kind.W for row in schedule.actions for a in row))
     links = dataflow(table, placement.bounds)
-    timeline = simulate(schedule if links is None else relower(schedule, links), costs,
-                        cores=cores, efficiency=efficiency, overhead=overhead,
-                        transfers=message_costs(table, placement.bounds, specs), validated=True)
+    lowered, deps = schedules.lowered(name, len(devices), m, v, links)
+    if math.isfinite(limit) and cores is None:
+        floor = makespan_floor(lowered, costs, dataflow=links, overhead=overhead)
+        if floor > limit:
+            return floor
+    timeline = simulate(lowered, costs, cores=cores, efficiency=efficiency, overhead=overhead,
+                        transfers=message_costs(table, placement.bounds, specs), validated=True,
+                        deps=deps, messages=False)
     return Candidate(name, m, v, recompute, placement.bounds, timeline.makespan, tuple(memory))
 
 

@@ -176,21 +176,7 @@ class Timeline:
 
     def peak_inflight(self, stage: int) -> int:
         """Most micro-batches on ``stage`` between the start of F and the end of B (or W)."""
-        mine = [e for e in self.events if e.action.stage == stage]
-        split = {e.action.microbatch for e in mine if e.action.kind is Kind.W}
-        changes: list[tuple[float, int]] = []
-        for e in mine:
-            a = e.action
-            if a.kind is Kind.F:
-                changes.append((e.start, +1))
-            elif a.kind is Kind.W or (a.kind is Kind.B and a.microbatch not in split):
-                changes.append((e.end, -1))
-        # At equal times a release comes first: memory freed at t can be reused at t.
-        count = peak = 0
-        for _, delta in sorted(changes):
-            count += delta
-            peak = max(peak, count)
-        return peak
+        return _peak([e for e in self.events if e.action.stage == stage])
 
     def to_chrome_trace(self) -> dict[str, Any]:
         """Chrome trace-event JSON (chrome://tracing, Perfetto): one thread per device, µs."""
@@ -286,6 +272,24 @@ def _work(action: Action, cost: StageCosts, step_time: float, overhead: float) -
     return 0.0 if work is None else work + overhead
 
 
+def _peak(mine: Sequence[Event]) -> int:
+    """Most micro-batches in flight among one stage's events ``mine``."""
+    split = {e.action.microbatch for e in mine if e.action.kind is Kind.W}
+    changes: list[tuple[float, int]] = []
+    for e in mine:
+        a = e.action
+        if a.kind is Kind.F:
+            changes.append((e.start, +1))
+        elif a.kind is Kind.W or (a.kind is Kind.B and a.microbatch not in split):
+            changes.append((e.end, -1))
+    # At equal times a release comes first: memory freed at t can be reused at t.
+    count = peak = 0
+    for _, delta in sorted(changes):
+        count += delta
+        peak = max(peak, count)
+    return peak
+
+
 def simulate(
     schedule: Schedule,
     costs: Sequence[StageCosts],
@@ -298,6 +302,8 @@ def simulate(
     overhead: float = 0.0,
     validated: bool = False,
     blocking: bool = False,
+    deps: Mapping[Action, tuple[Action, ...]] | None = None,
+    messages: bool = True,
 ) -> Timeline:
     """Predict when every action of a valid ``schedule`` runs; ``costs[s]`` is stage s's
     compute time.
@@ -309,6 +315,9 @@ def simulate(
     launch, message latency); ``validated``: the schedule was validated already (by
     `make_schedule`), skip that (the planning search simulates many); ``blocking``: each
     explicit ``SEND`` lasts its message's time on the sender's device; see the module docstring.
+    ``deps``: ``dependencies(schedule, dataflow)`` where the caller has it already (a search
+    that simulates one schedule with many costs); ``messages=False``: leave
+    `Timeline.transfers` empty (a search that reads the makespan only).
     """
     if not 0 <= overhead < float("inf"):
         raise ScheduleError(f"simulate: overhead must be finite and >= 0, got {overhead}")
@@ -319,7 +328,8 @@ def simulate(
         )
     if not validated:
         validate(schedule, dataflow)
-    deps = dependencies(schedule, dataflow)
+    if deps is None:
+        deps = dependencies(schedule, dataflow)
     home = schedule.stage_to_device
 
     def message(src: int, dst: int, forward: bool) -> float:
@@ -350,6 +360,8 @@ def simulate(
                                     overhead, sends)
     else:
         timeline = _simulate_free(schedule, costs, deps, latency, step_time, overhead, sends)
+    if not messages:
+        return timeline
     return Timeline(timeline.events, timeline.num_devices,
                     _transfers(timeline, deps, latency, sends))
 
@@ -358,8 +370,13 @@ def inflight(schedule: Schedule) -> tuple[int, ...]:
     """Peak in-flight micro-batches per stage (at least 1) of a valid schedule (as
     `make_schedule` returns them), from a unit-cost simulation (F = I = W = 1): what a stage's
     activation memory is sized for."""
-    timeline = simulate(schedule, [StageCosts(1.0, 2.0)] * schedule.num_stages, validated=True)
-    return tuple(max(1, timeline.peak_inflight(s)) for s in range(schedule.num_stages))
+    timeline = simulate(schedule, [StageCosts(1.0, 2.0)] * schedule.num_stages, validated=True,
+                        messages=False)
+    mine: list[list[Event]] = [[] for _ in range(schedule.num_stages)]
+    for e in timeline.events:  # each stage's events, in one pass
+        if e.action.stage < schedule.num_stages:
+            mine[e.action.stage].append(e)
+    return tuple(max(1, _peak(events)) for events in mine)
 
 
 def _transfers(timeline: Timeline, deps, latency, sends: dict) -> tuple[Transfer, ...]:

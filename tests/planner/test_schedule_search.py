@@ -15,7 +15,7 @@ from pipecompile.ir.devices import DeviceSpec
 from pipecompile.passes.partition import PartitionMemoryError
 from pipecompile.pipeline import Pipeline
 from pipecompile.planner.schedule_search import (
-    SYNC_SCHEDULES, BlockTable, Space, microbatch_choices, search)
+    NOT_SIMULATED, SYNC_SCHEDULES, TIE, BlockTable, Outpaced, Space, microbatch_choices, search)
 from tests.support.models import gpt
 from tests.support.reference import assert_grads_equal, reference_step
 from tests.test_cli import FACTORIES
@@ -120,6 +120,31 @@ def test_a_tie_goes_to_the_plan_that_holds_less_memory():
 def test_explicit_values_are_the_only_ones_costed():
     result = _search(Space(("zb-h1",), (4,)), overhead=1e-4)
     assert [(c.schedule, c.microbatches) for c in result.candidates] == [("zb-h1", 4)]
+
+
+def test_plans_bounded_over_a_step_found_are_not_simulated_and_the_winner_is_the_same():
+    """`above`: the plans whose bound is over the best step (of this search, or the one given)
+    are listed unsimulated; the winner and its step are those of the full search, and each
+    plan skipped is slower than it in the full search. Nothing as fast as `above`: Outpaced."""
+    space = Space(SYNC_SCHEDULES, microbatch_choices(BATCH), interleave=(2,))
+    every = _search(space, 4, overhead=1e-4)
+    pruned = _search(space, 4, overhead=1e-4, above=float("inf"))
+    assert pruned.best == every.best and pruned.lower_bound == every.lower_bound
+    full = {(c.schedule, c.microbatches, c.virtual_stages): c for c in every.candidates}
+    skipped = [c for c in pruned.candidates if c.reason.startswith(NOT_SIMULATED)]
+    assert skipped and len(pruned.candidates) == len(every.candidates)
+    assert pruned.candidates[-len(skipped):] == tuple(skipped)  # listed last
+    for c in skipped:
+        assert not c.fits and full[c.schedule, c.microbatches, c.virtual_stages].step > (
+            every.best.step * (1 + TIE))
+    simulated = [c for c in pruned.candidates if c not in skipped]
+    assert all(full[c.schedule, c.microbatches, c.virtual_stages].step == c.step
+               for c in simulated)
+    given = _search(space, 4, overhead=1e-4, above=every.best.step)
+    assert given.best == every.best
+    with pytest.raises(Outpaced) as raised:
+        _search(space, 4, overhead=1e-4, above=every.best.step / 2)
+    assert every.best.step / 2 < raised.value.floor <= every.best.step
 
 
 def test_interleaving_tries_every_virtual_stage_count_asked():

@@ -1,0 +1,76 @@
+"""makespan_floor never exceeds the simulated makespan (every generator, random per-stage
+costs, overhead, setup and teardown, messages priced or not), is reached where nothing waits
+(one device), and bounds 1F1B's closed form tightly."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipecompile.schedule.actions import Schedule
+from pipecompile.schedule.bounds import makespan_floor
+from pipecompile.schedule.lowering import add_communication
+from pipecompile.schedule.messages import Dataflow
+from pipecompile.schedule.schedules import SCHEDULES, TWO_STAGES_PER_DEVICE, make_schedule
+from pipecompile.schedule.simulate import StageCosts, simulate
+
+_SECONDS = st.floats(0.0, 5.0, allow_nan=False)
+
+
+def _schedule(name: str, p: int, m: int) -> Schedule | None:
+    v = 2 if name in TWO_STAGES_PER_DEVICE else 1
+    try:
+        return make_schedule(name, p, m, virtual_stages=v)
+    except Exception:  # e.g. interleaving needs m to be a multiple of p
+        return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(SCHEDULES)), p=st.integers(1, 4), m=st.integers(1, 8),
+       data=st.data(), overhead=st.floats(0.0, 0.5), priced=st.booleans())
+def test_the_floor_never_exceeds_the_makespan(name, p, m, data, overhead, priced):
+    schedule = _schedule(name, p, m)
+    if schedule is None:
+        return
+    costs = []
+    for _ in range(schedule.num_stages):
+        f, i, w, setup, teardown, send = (data.draw(_SECONDS) for _ in range(6))
+        costs.append(StageCosts(f, i + w, backward_input=i, backward_weight=w,
+                                send_forward=send, send_backward=send, setup=setup,
+                                teardown=teardown))
+    transfers = ({(k.src, k.dst, d): 0.3 for k in Dataflow.chain(schedule.num_stages).links
+                  for d in "FB"} if priced else None)
+    timeline = simulate(schedule, costs, overhead=overhead, transfers=transfers)
+    floor = makespan_floor(schedule, costs, overhead=overhead)
+    assert floor <= timeline.makespan * (1 + 1e-12) + 1e-12
+
+
+def test_one_device_is_its_own_work():
+    schedule = make_schedule("1f1b", 1, 4)
+    costs = [StageCosts(1.0, 2.0, setup=0.5, teardown=0.25)]
+    assert makespan_floor(schedule, costs, overhead=0.1) == pytest.approx(
+        simulate(schedule, costs, overhead=0.1).makespan) == pytest.approx(4 * 3.2 + 0.75)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (4, 8), (8, 32)])
+def test_1f1b_uniform_is_bounded_by_its_closed_form(p, m):
+    """Uniform F = 1, B = 2: the makespan is (m + p - 1) x 3; the floor is the last device's
+    work plus the forward before it and the backward after it: the same."""
+    schedule = make_schedule("1f1b", p, m)
+    costs = [StageCosts(1.0, 2.0)] * p
+    assert makespan_floor(schedule, costs) == pytest.approx(3.0 * (m + p - 1))
+    assert simulate(schedule, costs).makespan == pytest.approx(3.0 * (m + p - 1))
+
+
+def test_a_given_dataflow_and_explicit_messages_give_the_same_floor():
+    schedule = make_schedule("interleaved-1f1b", 2, 4, virtual_stages=2)
+    costs = [StageCosts(1.0 + s, 2.0) for s in range(schedule.num_stages)]
+    flow = Dataflow.chain(schedule.num_stages)
+    lowered = add_communication(schedule.__class__(
+        schedule.name, schedule.num_stages, schedule.num_microbatches,
+        schedule.stage_to_device, tuple(tuple(a for a in row if not a.is_comm)
+                                        for row in schedule.actions)), flow)
+    assert makespan_floor(lowered, costs, dataflow=flow) == pytest.approx(
+        makespan_floor(schedule, costs))
+    assert makespan_floor(schedule, costs) <= simulate(schedule, costs).makespan
