@@ -19,6 +19,7 @@
     schedule_search.py which schedule, micro-batch count, virtual stages and recomputation
     layout_search.py   every layout searched with the schedule search, the best kept
     layout.py          a layout (P x D x T, FSDP, which dimension stays inside a node), its costs
+                       and what the search found of it (`LayoutCandidate`)
     tensor_costs.py    one rank's share of the block costs under tensor parallelism
     block_tables.py    the block costs a search prices candidates with, each made once
     device_share.py    virtual stages placed so that together they fit their device

@@ -18,7 +18,7 @@ from ..ir.records import CapturedModel, CostTable, Example, LinearGraph
 from ..passes.annotate import optimizer_state_factor
 from ..passes.calibrate import Calibration
 from ..passes.linearize import GRANULARITIES, linearize
-from .options import example_microbatch_size
+from .resolved import example_microbatch_size
 from .plan import Plan
 from .decisions import CostModel, cost
 from .cluster import Cluster, Link

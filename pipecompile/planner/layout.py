@@ -38,8 +38,9 @@ reads parameter, gradient and two moments and writes three) at memory bandwidth.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..errors import ConfigError
 from ..ir.devices import DeviceSpec
@@ -48,7 +49,8 @@ from .cluster import Cluster, Link
 from .collectives import Group, all_gather, all_reduce, reduce_scatter
 
 __all__ = ["Layout", "layouts", "pipeline_specs", "data_group", "tensor_group", "Collectives",
-           "layout_static", "describe_placement", "tensor_degrees", "sequence_choices"]
+           "layout_static", "describe_placement", "tensor_degrees", "sequence_choices",
+           "LayoutCandidate"]
 
 
 @dataclass(frozen=True)
@@ -257,3 +259,39 @@ def describe_placement(layout: Layout, cluster: Cluster | None) -> str:
         text += ", sequence parallel" if layout.sequence_parallel else ""
     return text
 
+
+@dataclass(frozen=True)
+class LayoutCandidate:
+    """One layout the search costed: its best plan's step and memory, or why none fits."""
+
+    layout: Layout
+    step: float = math.inf
+    schedule: str = ""
+    microbatches: int = 0
+    virtual_stages: int = 0
+    recomputed: int = 0  # stages that recompute
+    memory: float = 0.0  # the fullest device's predicted peak bytes
+    reason: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return math.isfinite(self.step)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Strict JSON (an infinite step as "inf")."""
+        lay = self.layout
+        return {"pipeline": lay.pipeline, "data_parallel": lay.data_parallel, "fsdp": lay.fsdp,
+                "inner": lay.inner, "tensor_parallel": lay.tensor_parallel,
+                "sequence_parallel": lay.sequence_parallel,
+                "step": self.step if self.fits else "inf",
+                "schedule": self.schedule, "microbatches": self.microbatches,
+                "virtual_stages": self.virtual_stages, "recomputed": self.recomputed,
+                "memory": self.memory, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LayoutCandidate":
+        layout = Layout(data["pipeline"], data["data_parallel"], data["fsdp"], data["inner"],
+                        tensor_parallel=int(data.get("tensor_parallel", 1)),
+                        sequence_parallel=bool(data.get("sequence_parallel", False)))
+        return cls(layout, float(data["step"]), data["schedule"], data["microbatches"],
+                   data["virtual_stages"], data["recomputed"], data["memory"], data["reason"])

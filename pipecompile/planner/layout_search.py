@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import PartitionError
 from ..errors import PartitionMemoryError
 from ..ir.formats import format_bytes
 from ..ir.progress import Progress
-from .layout import Layout
+from .layout import Layout, LayoutCandidate
 from .schedule_search import NOT_SIMULATED, Outpaced
 
-__all__ = ["LayoutCandidate", "search_layouts", "TENSOR_PARALLEL_NOTE", "StateTooLarge"]
+__all__ = ["search_layouts", "TENSOR_PARALLEL_NOTE", "StateTooLarge"]
 
 log = logging.getLogger(__name__)
 
@@ -42,43 +41,6 @@ PARTLY = "its plans bounded over the best not simulated"
 class StateTooLarge(PartitionMemoryError):
     """A layout refused before its search: the bytes its devices must hold whatever the plan
     (parameters, gradients and optimizer state over its P devices) exceed a device."""
-
-
-@dataclass(frozen=True)
-class LayoutCandidate:
-    """One layout the search costed: its best plan's step and memory, or why none fits."""
-
-    layout: Layout
-    step: float = math.inf
-    schedule: str = ""
-    microbatches: int = 0
-    virtual_stages: int = 0
-    recomputed: int = 0  # stages that recompute
-    memory: float = 0.0  # the fullest device's predicted peak bytes
-    reason: str = ""
-
-    @property
-    def fits(self) -> bool:
-        return math.isfinite(self.step)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Strict JSON (an infinite step as "inf")."""
-        lay = self.layout
-        return {"pipeline": lay.pipeline, "data_parallel": lay.data_parallel, "fsdp": lay.fsdp,
-                "inner": lay.inner, "tensor_parallel": lay.tensor_parallel,
-                "sequence_parallel": lay.sequence_parallel,
-                "step": self.step if self.fits else "inf",
-                "schedule": self.schedule, "microbatches": self.microbatches,
-                "virtual_stages": self.virtual_stages, "recomputed": self.recomputed,
-                "memory": self.memory, "reason": self.reason}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LayoutCandidate":
-        layout = Layout(data["pipeline"], data["data_parallel"], data["fsdp"], data["inner"],
-                        tensor_parallel=int(data.get("tensor_parallel", 1)),
-                        sequence_parallel=bool(data.get("sequence_parallel", False)))
-        return cls(layout, float(data["step"]), data["schedule"], data["microbatches"],
-                   data["virtual_stages"], data["recomputed"], data["memory"], data["reason"])
 
 
 def search_layouts(layouts: Sequence[Layout], run: Callable[..., Any],

@@ -42,7 +42,8 @@ from ..schedule.messages import Dataflow
 from ..weights.materialize import is_meta_model, on_meta
 from .block_tables import coarsest, cost_model, enough_blocks
 from .decisions import Choice, cost, place, refine
-from .options import check_async_ties, device_present, example_microbatch_size
+from .options import check_async_ties, device_present
+from .resolved import example_microbatch_size
 from .plan import Plan
 from .shape_passes import collectives, target
 from .stage_costs import (

@@ -34,7 +34,7 @@ import torch
 
 from ..ir.compile_cache import CompileCache
 from ..errors import ConfigError, ScheduleError
-from ..ir.records import Example, microbatch_size
+from ..ir.records import Example
 from ..ir.devices import DeviceSpec
 from .cluster import Cluster
 from .request import AUTO
@@ -46,14 +46,13 @@ from ..schedule.schedules import (
     SCHEDULE_NAMES,
     TWO_STAGES_PER_DEVICE,
     make_schedule,
-    properties_of,
+    schedule_properties,
 )
 
 if TYPE_CHECKING:
     from ..ir.records import StagedProgram
-    from .resolved import Resolved
 
-__all__ = ["CompileOptions", "resolve_options", "example_microbatch_size",
+__all__ = ["CompileOptions", "resolve_options",
            "check_async_ties", "compute_dtype", "device_present", "require_present", "AUTO",
            "starting_values"]
 
@@ -119,16 +118,12 @@ class CompileOptions:
     @property
     def asynchronous(self) -> bool:
         """PipeDream and 2BW update the weights during a step."""
-        if self.given_schedule is not None:
-            return self.given_schedule.asynchronous
-        return self.schedule in SCHEDULE_NAMES and properties_of(self.schedule).asynchronous
+        return schedule_properties(self.schedule, self.given_schedule).asynchronous
 
     @property
     def split_backward(self) -> bool:
         """Whether the schedule splits backwards into input (I) and weight (W) gradients."""
-        if self.given_schedule is not None:
-            return self.given_schedule.splits_backward
-        return self.schedule in SCHEDULE_NAMES and properties_of(self.schedule).splits_backward
+        return schedule_properties(self.schedule, self.given_schedule).splits_backward
 
 
 def resolve_options(
@@ -284,14 +279,6 @@ def starting_values(auto: frozenset[str], example: Example | None, name: str,
     if not isinstance(virtual_stages, int):
         virtual_stages = 2 if name in TWO_STAGES_PER_DEVICE else 1
     return microbatches, name, virtual_stages
-
-
-def example_microbatch_size(example: Example, asked: CompileOptions, resolved: "Resolved"
-                            ) -> int:
-    """Samples per micro-batch of the example batch (the size a static capture is made at):
-    of a replica's slice when the example is the global batch."""
-    replicas = resolved.data_parallel if asked.global_batch else 1
-    return microbatch_size(example.batch, resolved.microbatches * replicas)
 
 
 def _check_async(options: CompileOptions) -> None:

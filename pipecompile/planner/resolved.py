@@ -22,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from ..ir.records import Example, microbatch_size
 from ..measure.ranks import Ranks
-from ..schedule.schedules import SCHEDULE_NAMES, properties_of
+from ..schedule.schedules import schedule_properties
 
 if TYPE_CHECKING:
     from ..ir.devices import DeviceSpec
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from .layout import Layout
     from .options import CompileOptions
 
-__all__ = ["Choices", "Resolved", "resolve", "merged_options"]
+__all__ = ["Choices", "Resolved", "resolve", "merged_options", "example_microbatch_size"]
 
 
 @dataclass(frozen=True)
@@ -109,16 +110,12 @@ class Resolved:
     @property
     def asynchronous(self) -> bool:
         """PipeDream and 2BW update the weights during a step."""
-        if self.given_schedule is not None:
-            return self.given_schedule.asynchronous
-        return self.schedule in SCHEDULE_NAMES and properties_of(self.schedule).asynchronous
+        return schedule_properties(self.schedule, self.given_schedule).asynchronous
 
     @property
     def split_backward(self) -> bool:
         """Whether the schedule splits backwards into input (I) and weight (W) gradients."""
-        if self.given_schedule is not None:
-            return self.given_schedule.splits_backward
-        return self.schedule in SCHEDULE_NAMES and properties_of(self.schedule).splits_backward
+        return schedule_properties(self.schedule, self.given_schedule).splits_backward
 
 
 def resolve(resolved: Resolved, choices: Choices) -> Resolved:
@@ -138,7 +135,16 @@ def merged_options(asked: "CompileOptions", resolved: Resolved) -> "CompileOptio
     place. Compile itself never reads it."""
     return replace(asked, devices=resolved.devices, ranks=resolved.ranks,
                    data_parallel=resolved.data_parallel, tensor_parallel=resolved.tensor_parallel,
-                   sequence_parallel=resolved.sequence_parallel, fsdp=resolved.fsdp, schedule=resolved.schedule,
+                   sequence_parallel=resolved.sequence_parallel, fsdp=resolved.fsdp,
+                   schedule=resolved.schedule,
                    given_schedule=resolved.given_schedule, microbatches=resolved.microbatches,
                    virtual_stages=resolved.virtual_stages, checkpoint=resolved.checkpoint,
                    profile=resolved.profile)
+
+
+def example_microbatch_size(example: Example, asked: "CompileOptions", resolved: Resolved
+                            ) -> int:
+    """Samples per micro-batch of the example batch (the size a static capture is made at):
+    of a replica's slice when the example is the global batch."""
+    replicas = resolved.data_parallel if asked.global_batch else 1
+    return microbatch_size(example.batch, resolved.microbatches * replicas)

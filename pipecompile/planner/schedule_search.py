@@ -169,7 +169,7 @@ class SearchResult:
                       tuple(c["recompute"]), tuple(c["bounds"]), float(c["step"]),
                       tuple(map(float, c["memory"])), c["reason"], float(c["needed"]))
             for c in data["candidates"])
-        from .layout_search import LayoutCandidate
+        from .layout import LayoutCandidate
 
         return cls(candidates[0], candidates, data["lower_bound"], tuple(data["searched"]),
                    data.get("bound_note", cls.bound_note),

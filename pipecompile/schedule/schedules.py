@@ -64,6 +64,7 @@ __all__ = [
     "SCHEDULE_NAMES",
     "ScheduleProperties",
     "properties_of",
+    "schedule_properties",
     "make_schedule",
     "user_schedule",
 ]
@@ -242,6 +243,14 @@ def properties_of(name: str) -> ScheduleProperties:
     """The properties of the built-in schedule `name` (2 devices, 4 micro-batches)."""
     instance = make_schedule(name, 2, 4)
     return ScheduleProperties(instance.splits_backward, instance.asynchronous)
+
+
+def schedule_properties(name: str, written: Schedule | None = None) -> ScheduleProperties:
+    """The properties of the `written` schedule, else of the built-in schedule `name` (neither
+    split nor asynchronous for a name that is not one)."""
+    if written is not None:
+        return ScheduleProperties(written.splits_backward, written.asynchronous)
+    return properties_of(name) if name in SCHEDULE_NAMES else ScheduleProperties(False, False)
 
 
 def make_schedule(

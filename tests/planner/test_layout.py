@@ -20,7 +20,8 @@ from pipecompile.planner.layout import (
     layouts,
     pipeline_specs,
 )
-from pipecompile.planner.layout_search import TENSOR_PARALLEL_NOTE, LayoutCandidate, search_layouts
+from pipecompile.planner.layout import LayoutCandidate
+from pipecompile.planner.layout_search import TENSOR_PARALLEL_NOTE, search_layouts
 
 C = cluster("h100", nodes=8, per_node=8)
 

@@ -18,7 +18,7 @@ from pipecompile import zoo
 from pipecompile.errors import ConfigError
 from pipecompile.ir.records import evaluate
 from pipecompile.planner.layout import Layout, layouts, sequence_choices
-from pipecompile.planner.layout_search import LayoutCandidate
+from pipecompile.planner.layout import LayoutCandidate
 from pipecompile.planner.request import Request
 from pipecompile.planner.tensor_costs import TensorShare, _shard_kernels, shard_costs
 

@@ -22,7 +22,7 @@ from pipecompile.planner.layout import (
     tensor_degrees,
     tensor_group,
 )
-from pipecompile.planner.layout_search import LayoutCandidate
+from pipecompile.planner.layout import LayoutCandidate
 from pipecompile.planner.tensor_costs import (
     REPLICATED_ACTIVATIONS,
     TensorShare,

@@ -247,3 +247,12 @@ def test_a_schedules_properties_are_read_from_its_actions():
     written = Schedule.from_text("0: 0F0 0I0 0W0\n")
     assert written.splits_backward and not written.asynchronous
     assert not make_schedule("1f1b", 2, 4).splits_backward
+
+
+def test_schedule_properties_prefer_the_written_schedule_over_the_name():
+    from pipecompile.schedule.schedules import ScheduleProperties, schedule_properties
+
+    written = Schedule.from_text("0: 0F0 0I0 0W0\n")
+    assert schedule_properties("1f1b", written) == ScheduleProperties(True, False)
+    assert schedule_properties("2bw") == ScheduleProperties(False, True)
+    assert schedule_properties("my-schedule") == ScheduleProperties(False, False)
