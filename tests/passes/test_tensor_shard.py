@@ -5,16 +5,15 @@ graph's outputs and gradients."""
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
 import torch.nn as nn
 
 import pipecompile as pc
-from pipecompile.passes.tensor_shard import choose, lower
-from pipecompile.runtime.tensor_parallel import local_slice
+from pipecompile.passes.tensor_shard import choose
 from tests.distributed.tensor_parallel_cases import MODELS
+from tests.support.thread_ranks import run_lowered
 
 
 def _stage(model, args, loss_fn):
@@ -32,80 +31,6 @@ def graphs():
     return out
 
 
-class _Group:
-    """An all-reduce among T threads (summed in rank order)."""
-
-    def __init__(self, size: int):
-        self.slots: list = [None] * size
-        self.barrier = threading.Barrier(size, timeout=120)
-
-    def all_reduce(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
-        self.slots[rank] = tensor.detach().clone()
-        self.barrier.wait()
-        total = sum(self.slots[1:], self.slots[0].clone())
-        self.barrier.wait()
-        return total
-
-
-def _collectives(group: _Group, rank: int):
-    class Copy(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return group.all_reduce(rank, g)
-
-    class Reduce(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return group.all_reduce(rank, x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
-    def tp_copy(x):
-        return Copy.apply(x)
-
-    def tp_reduce(x):
-        return Reduce.apply(x)
-
-    return tp_copy, tp_reduce
-
-
-def _run_ranks(gm, plan, inputs):
-    """Each rank's (outputs, {name: grad of its local parameter}) for the sum of the outputs."""
-    T = plan.degree
-    group, results = _Group(T), [None] * T
-
-    def work(rank):
-        try:
-            c, r = _collectives(group, rank)
-            module = lower(copy.deepcopy(gm), plan, copy=c, reduce=r)
-            for name, p in list(module.named_parameters()):
-                if name in plan.params:
-                    owner, _, attr = name.rpartition(".")
-                    setattr(module.get_submodule(owner), attr, nn.Parameter(
-                        local_slice(p.detach(), plan.params[name], T, rank)))
-            outs = module(*inputs)
-            sum(o.sum() for o in outs if o.is_floating_point()).backward()
-            results[rank] = (outs, {n: p.grad for n, p in module.named_parameters()})
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            results[rank] = exc
-
-    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(T)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
-
-
 def _unsplit(local, placement, T):
     """The whole gradient from the ranks' slices (each fused part reassembled)."""
     pieces = [g.split([p // T for p in placement.parts], placement.dim) for g in local]
@@ -121,7 +46,7 @@ def test_lowered_ranks_compute_the_unsplit_graph(graphs, name):
     want_gm = copy.deepcopy(gm)
     want = want_gm(*args)
     sum(o.sum() for o in want if o.is_floating_point()).backward()
-    ranks = _run_ranks(gm, plan, args)
+    ranks, _ = run_lowered(gm, plan, args)
     for outs, _ in ranks:
         for got, ref in zip(outs, want):
             assert (got - ref).abs().max().item() <= 1e-12 * max(ref.abs().max().item(), 1)
