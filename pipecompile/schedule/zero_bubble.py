@@ -68,53 +68,55 @@ def interleaved_zb(num_devices: int, num_microbatches: int, *,
 def _greedy(name: str, placement: tuple[int, ...], m: int, *, caps: list[int]) -> Schedule:
     """Per-device action lists from a unit-time list schedule (see the module docstring)."""
     p, devices = len(placement), max(placement) + 1
-    done: dict[Action, int] = {}  # action -> the time it finishes
+    done: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, micro-batch) -> its finish time
     held = [0] * devices  # chunks with F run and W not yet
     rows: list[list[Action]] = [[] for _ in range(devices)]
-    pending = {(kind, s, i) for kind in (Kind.F, Kind.I, Kind.W) for s in range(p)
-               for i in range(m)}
     stages_of = [[s for s in range(p) if placement[s] == dev] for dev in range(devices)]
-    t = 0
-    while pending:
+    # each device's pending actions of each kind in the order they are preferred: the oldest
+    # micro-batch first, then the later stage (nearer the loss)
+    queues = [{kind: [(s, i) for i in range(m) for s in reversed(stages_of[dev])]
+               for kind in (Kind.F, Kind.I, Kind.W)} for dev in range(devices)]
+    left, t = 3 * p * m, 0
+    while left:
         if t > 4 * p * m + 4 * p:  # every action could run one at a time by then
             raise ScheduleError(f"{name}: the list scheduler made no progress with caps {caps}")
         started = []
         for dev in range(devices):
-            choice = _pick(dev, stages_of[dev], pending, done, t, held, caps, p, m)
+            choice = _pick(queues[dev], done, t, held[dev] < caps[dev], p)
             if choice is not None:
-                started.append(choice)
-        for kind, s, i in started:
-            pending.discard((kind, s, i))
-            done[Action(s, kind, i)] = t + 1
-            dev = placement[s]
+                started.append((dev, choice))
+        for dev, (kind, s, i) in started:
+            done[(kind, s, i)] = t + 1
             held[dev] += {Kind.F: 1, Kind.W: -1}.get(kind, 0)
             rows[dev].append(Action(s, kind, i))
+        left -= len(started)
         t += 1
     for dev in range(devices):
         rows[dev] += [Action(s, Kind.STEP) for s in stages_of[dev]]
     return Schedule(name, p, m, placement, tuple(map(tuple, rows)))
 
 
-def _pick(dev: int, stages: list[int], pending: set, done: dict, t: int, held: list[int],
-          caps: list[int], p: int, m: int) -> tuple[Kind, int, int] | None:
-    """The action device `dev` starts at time t: an I, else an F under the cap, else a W."""
+def _pick(queues: dict[Kind, list[tuple[int, int]]], done: dict[tuple[Kind, int, int], int],
+          t: int, room: bool, p: int) -> tuple[Kind, int, int] | None:
+    """The action a device starts at time t (taken off its queue): an I, else an F if it has
+    `room` under its cap, else a W; of each kind the first ready in the queue's order."""
 
-    def finished(action: Action) -> bool:
-        return done.get(action, t + 1) <= t
+    def finished(kind: Kind, s: int, i: int) -> bool:
+        return done.get((kind, s, i), t + 1) <= t
 
     def ready(kind: Kind, s: int, i: int) -> bool:
         if kind is Kind.F:
-            return s == 0 or finished(Action(s - 1, Kind.F, i))
+            return s == 0 or finished(Kind.F, s - 1, i)
         if kind is Kind.I:
-            return finished(Action(s, Kind.F, i)) and (
-                s == p - 1 or finished(Action(s + 1, Kind.I, i)))
-        return finished(Action(s, Kind.I, i))
+            return finished(Kind.F, s, i) and (s == p - 1 or finished(Kind.I, s + 1, i))
+        return finished(Kind.I, s, i)
 
     for kind in (Kind.I, Kind.F, Kind.W):
-        if kind is Kind.F and held[dev] >= caps[dev]:
+        if kind is Kind.F and not room:
             continue
-        for i in range(m):  # oldest micro-batch first, then the later stage
-            for s in reversed(stages):
-                if (kind, s, i) in pending and ready(kind, s, i):
-                    return kind, s, i
+        queue = queues[kind]
+        for k, (s, i) in enumerate(queue):
+            if ready(kind, s, i):
+                del queue[k]
+                return kind, s, i
     return None
