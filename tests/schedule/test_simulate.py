@@ -12,7 +12,7 @@ from pipecompile.errors import ScheduleError
 from pipecompile.schedule.actions import Action, Kind, Schedule
 from pipecompile.schedule.lowering import strip_communication
 from pipecompile.schedule.schedules import make_schedule
-from pipecompile.schedule.simulate import Event, StageCosts, Timeline, simulate
+from pipecompile.schedule.simulate import Event, StageCosts, Timeline, inflight, simulate
 
 UNIFORM = StageCosts(forward=1.0, backward=2.0)  # I = W = 1
 SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16, 32)]
@@ -74,6 +74,27 @@ def test_peak_inflight(p: int, m: int) -> None:
     zb = run("zb-h1", p, m)
     assert zb.peak_inflight(0) == min(p, m)
     assert max(zb.peak_inflight(s) for s in range(p)) == min(p, m)
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v",
+                             "interleaved-zb"]),
+       p=st.integers(1, 5), m=st.integers(1, 9), v=st.integers(2, 3),
+       costs=st.lists(st.tuples(st.floats(0.1, 5.0), st.floats(0.1, 5.0), st.floats(0.1, 5.0)),
+                      min_size=15, max_size=15))
+def test_inflight_read_from_the_lists_equals_a_simulation_at_any_costs(
+        name: str, p: int, m: int, v: int, costs: list) -> None:
+    """`inflight` reads the peaks from each device's list order (no simulation): the same
+    peaks a simulation at random costs per stage gives."""
+    if name == "interleaved-1f1b" and m % p:
+        m = p * max(1, m // p)
+    kwargs = {"virtual_stages": v} if name.startswith("interleaved") else {}
+    schedule = make_schedule(name, p, m, **kwargs)
+    stage_costs = [StageCosts(forward=f, backward=i + w, backward_input=i, backward_weight=w)
+                   for f, i, w in costs[:schedule.num_stages]]
+    timeline = simulate(schedule, stage_costs)
+    assert inflight(schedule) == tuple(max(1, timeline.peak_inflight(s))
+                                       for s in range(schedule.num_stages))
 
 
 # -- exact timelines ---------------------------------------------------------------------------
