@@ -69,6 +69,10 @@ def dependencies(schedule: Schedule,
         split = Action(stage, Kind.I, mb)
         return split if split in present else Action(stage, Kind.B, mb)
 
+    backwards: dict[int, list[Action]] = {}  # each stage's B and W actions (a STEP's needs)
+    for a in present:
+        if a.kind is Kind.B or a.kind is Kind.W:
+            backwards.setdefault(a.stage, []).append(a)
     deps: dict[Action, tuple[Action, ...]] = {}
     for action in present:
         s, kind, i, peer = action.stage, action.kind, action.microbatch, action.peer
@@ -94,9 +98,7 @@ def dependencies(schedule: Schedule,
             need.append(Action(s, Kind.W, i) if Action(s, Kind.W, i) in present
                         else Action(s, Kind.B, i))
         elif kind is Kind.STEP:
-            need.extend(
-                sorted(a for a in present if a.stage == s and a.kind in (Kind.B, Kind.W))
-            )
+            need.extend(sorted(backwards.get(s, ())))
         deps[action] = tuple(need)
     return deps
 
