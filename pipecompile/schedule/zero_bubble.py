@@ -27,6 +27,8 @@ The bubble fractions `tests/schedule/test_zero_bubble_schedules.py` checks with 
 
 from __future__ import annotations
 
+import heapq
+
 from pipecompile.errors import ScheduleError
 from pipecompile.schedule.actions import Action, Kind, Schedule
 
@@ -66,57 +68,51 @@ def interleaved_zb(num_devices: int, num_microbatches: int, *,
 
 
 def _greedy(name: str, placement: tuple[int, ...], m: int, *, caps: list[int]) -> Schedule:
-    """Per-device action lists from a unit-time list schedule (see the module docstring)."""
+    """Per-device action lists from a unit-time list schedule (see the module docstring).
+
+    Each device keeps its ready actions of each kind in a heap ordered as preferred (the
+    oldest micro-batch, then the later stage); an action becomes ready when the last action it
+    waits for finishes (F on the previous stage's F; I on its F and the next stage's I; W on
+    its I), so each step looks only at what is ready."""
     p, devices = len(placement), max(placement) + 1
-    done: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, micro-batch) -> its finish time
+    stages_of = [[s for s in range(p) if placement[s] == dev] for dev in range(devices)]
     held = [0] * devices  # chunks with F run and W not yet
     rows: list[list[Action]] = [[] for _ in range(devices)]
-    stages_of = [[s for s in range(p) if placement[s] == dev] for dev in range(devices)]
-    # each device's pending actions of each kind in the order they are preferred: the oldest
-    # micro-batch first, then the later stage (nearer the loss)
-    queues = [{kind: [(s, i) for i in range(m) for s in reversed(stages_of[dev])]
-               for kind in (Kind.F, Kind.I, Kind.W)} for dev in range(devices)]
+    ready: list[dict[Kind, list[tuple[int, int]]]] = [
+        {Kind.I: [], Kind.F: [], Kind.W: []} for _ in range(devices)]
+    finished: set[tuple[Kind, int, int]] = set()
+
+    def make_ready(kind: Kind, s: int, i: int) -> None:
+        heapq.heappush(ready[placement[s]][kind], (i, -s))
+
+    for i in range(m):
+        make_ready(Kind.F, 0, i)
     left, t = 3 * p * m, 0
     while left:
         if t > 4 * p * m + 4 * p:  # every action could run one at a time by then
             raise ScheduleError(f"{name}: the list scheduler made no progress with caps {caps}")
         started = []
         for dev in range(devices):
-            choice = _pick(queues[dev], done, t, held[dev] < caps[dev], p)
-            if choice is not None:
-                started.append((dev, choice))
-        for dev, (kind, s, i) in started:
-            done[(kind, s, i)] = t + 1
-            held[dev] += {Kind.F: 1, Kind.W: -1}.get(kind, 0)
-            rows[dev].append(Action(s, kind, i))
+            for kind in (Kind.I, Kind.F, Kind.W):  # an I, else an F under the cap, else a W
+                if ready[dev][kind] and (kind is not Kind.F or held[dev] < caps[dev]):
+                    i, s = heapq.heappop(ready[dev][kind])
+                    started.append((kind, -s, i))
+                    break
+        finished.update(started)  # they finish at t + 1: what waits on them is ready then
+        for kind, s, i in started:
+            held[placement[s]] += {Kind.F: 1, Kind.W: -1}.get(kind, 0)
+            rows[placement[s]].append(Action(s, kind, i))
+            if kind is Kind.F:
+                if s + 1 < p:
+                    make_ready(Kind.F, s + 1, i)
+                if s == p - 1 or (Kind.I, s + 1, i) in finished:
+                    make_ready(Kind.I, s, i)
+            elif kind is Kind.I:
+                make_ready(Kind.W, s, i)
+                if s > 0 and (Kind.F, s - 1, i) in finished:
+                    make_ready(Kind.I, s - 1, i)
         left -= len(started)
         t += 1
     for dev in range(devices):
         rows[dev] += [Action(s, Kind.STEP) for s in stages_of[dev]]
     return Schedule(name, p, m, placement, tuple(map(tuple, rows)))
-
-
-def _pick(queues: dict[Kind, list[tuple[int, int]]], done: dict[tuple[Kind, int, int], int],
-          t: int, room: bool, p: int) -> tuple[Kind, int, int] | None:
-    """The action a device starts at time t (taken off its queue): an I, else an F if it has
-    `room` under its cap, else a W; of each kind the first ready in the queue's order."""
-
-    def finished(kind: Kind, s: int, i: int) -> bool:
-        return done.get((kind, s, i), t + 1) <= t
-
-    def ready(kind: Kind, s: int, i: int) -> bool:
-        if kind is Kind.F:
-            return s == 0 or finished(Kind.F, s - 1, i)
-        if kind is Kind.I:
-            return finished(Kind.F, s, i) and (s == p - 1 or finished(Kind.I, s + 1, i))
-        return finished(Kind.I, s, i)
-
-    for kind in (Kind.I, Kind.F, Kind.W):
-        if kind is Kind.F and not room:
-            continue
-        queue = queues[kind]
-        for k, (s, i) in enumerate(queue):
-            if ready(kind, s, i):
-                del queue[k]
-                return kind, s, i
-    return None
