@@ -220,27 +220,38 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     total = sum(len(space.microbatches) * len(space.virtual_for(n)) for n in space.schedules)
     progress = Progress(log, f"schedule search on {p} devices", total, unit="candidates")
     speed = sum(d.speed for d in devices)
-    for name in space.schedules:
-        for m in space.microbatches:
-            for v in space.virtual_for(name):
-                table = costs_for(m, p * v)
-                progress.advance()
-                if table is None:
-                    continue
-                limit = _limit(above, found)
-                work = m * (sum(table.forward) + sum(table.backward_input)
-                            + sum(table.backward_weight)) / speed
-                if work > limit:  # every device's compute together, spread evenly
-                    skipped.append((work, _skip(name, m, v, work, limit, "its compute alone")))
-                    continue
-                c = _candidate(name, m, v, table, devices, space.checkpoint, schedules,
-                               overhead=overhead, split_ratio=split_ratio, cores=cores,
-                               efficiency=efficiency, collectives=collectives, limit=limit)
-                if isinstance(c, Candidate):
-                    found.append(c)
-                else:  # its timeline's floor is over the limit
-                    skipped.append((c, _skip(name, m, v, c, limit, "its timeline")))
+    enumerated = [(name, m, v) for name in space.schedules for m in space.microbatches
+                  for v in space.virtual_for(name)]
+    tables = {(m, v): costs_for(m, p * v) for _, m, v in enumerated}
+    works = {key: _work(table, key[0]) / speed for key, table in tables.items()
+             if table is not None}
+    # With `above`, the likeliest fastest are costed first, so that they bound the others
+    # sooner; the order changes what is simulated, never the winner (ties are decided by the
+    # enumeration order below).
+    order_of = {key: k for k, key in enumerate(enumerated)}
+    todo = enumerated if above is None else sorted(
+        enumerated, key=lambda c: (_estimate(c, p, works.get(c[1:], math.inf)), order_of[c]))
+    for name, m, v in todo:
+        table = tables[(m, v)]
+        progress.advance()
+        if table is None:
+            continue
+        limit = _limit(above, found)
+        work = works[(m, v)]
+        if work > limit:  # every device's compute together, spread evenly
+            skipped.append((work, _skip(name, m, v, work, limit, "its compute alone")))
+            continue
+        c = _candidate(name, m, v, table, devices, space.checkpoint, schedules,
+                       overhead=overhead, split_ratio=split_ratio, cores=cores,
+                       efficiency=efficiency, collectives=collectives, limit=limit)
+        if isinstance(c, Candidate):
+            found.append(c)
+        else:  # its timeline's floor is over the limit
+            skipped.append((c, _skip(name, m, v, c, limit, "its timeline")))
     progress.done()
+    found.sort(key=lambda c: order_of[(c.schedule, c.microbatches, c.virtual_stages)])
+    skipped.sort(key=lambda fc: order_of[(fc[1].schedule, fc[1].microbatches,
+                                          fc[1].virtual_stages)])
     if skipped and not any(c.fits for c in found):
         floor = min(f for f, _ in skipped)
         raise Outpaced(f"no plan on {p} devices is as fast as {(above or 0.0) * 1e3:.1f} ms: "
@@ -280,6 +291,24 @@ def search(space: Space, devices: Sequence[DeviceSpec],
             f"compute over {p} device threads, of which this machine's cores run {cores} at a "
             f"time at {efficiency:.2f} of their speed; no bubble, no overhead")
     return SearchResult(labelled[0], tuple(labelled), bound, searched, note)
+
+
+def _work(table: BlockTable, m: int) -> float:
+    """Seconds of compute of a step of `m` micro-batches on one device of speed 1."""
+    return m * (sum(table.forward) + sum(table.backward_input) + sum(table.backward_weight))
+
+
+def _estimate(candidate: tuple[str, int, int], p: int, work: float) -> float:
+    """A rough step (not a bound) to order the search by: the compute spread over the `p`
+    devices (`work`) with the bubble of uniform stages (Narayanan et al. 2021: (p-1)/m, interleaved (p-1)/(v m);
+    zero-bubble schedules a third of that, ZB-V and interleaved-zb none)."""
+    name, m, v = candidate
+    bubble = (p - 1) / m
+    if name in ANY_V_SCHEDULES or name in TWO_STAGES_PER_DEVICE:
+        bubble /= v
+    if name.startswith("zb") or name == "interleaved-zb":
+        bubble /= 3
+    return work * (1 + bubble)
 
 
 def _limit(above: float | None, found: Sequence[Candidate]) -> float:
