@@ -29,10 +29,16 @@ from ..ir.devices import DeviceSpec
 __all__ = ["BlockTables", "coarsest", "enough_blocks", "cost_model", "tensor_share"]
 
 
-def coarsest(captured: CapturedModel, granularity: str | None, stages: int) -> LinearGraph:
-    """The coarsest linearization with a block for every stage (or the finest tried)."""
+def coarsest(captured: CapturedModel, granularity: str | None, stages: int,
+             levels: dict[str, LinearGraph] | None = None) -> LinearGraph:
+    """The coarsest linearization with a block for every stage (or the finest tried);
+    `levels` keeps each granularity's linearization of `captured` for the next call (seconds
+    each for an 80-layer model)."""
+    levels = {} if levels is None else levels
     for level in [granularity] if granularity else list(GRANULARITIES):
-        linear = linearize(captured, granularity=level)
+        if level not in levels:
+            levels[level] = linearize(captured, granularity=level)
+        linear = levels[level]
         if linear.num_blocks >= stages:
             break
     return linear
@@ -80,6 +86,7 @@ class BlockTables:
     def __init__(self, plan: Plan, example: Example, calibration: Calibration | None) -> None:
         self.plan, self.example, self.calibration = plan, example, calibration
         self._linears: dict[int, LinearGraph | None] = {}
+        self.levels: dict[str, LinearGraph] = {}  # each granularity's linearization
         self._tables: dict[tuple[str, int], CostTable] = {}
 
     def at(self, stages: int, size: int, microbatches: int
@@ -88,7 +95,7 @@ class BlockTables:
         (`microbatches` of them), or None when no granularity gives `stages` blocks."""
         captured, o = self.plan.ready.captured, self.plan.resolved
         if stages not in self._linears:
-            found = coarsest(captured, self.plan.asked.granularity, stages)
+            found = coarsest(captured, self.plan.asked.granularity, stages, self.levels)
             self._linears[stages] = found if found.num_blocks >= stages else None
         linear = self._linears[stages]
         if linear is None:

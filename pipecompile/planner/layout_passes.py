@@ -17,9 +17,9 @@ from dataclasses import replace
 from .resolved import Choices
 from .block_tables import BlockTables, coarsest, enough_blocks
 from ..errors import ConfigError
-from ..ir.records import CapturedModel
+from ..ir.records import CapturedModel, LinearGraph
 from ..ir.records import Example
-from ..passes.linearize import GRANULARITIES, linearize
+from ..passes.linearize import GRANULARITIES
 from .plan import Plan
 from ..ir.devices import DeviceSpec
 from ..ir.formats import format_bytes, format_stages
@@ -40,10 +40,10 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
     o, devices = plan.asked, plan.resolved.devices  # the search starts from what was asked
     captured = plan.ready.captured
     world = len(devices)
-    finest = linearize(captured, granularity=o.granularity or GRANULARITIES[-1])
+    tables = BlockTables(plan, example, plan.calibration)  # calibrated by the probe
+    finest = coarsest(captured, o.granularity or GRANULARITIES[-1], 0, tables.levels)
     given_p = o.given_schedule.num_devices if o.given_schedule is not None else None
     fixed_d = None if "data_parallel" in o.auto else o.data_parallel
-    tables = BlockTables(plan, example, plan.calibration)  # calibrated by the probe
     degrees = _tensor_degrees(plan, world, tables, example)
     candidates = [lay for lay in layouts(
         world, batch=example.batch, max_pipeline=finest.num_blocks,
@@ -108,7 +108,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
             virtual_stages=None if "virtual_stages" in o.auto else (o.virtual_stages,),
             checkpoint=None if "checkpoint" in o.auto and not layout.fsdp
             else bool(o.checkpoint) and not layout.fsdp,
-            interleave=_interleave(captured, o.granularity, layout.pipeline))
+            interleave=_interleave(captured, o.granularity, layout.pipeline, tables.levels))
         return search_plans(space, specs, lambda m, s: costs_for(layout, m, s),
                             overhead=plan.overhead, split_ratio=plan.split_ratio,
                             efficiency=plan.efficiency, searched=tuple(sorted(o.auto)),
@@ -203,11 +203,12 @@ def _check_state_fits(table: BlockTable | None, layout: Layout,
             f"{format_bytes(limit)}", memory_needed=floor, devices_needed=None)
 
 
-def _interleave(captured: CapturedModel, granularity: str | None, p: int) -> tuple[int, ...]:
+def _interleave(captured: CapturedModel, granularity: str | None, p: int,
+                levels: dict[str, LinearGraph]) -> tuple[int, ...]:
     """The virtual stage counts an interleaved schedule may use on `p` devices: 2 up to one
     block per stage of the coarsest linearization with a block per device (Megatron-LM
     interleaves down to one layer per stage: the bubble (p-1)/(v m + p-1) shrinks with v)."""
-    return tuple(range(2, coarsest(captured, granularity, p).num_blocks // p + 1))
+    return tuple(range(2, coarsest(captured, granularity, p, levels).num_blocks // p + 1))
 
 
 def _enough(choices: tuple[int, ...], stages: int) -> tuple[int, ...]:

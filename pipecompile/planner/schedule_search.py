@@ -70,8 +70,11 @@ ANY_V_SCHEDULES: tuple[str, ...] = ("interleaved-1f1b", "interleaved-zb")
 #: Predicted steps within this fraction of the fastest are ties, decided by peak memory.
 TIE = 1e-3
 
-#: How many relowered schedules (and their dependencies) a search keeps for the next layouts.
-_LOWERED_KEPT = 64
+#: How many actions of relowered schedules (with their dependencies, about 0.3 kB an action)
+#: a search keeps for the next candidates and layouts: the searches of layouts with as many
+#: devices meet the same schedules again, in the same order, so a cache smaller than one
+#: layout's schedules would miss every time.
+_LOWERED_KEPT = 1_000_000
 
 #: How a candidate skipped by its lower bound (`search`'s `above`) begins its reason.
 NOT_SIMULATED = "not simulated"
@@ -237,9 +240,9 @@ def search(space: Space, devices: Sequence[DeviceSpec],
         if table is None:
             continue
         limit = _limit(above, found)
-        work = works[(m, v)]
-        if work > limit:  # every device's compute together, spread evenly
-            skipped.append((work, _skip(name, m, v, work, limit, "its compute alone")))
+        work = max(works[(m, v)], _fill_floor(name, m, v, table, p, devices))
+        if work > limit:  # every device's compute together, spread evenly, and the fill
+            skipped.append((work, _skip(name, m, v, work, limit, "its compute and the pipeline fill")))
             continue
         c = _candidate(name, m, v, table, devices, space.checkpoint, schedules,
                        overhead=overhead, split_ratio=split_ratio, cores=cores,
@@ -296,6 +299,24 @@ def search(space: Space, devices: Sequence[DeviceSpec],
 def _work(table: BlockTable, m: int) -> float:
     """Seconds of compute of a step of `m` micro-batches on one device of speed 1."""
     return m * (sum(table.forward) + sum(table.backward_input) + sum(table.backward_weight))
+
+
+def _fill_floor(name: str, m: int, v: int, table: BlockTable, p: int,
+                devices: Sequence[DeviceSpec]) -> float:
+    """A lower bound of the step of a schedule whose backwards are whole and which places one
+    stage per device (gpipe, 1f1b; 0 for the others), before placing it.
+
+    Device d cannot start before micro-batch 0's forward passed the stages before it, and
+    after its last backward that micro-batch's backward still runs through them, so with c_s
+    a stage's F + B per micro-batch, step >= m c_d + sum_{s<d} c_s for every d. Over every
+    split of the compute C into c_0..c_{p-1}, the least max is where all p terms are equal:
+    C / (1 - (1 - 1/m)^p) (m C for p = 1, C for m = 1; (m + p - 1) C / p is the uniform
+    stages' step). Messages, overheads and recomputation only add to it."""
+    if v != 1 or name not in ("gpipe", "1f1b"):
+        return 0.0
+    c = (sum(table.forward) + sum(table.backward_input) + sum(table.backward_weight)) / max(
+        d.speed for d in devices)
+    return c / (1 - (1 - 1 / m) ** p)
 
 
 def _estimate(candidate: tuple[str, int, int], p: int, work: float) -> float:
@@ -371,7 +392,7 @@ class _Schedules:
             if links is not None:
                 schedule = relower(schedule, links)
             low[key] = schedule, dependencies(schedule, links)
-            if len(low) > _LOWERED_KEPT:
+            while sum(len(deps) for _, deps in low.values()) > _LOWERED_KEPT and len(low) > 1:
                 low.popitem(last=False)
         return low[key]
 
