@@ -361,7 +361,7 @@ class _Schedules:
         self._written = written
         # the last relowered schedules, shared like the schedules (in `memo`, under a key no
         # schedule has): the searches of layouts with as many devices meet the same ones
-        self._low: OrderedDict[tuple, tuple[Schedule, dict]] = self._made.setdefault(
+        self._low: OrderedDict[tuple, list] = self._made.setdefault(
             ("lowered",), OrderedDict())  # type: ignore[arg-type, assignment]
 
     def get(self, name: str, p: int, m: int, v: int) -> tuple[Schedule, tuple[int, ...]]:
@@ -377,10 +377,12 @@ class _Schedules:
         return self._made[key]
 
     def lowered(self, name: str, p: int, m: int, v: int, links: Dataflow | None
-                ) -> tuple[Schedule, dict]:
-        """The schedule relowered with `links`' messages and its dependencies: both depend
-        on which stages link (with or without a gradient), not on the values' names or
-        bytes, so candidates whose cuts link the same stages share them."""
+                ) -> tuple[Schedule, Callable[[], dict]]:
+        """The schedule relowered with `links`' messages, and a function giving its
+        dependencies (computed on the first call: a candidate whose floor is over the step to
+        beat is not simulated and never needs them). Both depend on which stages link (with
+        or without a gradient), not on the values' names or bytes, so candidates whose cuts
+        link the same stages share them."""
         shape = None if links is None else tuple((k.src, k.dst, bool(k.grads))
                                                    for k in links.links)
         key = (name, p, m, v, shape)
@@ -391,11 +393,18 @@ class _Schedules:
             schedule = self.get(name, p, m, v)[0]
             if links is not None:
                 schedule = relower(schedule, links)
-            low[key] = schedule, dependencies(schedule, links)
-            while sum(len(deps) for _, deps in low.values()) > _LOWERED_KEPT and len(low) > 1:
+            low[key] = [schedule, None]
+            while (sum(sum(map(len, s.actions)) for s, _ in low.values()) > _LOWERED_KEPT
+                   and len(low) > 1):
                 low.popitem(last=False)
-        return low[key]
+        entry = low[key]
 
+        def deps() -> dict:
+            if entry[1] is None:
+                entry[1] = dependencies(entry[0], links)
+            return entry[1]
+
+        return entry[0], deps
 
 def _problem(schedule: Schedule, peaks: tuple[int, ...], table: BlockTable,
              specs: tuple[DeviceSpec, ...], checkpoint: bool | None,
@@ -452,7 +461,7 @@ def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[Devi
             return floor
     timeline = simulate(lowered, costs, cores=cores, efficiency=efficiency, overhead=overhead,
                         transfers=message_costs(table, placement.bounds, specs), validated=True,
-                        deps=deps, messages=False)
+                        deps=deps(), messages=False)
     return Candidate(name, m, v, recompute, placement.bounds, timeline.makespan, tuple(memory))
 
 
