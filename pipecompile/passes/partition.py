@@ -172,29 +172,45 @@ def _stage(problem: PartitionProblem, j: int, a: int, b: int) -> tuple[float, fl
 _Cost = Callable[[int, int, int], float]
 
 
-def _chain_dp(n: int, p: int, cost: _Cost, floor: _Cost, *, additive: bool
-              ) -> tuple[float, tuple[int, ...] | None]:
+def _chain_dp(n: int, p: int, cost: _Cost, floor: _Cost, *, additive: bool,
+              squared_under: float | None = None) -> tuple[float, tuple[int, ...] | None]:
     """Minimise max (or, if additive, the sum) of cost over p contiguous non-empty stages.
 
     best_j[b] = min over a of combine(best_{j-1}[a], cost(j, a, b)). `floor(j, a, b)` must be a
     lower bound of cost that never decreases as a decreases (e.g. the compute part of a time),
     so the scan over a can stop once floor reaches the best value found: no earlier cut can win.
-    Returns (optimum, bounds), or (inf, None) when every placement costs inf.
+    With `squared_under`, each cost and floor c counts as c^2 where c <= squared_under, else
+    inf (`_min_max_then_even`'s second pass). Returns (optimum, bounds), or (inf, None) when
+    every placement costs inf.
     """
+    square = squared_under is not None
+    under = squared_under if squared_under is not None else math.inf
+
+    def first(b: int) -> float:
+        c = cost(0, 0, b)
+        return (c * c if c <= under else math.inf) if square else c
+
     prev = [math.inf] * (n + 1)
     for b in range(1, n - p + 2):
-        prev[b] = cost(0, 0, b)
+        prev[b] = first(b)
     parents: list[list[int]] = []
     for j in range(1, p):
         cur, arg = [math.inf] * (n + 1), [0] * (n + 1)
         for b in range(n if j == p - 1 else j + 1, n - p + j + 2):
             best, best_a = math.inf, -1
             for a in range(b - 1, j - 1, -1):  # later cuts first: floor grows as a decreases
-                if floor(j, a, b) >= best:
+                low = floor(j, a, b)
+                if low > under:  # squared: inf, which is >= any best
+                    break
+                if square:
+                    low *= low
+                if low >= best:
                     break
                 if prev[a] == math.inf:
                     continue
                 c = cost(j, a, b)
+                if square:
+                    c = c * c if c <= under else math.inf
                 value = prev[a] + c if additive else max(prev[a], c)
                 if value < best:
                     best, best_a = value, a
@@ -214,12 +230,7 @@ def _min_max_then_even(n: int, p: int, cost: _Cost, floor: _Cost) -> tuple[int, 
     best, _ = _chain_dp(n, p, cost, floor, additive=False)
     if best == math.inf:
         return None
-    limit = best * (1 + _REL_TOL)
-
-    def squared(f: _Cost) -> _Cost:
-        return lambda j, a, b: c * c if (c := f(j, a, b)) <= limit else math.inf
-
-    return _chain_dp(n, p, squared(cost), squared(floor), additive=True)[1]
+    return _chain_dp(n, p, cost, floor, additive=True, squared_under=best * (1 + _REL_TOL))[1]
 
 
 def _time_costs(problem: PartitionProblem) -> tuple[_Cost, _Cost]:
