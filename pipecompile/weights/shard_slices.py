@@ -5,6 +5,7 @@ torch.distributed.checkpoint as the pieces it is made of.
                                                    holds, as contiguous runs in local order
     read_slices(path, runs)      -> {key: local}  only those rows/columns of each tensor
     as_pieces(tensor)            a DTensor whose DCP chunks are its runs (a fused projection)
+    pieces_after_optimizer_steps()  the same for an optimizer's state of such a parameter
 
 A tensor split along dim d (`Shard(d)`) holds one run of d: rank r of T holds rows
 [r N/T, (r+1) N/T). A fused projection (GPT-2's `c_attn`: q, k and v in one weight,
@@ -36,7 +37,8 @@ from typing import Any, Mapping, cast
 
 import torch
 
-__all__ = ["Runs", "runs_of", "read_slices", "as_pieces", "slice_bytes"]
+__all__ = ["Runs", "runs_of", "read_slices", "as_pieces", "slice_bytes",
+           "pieces_after_optimizer_steps"]
 
 
 @dataclass(frozen=True)
@@ -227,3 +229,30 @@ def as_pieces(tensor: torch.Tensor) -> torch.Tensor:
     tensor.__dict__["__create_write_items__"] = create_write_items
     tensor.__dict__["__get_tensor_shard__"] = get_tensor_shard
     return tensor
+
+
+_HOOKED = False
+
+
+def pieces_after_optimizer_steps() -> None:
+    """After every optimizer step (torch's global step hook, registered once per process),
+    show each state tensor of a fused projection (AdamW's moments: DTensors placed as their
+    parameter) to DCP as its pieces, so `get_state_dict(pipe, opt)` saves and loads with
+    `dcp.save`/`dcp.load`. A tensor already shown is skipped; any other is left alone."""
+    global _HOOKED
+    if _HOOKED:
+        return
+    from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def show(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for param, values in optimizer.state.items():
+            if not isinstance(param, DTensor) or len(param.placements) != 1 or type(
+                    param.placements[0]).__name__ != "_StridedShard":
+                continue
+            for value in values.values():
+                if isinstance(value, DTensor) and "__create_chunk_list__" not in value.__dict__:
+                    as_pieces(value)
+
+    register_optimizer_step_post_hook(show)
+    _HOOKED = True

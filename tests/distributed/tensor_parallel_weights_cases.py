@@ -106,7 +106,8 @@ def _load(pipe, path: str) -> dict:
 def run_weights(rank: int, names: list[str], paths: dict, out: str) -> dict:
     """For each model: built on meta, compiled with tensor_parallel = world size; init_weights
     (the model's own `_init_weights`); load_weights from each checkpoint of `paths[name]`; one
-    step; DCP save of `pipe.state_dict()` into `out`, zeroed, DCP loaded back."""
+    step; DCP save of `pipe.state_dict()` into `out`, zeroed, DCP loaded back; an AdamW
+    step and `get_state_dict(pipe, opt)` through DCP and back."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -137,5 +138,31 @@ def run_weights(rank: int, names: list[str], paths: dict, out: str) -> dict:
         dcp.load(loaded, checkpoint_id=saved)
         found["dcp_round_trip"] = state(pipe)
         found["from_own_dcp"] = _load(pipe, saved)
+        found["optim"] = _optimizer_round_trip(pipe, os.path.join(out, f"{name}-optim"))
         results[name] = found
     return results
+
+
+def _optimizer_round_trip(pipe, path: str) -> dict:
+    """One AdamW step, then model and optimizer (`get_state_dict`) saved with DCP, every
+    tensor of both zeroed, loaded back: the largest difference, and which moments are
+    DTensors of a fused projection."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    opt.step()
+    model_sd, optim_sd = get_state_dict(pipe, opt)
+    tree = {"model": model_sd, "optim": optim_sd}
+    values = [*model_sd.values(), *(v for s in optim_sd["state"].values() for v in s.values())]
+    before = [_full(v).clone() for v in values]
+    fused = sorted(k for k, s in optim_sd["state"].items() if isinstance(s["exp_avg"], DTensor)
+                   and "Strided" in str(s["exp_avg"].placements))
+    dcp.save(tree, checkpoint_id=path)
+    with torch.no_grad():
+        for v in values:
+            _local(v).zero_()
+    dcp.load(tree, checkpoint_id=path)
+    worst = max((_full(v) - b).abs().max().item() for v, b in zip(values, before))
+    return {"worst": worst, "fused": fused, "count": len(values)}
