@@ -22,6 +22,7 @@ import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .weights.load import load_weights as load_checkpoint
@@ -34,6 +35,7 @@ from .planner.options import require_present
 from .ir.records import StagedProgram
 from .planner.plan import Plan
 from .runtime.assemble import Runtime
+from .weights.shard_slices import as_pieces, pieces_after_optimizer_steps, runs_of
 from .weights.unwritten import Unwritten, refuse
 
 __all__ = ["mirror_model", "adopt", "own_state", "check_runnable", "check_written", "load_state", "to_empty",
@@ -68,6 +70,22 @@ def adopt(pipe: torch.nn.Module, plan: Plan, runtime: Runtime, model: torch.nn.M
     mirror(pipe, ((n, t, n in persistent) for n, t in owned if t is not None))
     if model is not None:
         copy_state_dict_hooks(pipe, model)
+    if any(isinstance(t, DTensor) for _, t in owned) and not pipe.__dict__.get("_dcp_pieces"):
+        pipe.__dict__["_dcp_pieces"] = True  # once: a lazy pipeline adopts every plan
+        pipe.register_state_dict_post_hook(_dcp_pieces)
+        if any(len(runs.runs) > 1 for _, t in owned
+               if t is not None and (runs := runs_of(t)) is not None):
+            pieces_after_optimizer_steps()  # a fused projection's moments: DCP pieces too
+
+
+def _dcp_pieces(module: torch.nn.Module, state: dict[str, Any], prefix: str,
+                local_metadata: Any) -> None:
+    """A fused projection's DTensor (`_StridedShard`) in `state_dict()` shown to
+    torch.distributed.checkpoint as its pieces (weights/shard_slices.py `as_pieces`), so DCP
+    saves and loads it; the value stays the DTensor."""
+    for value in state.values():
+        if isinstance(value, DTensor):
+            as_pieces(value)
 
 
 def own_state(pipe: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

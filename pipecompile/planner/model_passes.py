@@ -216,13 +216,6 @@ def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
         return None
     program = plan.ready.program
     own = o.ranks.own_stages(plan.ready.schedule)
-    if any(p.is_meta for s in own for p in program.stages[s].module.parameters()):
-        from ..errors import ConfigError
-
-        raise ConfigError(
-            f"tensor_parallel={o.tensor_parallel} with a model on the meta device is not built "
-            f"yet (each rank would load its slice of every weight); build the model with its "
-            f"weights, or use tensor_parallel=1")
     tied = frozenset(n for tie in program.ties for n in tie.names)
     needs_grad = gradient_values(program)
     plans = {s: choose(program.stages[s].module, o.tensor_parallel, exclude=tied,

@@ -8,6 +8,10 @@ is made by a recipe (hf_keys.py): the checkpoint's tensor of that key, or, for a
 transformers model, what its model type's conversion makes from the saved keys (a Mixtral's
 fused experts from the N per-expert tensors). Only the recipes of this process's keys are read,
 and only their source tensors (read.py opens only the files holding them), a few at a time.
+A tensor this rank holds a slice of (a DTensor under tensor_parallel=T, `Shard` or a fused
+projection's `_StridedShard`) read from a plain key is read as that slice only
+(shard_slices.py: safetensors `get_slice`, DCP chunks); one made by a conversion is read whole
+and cut (`copy_into`).
 
     checkpoint --keys--> recipes --this process's keys--> read sources --convert--> copy in
 
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, cast
 
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
@@ -31,6 +35,7 @@ from ..errors import CheckpointError
 from .hf_keys import Recipe, convert, recipes
 from .materialize import copy_into
 from .read import checkpoint_keys, read_tensors
+from .shard_slices import Runs, read_slices, runs_of, slice_bytes
 
 __all__ = ["load_weights"]
 
@@ -71,12 +76,39 @@ def load_weights(module: torch.nn.Module, own: Mapping[str, torch.Tensor],
             f"{_unused_hint(plan.unexpected)}; pass strict=False to load what it holds (the "
             f"rest must then be written, e.g. by pipe.load_state_dict, before a step runs)")
     if all(own.get(k) is t for k, t in wanted.items()):
-        for key, made in _made(path, feeds, stored, wanted, model):
+        sliced = {k: r for k, (recipe, _) in feeds.items() if recipe.converter is None
+                  and (r := runs_of(wanted[k])) is not None}
+        for key, local in _sliced(path, feeds, sliced, stored):
+            with torch.no_grad():
+                cast(Any, wanted[key]).to_local().copy_(local)
+        rest = {k: f for k, f in feeds.items() if k not in sliced}
+        for key, made in _made(path, rest, stored, wanted, model):
             with torch.no_grad():
                 copy_into(own[key], made)
     else:  # keys renamed by the model's hooks: its load_state_dict hooks put them back
         module.load_state_dict(dict(_made(path, feeds, stored, wanted, model)), strict=False)
     return _IncompatibleKeys(missing, list(plan.unexpected))
+
+
+def _sliced(path: str | os.PathLike, feeds: Mapping[str, tuple[Recipe, str]],
+            sliced: Mapping[str, Runs],
+            stored: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+            ) -> Iterable[tuple[str, torch.Tensor]]:
+    """(key, this rank's slice) for every sharded key (shard_slices.py: only its runs are
+    read), at most `_CHUNK_BYTES` of slices at a time."""
+    batch: dict[str, Runs] = {}
+    size = 0
+    todo = list(sliced.items())
+    for i, (key, runs) in enumerate(todo):
+        source = feeds[key][0].sources[0]
+        batch[key] = runs
+        size += slice_bytes(runs, *stored[source])
+        if size < _CHUNK_BYTES and i < len(todo) - 1:
+            continue
+        read = read_slices(path, {feeds[k][0].sources[0]: r for k, r in batch.items()})
+        for done in batch:
+            yield done, read[feeds[done][0].sources[0]]
+        batch, size = {}, 0
 
 
 def _made(path: str | os.PathLike, feeds: Mapping[str, tuple[Recipe, str]],

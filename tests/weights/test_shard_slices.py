@@ -1,0 +1,68 @@
+"""weights/shard_slices.py in one process: which runs a rank of a DTensor holds (a fake
+2-rank process group: this process is rank 1), and reading only those runs out of a
+safetensors file and a DCP checkpoint. The real 2-rank job (meta models, load_weights, DCP
+save of a fused projection) is tests/distributed/test_tensor_parallel_weights.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from pipecompile.weights.shard_slices import Runs, read_slices, runs_of, slice_bytes
+
+W = torch.arange(4 * 6, dtype=torch.float64).reshape(4, 6)
+
+
+@pytest.fixture
+def rank1_of_2():
+    """A fake process group (no communication): this process is rank 1 of 2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_runs_follow_the_placement(rank1_of_2):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = rank1_of_2
+
+    def of(placement, local):
+        return runs_of(DTensor.from_local(local, mesh, [placement], run_check=False,
+                                          shape=W.shape, stride=W.stride()))
+
+    assert of(Shard(0), W[2:]) == Runs(0, ((2, 4),))
+    assert of(Shard(1), W[:, 3:]) == Runs(1, ((3, 6),))
+    # q, k, v of two columns each: rank 1 holds the second column of each
+    assert of(_StridedShard(1, split_factor=3), W[:, [1, 3, 5]]) == Runs(1, ((1, 2), (3, 4),
+                                                                             (5, 6)))
+    assert of(Replicate(), W) is None
+    assert runs_of(W) is None
+
+
+def test_a_slice_is_read_run_by_run(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file({"w": W, "b": W[0].clone()}, str(path))
+    runs = Runs(1, ((1, 2), (3, 4), (5, 6)))
+    got = read_slices(str(path), {"w": runs, "missing": runs})
+    assert set(got) == {"w"}
+    assert torch.equal(got["w"], W[:, [1, 3, 5]])
+    assert slice_bytes(runs, (4, 6), torch.float64) == 4 * 3 * 8
+    assert torch.equal(read_slices(str(path), {"w": Runs(0, ((2, 4),))})["w"], W[2:])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dcp_slice_is_read_as_chunks(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": W}, checkpoint_id=str(tmp_path), no_dist=True)
+    got = read_slices(str(tmp_path), {"w": Runs(1, ((0, 1), (2, 3), (4, 5)))})
+    assert torch.equal(got["w"], W[:, [0, 2, 4]])
