@@ -41,7 +41,7 @@ def test_a_t_that_does_not_divide_the_ranks_names_both(monkeypatch):
 
 
 @pytest.mark.parametrize("options, what", [
-    (dict(data_parallel=2, fsdp=True), "fsdp=True"),
+    (dict(compile_stages=True), "compile_stages=True"),
     (dict(checkpoint=True), "checkpoint=True"),
 ])
 def test_combinations_not_built_yet_are_refused(monkeypatch, options, what):

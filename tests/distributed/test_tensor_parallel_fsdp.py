@@ -1,0 +1,146 @@
+"""Tensor parallelism with FSDP (tensor_parallel=T, data_parallel=D, fsdp=True) on gloo in
+float64: FSDP2 shards the tensor-parallel DTensors over "dp" of one (dp, pp, tp) mesh; one
+step's loss and gradients equal the unsplit model's on the global batch, each rank holds
+1/(T D) of every split weight and 1/D of the rest, and the parameters stay DTensors whose
+full_tensor() is the unsplit value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.ranks import run_ranks
+from tests.distributed.tensor_parallel_cases import MODELS
+from tests.distributed.tensor_parallel_fsdp_cases import run_cases
+from tests.support.reference import reference_step
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+SP = (("sequence_parallel", True),)
+# (model, pipeline devices P, schedule[, options]): D = 2 replicas, T = world / (P D)
+TP2_FSDP2 = [("gpt", 1, "1f1b"), ("llama", 1, "gpipe"), ("gpt2", 1, "1f1b"), ("gpt", 1, "gpipe", SP)]
+PP2_TP2_FSDP2 = [("gpt", 2, "1f1b"), ("llama", 2, "interleaved-1f1b")]
+
+
+def _id(case: tuple) -> str:
+    return "-".join(map(str, case[:3])) + "-sp" * (case[3:] == (SP,))
+
+
+def _reference(name: str, microbatches: int) -> dict:
+    """The unsplit model on the global batch in `microbatches`: loss, gradients, weights,
+    gradient norm; then one AdamW step, its state and the next loss."""
+    model, args, kwargs, target, loss_fn = MODELS[name]()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss, grads = reference_step(model, args, kwargs, target, loss_fn, microbatches)
+    grads = {n: g.clone() for n, g in grads.items()}
+    norm = torch.sqrt(sum((g * g).sum() for g in grads.values())).item()
+    opt.step()
+    stepped = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    loss2, _ = reference_step(model, args, kwargs, target, loss_fn, microbatches)
+    return dict(loss=loss.item(), grads=grads, params=params, norm=norm, loss2=loss2.item(),
+                stepped=stepped)
+
+
+def _ranks(world: int, cases: list[tuple]) -> list[dict]:
+    results = run_ranks(run_cases, world, cases, 2, timeout=900)
+    for rank, r in enumerate(results):
+        assert "error" not in r and "died" not in r, (rank, r.get("trace", r))
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp2_fsdp2() -> list[dict]:
+    return _ranks(4, TP2_FSDP2)  # one 4-rank job: 2 replicas x 2 tensor-parallel ranks
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2_fsdp2() -> list[dict]:
+    return _ranks(8, PP2_TP2_FSDP2)  # one 8-rank job
+
+
+def _check(results: list[dict], case: tuple) -> None:
+    want = _reference(case[0], 4)  # 2 replicas x 2 micro-batches
+    T = len(results) // (case[1] * 2)
+    worst_loss = 0.0
+    for rank, r in enumerate(results):
+        got = r[case]
+        assert got["layout"] == (case[1], 2, T, True)
+        assert got["dtensor"]
+        worst_loss = max(worst_loss, abs(got["loss"] - want["loss"]))
+        assert abs(got["loss"] - want["loss"]) <= 1e-10, (rank, got["loss"], want["loss"])
+        assert abs(got["norm"] - want["norm"]) <= 1e-9 * want["norm"], (rank, got["norm"])
+        assert abs(got["loss2"] - want["loss2"]) <= 1e-9, (rank, got["loss2"])  # after AdamW
+        assert abs(got["eval"] - want["loss2"]) <= 1e-9, (rank, got["eval"])
+        for name, value in got["values"].items():  # full_tensor() is the unsplit weight
+            assert torch.equal(value, want["params"][name]), (rank, name)
+        for name, value in got["state"].items():  # state_dict() after the step
+            stepped = want["stepped"][name]
+            err = (value - stepped).abs().max().item()
+            assert err <= 1e-10 * max(stepped.abs().max().item(), 1.0), (rank, name, err)
+    seen, worst = set(), 0.0
+    for r in results:
+        for name, g in r[case]["grads"].items():
+            ref = want["grads"][name]
+            err = (g - ref).abs().max().item() / max(ref.abs().max().item(), 1e-300)
+            assert err <= 1e-9, (case, name, err)
+            seen.add(name)
+            worst = max(worst, err)
+    assert seen == set(want["grads"]), set(want["grads"]) - seen
+    print(f"{case} x FSDP2: loss {worst_loss:.1e}, gradients {worst:.1e} relative")  # -s
+
+
+def _held(results: list[dict], case: tuple, T: int) -> dict[str, tuple]:
+    """name -> (local elements x T x D == whole: split over tp and dp, placements) on rank 0."""
+    sizes = results[0][case]["sizes"]
+    return {n: (local * T * 2 == whole, local * 2 == whole, placements)
+            for n, (local, whole, placements) in sizes.items()}
+
+
+@pytest.mark.parametrize("case", TP2_FSDP2, ids=_id)
+def test_tp2_fsdp2_step_equals_the_unsplit_model(tp2_fsdp2, case):
+    _check(tp2_fsdp2, case)
+
+
+@pytest.mark.parametrize("case", PP2_TP2_FSDP2, ids=_id)
+def test_pp2_tp2_fsdp2_on_eight_ranks_equals_the_unsplit_model(pp2_tp2_fsdp2, case):
+    _check(pp2_tp2_fsdp2, case)
+
+
+def test_each_rank_holds_a_quarter_of_every_split_weight_and_half_of_the_rest(tp2_fsdp2):
+    """GPT, TP2 x FSDP2: attention and MLP weights split over "tp" and sharded over "dp"
+    (a quarter each); embeddings, norms, the rows' biases and the fused qkv's bias (FSDP could
+    shard it only along its fused dim, no DTensor layout) whole over "tp", half over "dp";
+    the fused qkv weight sharded over "dp" along its other dim; every parameter a DTensor
+    over the (dp, tp) mesh."""
+    held = _held(tp2_fsdp2, ("gpt", 1, "1f1b"), 2)
+    split = {n for n, (quarter, _, _) in held.items() if quarter}
+    assert split == {f"layers.{i}.{m}" for i in range(2) for m in (
+        "attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.fc.bias",
+        "mlp.proj.weight")}
+    assert all(half for n, (_, half, _) in held.items() if n not in split)
+    for name, (quarter, _, (mesh, placements)) in held.items():
+        assert mesh == ("dp", "tp"), name
+        assert (placements[1] != "R") == quarter, (name, placements)
+    assert held["layers.0.attn.proj.weight"][2][1] == ("S(0)", "S(1)")  # the row: input dim
+    assert held["layers.0.attn.qkv.weight"][2][1] == ("S(1)", "_S(0, 3)")  # q, k, v parts
+    assert held["layers.0.attn.qkv.bias"][2][1] == ("S(0)", "R")
+
+
+def test_gpt2_fused_conv1d_is_split_by_parts_and_sharded_along_its_rows(tp2_fsdp2):
+    held = _held(tp2_fsdp2, ("gpt2", 1, "1f1b"), 2)
+    assert held["transformer.h.0.attn.c_attn.weight"][0]
+    assert held["transformer.h.0.attn.c_attn.weight"][2][1] == ("S(0)", "_S(1, 3)")
+
+
+def test_gqa_attention_is_split_by_heads_and_sharded(tp2_fsdp2):
+    held = _held(tp2_fsdp2, ("llama", 1, "gpipe"), 2)
+    for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        assert held[f"model.layers.0.{m}.weight"][0], m
+
+
+def test_explain_names_both_shardings(tp2_fsdp2):
+    text = tp2_fsdp2[0][("gpt", 1, "1f1b")]["explain"]
+    assert "0 of 2 tensor-parallel ranks" in text
+    assert "fully_shard-ed over 2 data-parallel ranks (mesh dp x pp x tp = 2 x 1 x 2)" in text
