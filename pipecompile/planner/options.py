@@ -303,8 +303,7 @@ def _check_tensor_parallel(options: CompileOptions) -> None:
     if options.tensor_parallel == 1:
         return
     refused = {f"schedule={options.schedule!r}": options.asynchronous,
-               "compile_stages=True": options.compile_stages,
-               "checkpoint=True": options.checkpoint is not False}
+               "compile_stages=True": options.compile_stages}
     sp = ", sequence_parallel=True" if options.sequence_parallel else ""
     for what, given in refused.items():
         if given:

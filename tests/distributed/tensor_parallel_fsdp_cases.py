@@ -1,6 +1,7 @@
 """Functions run on every rank by tests/distributed/test_tensor_parallel_fsdp.py: tensor
-parallelism with FSDP (fsdp=True: FSDP2 over "dp" of the (dp, pp, tp) mesh) on gloo in
-float64, against the unsplit model on the global batch."""
+parallelism with FSDP (fsdp=True: FSDP2 over "dp" of the (dp, pp, tp) mesh) and with
+recomputation (checkpoint=True) on gloo in float64, against the unsplit model on the global
+batch."""
 
 from __future__ import annotations
 
@@ -23,28 +24,27 @@ def _placements(tensor: torch.Tensor) -> tuple:
     return tuple(mesh.mesh_dim_names), tuple(str(p) for p in tensor.placements)  # type: ignore
 
 
-def run_cases(rank: int, cases: list[tuple], replicas: int) -> dict:
-    """Each case (model, pipeline devices P, schedule[, options: (key, value) pairs]) on P x D x T ranks (D =
-    `replicas`, each taking its 1/D of the global batch), fsdp=True: one step's loss and
-    full gradients, each parameter's local and whole size and placements, the clipped norm,
-    the user's AdamW step, the next step's loss, eval_step after it, and state_dict()'s
-    values (full_tensor())."""
+def run_cases(rank: int, cases: list[tuple]) -> dict:
+    """Each case (model, pipeline devices P, schedule, options: (key, value) pairs given to
+    compile, e.g. data_parallel=D, fsdp=True, checkpoint=True) on P x D x T ranks (each
+    replica taking its 1/D of the global batch): one step's loss and full gradients, each
+    parameter's local and whole size and placements, the clipped norm, the user's AdamW step,
+    the next step's loss, eval_step after it, and state_dict()'s values (full_tensor())."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     results = {}
     for case in cases:
-        name, P, schedule = case[:3]
-        options = dict(case[3]) if len(case) > 3 else {}
+        name, P, schedule, options = case[0], case[1], case[2], dict(case[3])
+        replicas = options.get("data_parallel", 1)
         T = dist.get_world_size() // (P * replicas)
         model, args, kwargs, target, loss_fn = MODELS[name]()
         replica = rank // (P * T)
         args = tuple(a.chunk(replicas)[replica] for a in args)
         target = target.chunk(replicas)[replica]
         pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=P,
-                          data_parallel=replicas, tensor_parallel=T, fsdp=True,
-                          loss_fn=loss_fn, schedule=schedule, microbatches=2, timeout=300,
-                          **options)
+                          tensor_parallel=T, loss_fn=loss_fn, schedule=schedule,
+                          microbatches=2, timeout=300, **options)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
         loss = pipe.step(*args, target=target, **kwargs)
         grads = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()
@@ -64,6 +64,7 @@ def run_cases(rank: int, cases: list[tuple], replicas: int) -> dict:
             "explain": pipe.explain(),
             "layout": (pipe.layout.pipeline, pipe.layout.data_parallel,
                        pipe.layout.tensor_parallel, pipe.layout.fsdp),
+            "recomputed": sorted(pipe.runtime.spec.checkpoint),
             "dtensor": all(isinstance(p, DTensor) for p in pipe.parameters())}
         dist.barrier()
     return results

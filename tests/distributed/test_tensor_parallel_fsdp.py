@@ -1,8 +1,9 @@
-"""Tensor parallelism with FSDP (tensor_parallel=T, data_parallel=D, fsdp=True) on gloo in
-float64: FSDP2 shards the tensor-parallel DTensors over "dp" of one (dp, pp, tp) mesh; one
-step's loss and gradients equal the unsplit model's on the global batch, each rank holds
-1/(T D) of every split weight and 1/D of the rest, and the parameters stay DTensors whose
-full_tensor() is the unsplit value."""
+"""Tensor parallelism with FSDP (tensor_parallel=T, data_parallel=D, fsdp=True) and with
+recomputation (checkpoint=True) on gloo in float64. FSDP2 shards the tensor-parallel DTensors
+over "dp" of one (dp, pp, tp) mesh; a recomputed stage runs its forward's collectives again
+in backward. One step's loss and gradients equal the unsplit model's on the global batch,
+each rank holds 1/(T D) of every split weight and 1/D of the rest under FSDP, and the
+parameters stay DTensors whose full_tensor() is the unsplit value."""
 
 from __future__ import annotations
 
@@ -16,14 +17,21 @@ from tests.support.reference import reference_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
+FSDP2 = (("data_parallel", 2), ("fsdp", True))
 SP = (("sequence_parallel", True),)
-# (model, pipeline devices P, schedule[, options]): D = 2 replicas, T = world / (P D)
-TP2_FSDP2 = [("gpt", 1, "1f1b"), ("llama", 1, "gpipe"), ("gpt2", 1, "1f1b"), ("gpt", 1, "gpipe", SP)]
-PP2_TP2_FSDP2 = [("gpt", 2, "1f1b"), ("llama", 2, "interleaved-1f1b")]
+RECOMPUTE = (("checkpoint", True),)
+# (model, pipeline devices P, schedule, options): T = world / (P D)
+TP2_FSDP2 = [("gpt", 1, "1f1b", FSDP2), ("llama", 1, "gpipe", FSDP2), ("gpt2", 1, "1f1b", FSDP2),
+             ("gpt", 1, "gpipe", FSDP2 + SP)]
+PP2_TP2_RECOMPUTE = [("gpt", 2, "1f1b", RECOMPUTE), ("llama", 2, "gpipe", RECOMPUTE + SP)]
+DP2_TP2_RECOMPUTE = [("llama", 1, "1f1b", (("data_parallel", 2),) + RECOMPUTE)]
+PP2_TP2_FSDP2 = [("gpt", 2, "1f1b", FSDP2), ("llama", 2, "interleaved-1f1b", FSDP2)]
 
 
 def _id(case: tuple) -> str:
-    return "-".join(map(str, case[:3])) + "-sp" * (case[3:] == (SP,))
+    names = {"fsdp": "fsdp2", "sequence_parallel": "sp", "checkpoint": "recompute"}
+    return "-".join(map(str, case[:3])) + "".join(f"-{names[k]}" for k, _ in case[3]
+                                                 if k in names)
 
 
 def _reference(name: str, microbatches: int) -> dict:
@@ -43,15 +51,16 @@ def _reference(name: str, microbatches: int) -> dict:
 
 
 def _ranks(world: int, cases: list[tuple]) -> list[dict]:
-    results = run_ranks(run_cases, world, cases, 2, timeout=900)
+    results = run_ranks(run_cases, world, cases, timeout=900)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r.get("trace", r))
     return results
 
 
 @pytest.fixture(scope="module")
-def tp2_fsdp2() -> list[dict]:
-    return _ranks(4, TP2_FSDP2)  # one 4-rank job: 2 replicas x 2 tensor-parallel ranks
+def four_ranks() -> list[dict]:
+    """One 4-rank job: TP2 x FSDP2, PP2 x TP2 and DP2 x TP2 with recomputation."""
+    return _ranks(4, TP2_FSDP2 + PP2_TP2_RECOMPUTE + DP2_TP2_RECOMPUTE)
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +69,16 @@ def pp2_tp2_fsdp2() -> list[dict]:
 
 
 def _check(results: list[dict], case: tuple) -> None:
-    want = _reference(case[0], 4)  # 2 replicas x 2 micro-batches
-    T = len(results) // (case[1] * 2)
+    options = dict(case[3])
+    D = options.get("data_parallel", 1)
+    want = _reference(case[0], 2 * D)  # D replicas x 2 micro-batches
+    T = len(results) // (case[1] * D)
     worst_loss = 0.0
     for rank, r in enumerate(results):
         got = r[case]
-        assert got["layout"] == (case[1], 2, T, True)
+        assert got["layout"] == (case[1], D, T, options.get("fsdp", False))
+        recomputes = options.get("checkpoint", False)
+        assert got["recomputed"] == (list(range(case[1])) if recomputes else []), got["recomputed"]
         assert got["dtensor"]
         worst_loss = max(worst_loss, abs(got["loss"] - want["loss"]))
         assert abs(got["loss"] - want["loss"]) <= 1e-10, (rank, got["loss"], want["loss"])
@@ -87,7 +100,7 @@ def _check(results: list[dict], case: tuple) -> None:
             seen.add(name)
             worst = max(worst, err)
     assert seen == set(want["grads"]), set(want["grads"]) - seen
-    print(f"{case} x FSDP2: loss {worst_loss:.1e}, gradients {worst:.1e} relative")  # -s
+    print(f"{_id(case)}: loss {worst_loss:.1e}, gradients {worst:.1e} relative")  # -s
 
 
 def _held(results: list[dict], case: tuple, T: int) -> dict[str, tuple]:
@@ -98,8 +111,8 @@ def _held(results: list[dict], case: tuple, T: int) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("case", TP2_FSDP2, ids=_id)
-def test_tp2_fsdp2_step_equals_the_unsplit_model(tp2_fsdp2, case):
-    _check(tp2_fsdp2, case)
+def test_tp2_fsdp2_step_equals_the_unsplit_model(four_ranks, case):
+    _check(four_ranks, case)
 
 
 @pytest.mark.parametrize("case", PP2_TP2_FSDP2, ids=_id)
@@ -107,13 +120,20 @@ def test_pp2_tp2_fsdp2_on_eight_ranks_equals_the_unsplit_model(pp2_tp2_fsdp2, ca
     _check(pp2_tp2_fsdp2, case)
 
 
-def test_each_rank_holds_a_quarter_of_every_split_weight_and_half_of_the_rest(tp2_fsdp2):
+@pytest.mark.parametrize("case", PP2_TP2_RECOMPUTE + DP2_TP2_RECOMPUTE, ids=_id)
+def test_tp2_with_recomputation_equals_the_unsplit_model(four_ranks, case):
+    """checkpoint=True: every stage recomputes its forward (its collectives too) in
+    backward."""
+    _check(four_ranks, case)
+
+
+def test_each_rank_holds_a_quarter_of_every_split_weight_and_half_of_the_rest(four_ranks):
     """GPT, TP2 x FSDP2: attention and MLP weights split over "tp" and sharded over "dp"
     (a quarter each); embeddings, norms, the rows' biases and the fused qkv's bias (FSDP could
     shard it only along its fused dim, no DTensor layout) whole over "tp", half over "dp";
     the fused qkv weight sharded over "dp" along its other dim; every parameter a DTensor
     over the (dp, tp) mesh."""
-    held = _held(tp2_fsdp2, ("gpt", 1, "1f1b"), 2)
+    held = _held(four_ranks, TP2_FSDP2[0], 2)
     split = {n for n, (quarter, _, _) in held.items() if quarter}
     assert split == {f"layers.{i}.{m}" for i in range(2) for m in (
         "attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.fc.bias",
@@ -127,20 +147,20 @@ def test_each_rank_holds_a_quarter_of_every_split_weight_and_half_of_the_rest(tp
     assert held["layers.0.attn.qkv.bias"][2][1] == ("S(0)", "R")
 
 
-def test_gpt2_fused_conv1d_is_split_by_parts_and_sharded_along_its_rows(tp2_fsdp2):
-    held = _held(tp2_fsdp2, ("gpt2", 1, "1f1b"), 2)
+def test_gpt2_fused_conv1d_is_split_by_parts_and_sharded_along_its_rows(four_ranks):
+    held = _held(four_ranks, TP2_FSDP2[2], 2)
     assert held["transformer.h.0.attn.c_attn.weight"][0]
     assert held["transformer.h.0.attn.c_attn.weight"][2][1] == ("S(0)", "_S(1, 3)")
 
 
-def test_gqa_attention_is_split_by_heads_and_sharded(tp2_fsdp2):
-    held = _held(tp2_fsdp2, ("llama", 1, "gpipe"), 2)
+def test_gqa_attention_is_split_by_heads_and_sharded(four_ranks):
+    held = _held(four_ranks, TP2_FSDP2[1], 2)
     for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
         assert held[f"model.layers.0.{m}.weight"][0], m
 
 
-def test_explain_names_both_shardings(tp2_fsdp2):
-    text = tp2_fsdp2[0][("gpt", 1, "1f1b")]["explain"]
+def test_explain_names_both_shardings(four_ranks):
+    text = four_ranks[0][TP2_FSDP2[0]]["explain"]
     assert "0 of 2 tensor-parallel ranks" in text
     assert "fully_shard-ed over 2 data-parallel ranks (mesh dp x pp x tp = 2 x 1 x 2)" in text
