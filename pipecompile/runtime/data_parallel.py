@@ -61,16 +61,17 @@ def data_parallel_mesh(topology: "Topology", device: torch.device, mesh: Any = N
 
     D, P, T = topology.data_parallel, topology.pipeline_size, topology.tensor_parallel
     shape, names = ((D, P), ("dp", "pp")) if T == 1 else ((D, P, T), ("dp", "pp", "tp"))
-    what = ", ".join(f"'{n}' ({k})" for n, k in zip(names, (
-        f"the {D} replicas", f"the {P} pipeline positions", f"the {T} tensor-parallel ranks")))
+    each = [f"one named '{n}' ({k})" for n, k in zip(names, (
+        f"the {D} replicas", f"the {P} pipeline positions", f"the {T} tensor-parallel ranks"))]
+    what = ", ".join(each[:-1]) + " and " + each[-1]
     build = f"init_device_mesh('{device.type}', {shape}, mesh_dim_names={names})"
     if mesh is None:
         return init_device_mesh(device.type, shape, mesh_dim_names=names)
     given = tuple(mesh.mesh_dim_names or ())
     if not set(names) <= set(given):
         raise ConfigError(
-            f"mesh= has dimensions {given or 'without names'}; it needs one named each of "
-            f"{what}, e.g. {build}")
+            f"mesh= has dimensions {given or 'without names'}; it needs {what}, e.g. "
+            f"{build}")
     grid = (mesh.mesh.permute(*(given.index(n) for n in names))
             if mesh.ndim == len(names) else None)
     want = torch.arange(D * P * T).reshape(shape)
