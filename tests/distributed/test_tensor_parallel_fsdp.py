@@ -164,3 +164,11 @@ def test_explain_names_both_shardings(four_ranks):
     text = four_ranks[0][TP2_FSDP2[0]]["explain"]
     assert "0 of 2 tensor-parallel ranks" in text
     assert "fully_shard-ed over 2 data-parallel ranks (mesh dp x pp x tp = 2 x 1 x 2)" in text
+    assert _row(text, "tensor_parallel").endswith("  2")  # the given T, resolved
+    sp = four_ranks[0][TP2_FSDP2[3]]["explain"]
+    assert _row(sp, "tensor_parallel").endswith("  2 + sequence parallel")
+
+
+def _row(explain: str, option: str) -> str:
+    """The row of `option` in explain()'s table of asked and resolved options."""
+    return next(line for line in explain.splitlines() if line.startswith(option + " "))
