@@ -72,7 +72,8 @@ def _tensor(plan: Plan) -> str:
     """The tensor-parallel degree the plan resolved (1: none), and "+ sequence parallel" when
     its groups also split the tokens."""
     chosen = plan.choices.layout if plan.choices is not None else None
-    if chosen is None:
-        return "1"
-    return str(chosen.tensor_parallel) + (" + sequence parallel" if chosen.sequence_parallel
-                                          else "")
+    if chosen is None:  # a given layout (under torchrun): the resolved options say it
+        T, sp = plan.resolved.tensor_parallel, plan.resolved.sequence_parallel
+    else:
+        T, sp = chosen.tensor_parallel, chosen.sequence_parallel
+    return str(T) + (" + sequence parallel" if sp else "")

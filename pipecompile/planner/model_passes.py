@@ -13,7 +13,8 @@
     shard     fsdp=True: this rank's stages fully_shard-ed over "dp"      (updates program)
     tensor    tensor_parallel=T: each of this rank's stages split over its T ranks
               (passes/tensor_shard.py chooses and lowers, runtime/tensor_parallel.py
-              holds the DTensor parameters)                              (updates program)
+              holds the DTensor parameters); with fsdp=True then fully_shard-ed over
+              "dp" of the same (dp, pp, tp) mesh                          (updates program)
 
 Each is `run(plan, example) -> (plan, summary) | None`; the order and contracts are the recipe's
 (planner/recipe.py). The mechanisms are those of capture/, passes/, measure/ and runtime/; the
@@ -187,9 +188,11 @@ def split_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
 
 
 def shard_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
-    """fsdp=True: this rank's stages fully_shard-ed over its data-parallel group."""
+    """fsdp=True: this rank's stages fully_shard-ed over its data-parallel group (with
+    tensor_parallel=T the "tensor" pass shards them, after lowering: FSDP2 over the TP
+    DTensors)."""
     o = plan.resolved
-    if not o.fsdp or o.ranks.topology is None:
+    if not o.fsdp or o.ranks.topology is None or o.tensor_parallel > 1:
         return None
     topology = o.ranks.topology
     own = o.ranks.own_stages(plan.ready.schedule)
@@ -207,7 +210,8 @@ def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     per column/row pair; with sequence_parallel=True a reduce-scatter and an all-gather, the
     tokens between them split), parameters DTensors over the "tp" mesh dimension."""
     from ..passes.tensor_shard import choose, lower
-    from ..runtime.tensor_parallel import shard_stage_tensors, tensor_parallel_mesh
+    from ..runtime.tensor_parallel import (fsdp_placement, shard_stage_tensors,
+                                           tensor_parallel_mesh)
     from ..schedule.messages import gradient_values
 
     o = plan.resolved
@@ -222,10 +226,21 @@ def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
                        constant_inputs=frozenset(n for n in program.stages[s].inputs
                                                  if n not in needs_grad))
              for s in own}
-    mesh = tensor_parallel_mesh(topology, local_device())
+    # fsdp=True: one (dp, pp, tp) mesh, FSDP2 shards the "tp" DTensors over its "dp" (as
+    # torchtitan's 2-D parallelism: both dimensions must share their root mesh)
+    root = data_parallel_mesh(topology, local_device(), plan.asked.mesh) if o.fsdp else None
+    mesh = root["tp"] if root is not None else tensor_parallel_mesh(topology, local_device())
+    replicas = topology.data_parallel if o.fsdp else 1
     program = shard_stage_tensors(program, own, plans, mesh, lower,
-                                  sequence=o.sequence_parallel)
+                                  sequence=o.sequence_parallel, replicas=replicas)
     notes = "; ".join(f"stage {s}: {p.summary()}" for s, p in plans.items())
+    if root is not None:
+        program = shard_stages(program, own, root, fsdp_placement(replicas))
+        local = sum(local_tensor(p).numel() for s in own
+                    for p in program.stages[s].module.parameters())
+        notes += (f"; fully_shard-ed over {topology.data_parallel} data-parallel ranks (mesh "
+                  f"dp x pp x tp = {topology.data_parallel} x {topology.pipeline_size} x "
+                  f"{o.tensor_parallel}): {local:,} parameter elements held here")
     if o.sequence_parallel:
         notes += ("; sequence parallel: the tokens between each row and the next column split "
                   f"over the {o.tensor_parallel} ranks (reduce-scatter / all-gather), pipeline "

@@ -297,14 +297,13 @@ def _check_async(options: CompileOptions) -> None:
 
 def _check_tensor_parallel(options: CompileOptions) -> None:
     """tensor_parallel=T > 1: built for pipeline x data x tensor parallelism with synchronous
-    schedules (with or without sequence parallelism); what it is not yet built with is
+    schedules (with or without sequence parallelism), the replicas replicated or sharded
+    (fsdp=True: FSDP2 over "dp" of the (dp, pp, tp) mesh); what it is not yet built with is
     refused, saying so."""
     if options.tensor_parallel == 1:
         return
-    refused = {"fsdp=True": options.fsdp,
-               f"schedule={options.schedule!r}": options.asynchronous,
-               "compile_stages=True": options.compile_stages,
-               "checkpoint=True": options.checkpoint is not False}
+    refused = {f"schedule={options.schedule!r}": options.asynchronous,
+               "compile_stages=True": options.compile_stages}
     sp = ", sequence_parallel=True" if options.sequence_parallel else ""
     for what, given in refused.items():
         if given:

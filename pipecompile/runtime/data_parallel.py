@@ -54,25 +54,33 @@ __all__ = ["data_parallel_mesh", "shard_stages", "MicrobatchSync", "ReplicaSync"
 
 
 def data_parallel_mesh(topology: "Topology", device: torch.device, mesh: Any = None) -> Any:
-    """The ("dp", "pp") mesh of `topology`: `mesh` checked against it, or a new one."""
+    """The ("dp", "pp") mesh of `topology` (with tensor parallelism the ("dp", "pp", "tp")
+    mesh: FSDP shards over "dp" the DTensors of "tp", one root mesh for both): `mesh` checked
+    against it, or a new one."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    D, P = topology.data_parallel, topology.pipeline_size
+    D, P, T = topology.data_parallel, topology.pipeline_size, topology.tensor_parallel
+    shape, names = ((D, P), ("dp", "pp")) if T == 1 else ((D, P, T), ("dp", "pp", "tp"))
+    each = [f"one named '{n}' ({k})" for n, k in zip(names, (
+        f"the {D} replicas", f"the {P} pipeline positions", f"the {T} tensor-parallel ranks"))]
+    what = ", ".join(each[:-1]) + " and " + each[-1]
+    build = f"init_device_mesh('{device.type}', {shape}, mesh_dim_names={names})"
     if mesh is None:
-        return init_device_mesh(device.type, (D, P), mesh_dim_names=("dp", "pp"))
-    names = tuple(mesh.mesh_dim_names or ())
-    if not {"dp", "pp"} <= set(names):
+        return init_device_mesh(device.type, shape, mesh_dim_names=names)
+    given = tuple(mesh.mesh_dim_names or ())
+    if not set(names) <= set(given):
         raise ConfigError(
-            f"mesh= has dimensions {names or 'without names'}; it needs one named 'dp' (the "
-            f"{D} replicas) and one named 'pp' (the {P} pipeline positions), e.g. "
-            f"init_device_mesh('{device.type}', ({D}, {P}), mesh_dim_names=('dp', 'pp'))")
-    grid = mesh.mesh.permute(names.index("dp"), names.index("pp")) if mesh.ndim == 2 else None
-    want = [[d * P + p for p in range(P)] for d in range(D)]
-    if grid is None or grid.tolist() != want:
+            f"mesh= has dimensions {given or 'without names'}; it needs {what}, e.g. "
+            f"{build}")
+    grid = (mesh.mesh.permute(*(given.index(n) for n in names))
+            if mesh.ndim == len(names) else None)
+    want = torch.arange(D * P * T).reshape(shape)
+    if grid is None or not torch.equal(grid, want):
+        rule = (f"replica * {P} + position" if T == 1
+                else f"(replica * {P} + position) * {T} + index")
         raise ConfigError(
-            f"mesh= places the ranks as {mesh.mesh.tolist()} over {names}; pipecompile puts "
-            f"rank = replica * {P} + position, i.e. ('dp', 'pp') = {want}: build it with "
-            f"init_device_mesh('{device.type}', ({D}, {P}), mesh_dim_names=('dp', 'pp'))")
+            f"mesh= places the ranks as {mesh.mesh.tolist()} over {given}; pipecompile puts "
+            f"rank = {rule}, i.e. {names} = {want.tolist()}: build it with {build}")
     return mesh
 
 
@@ -92,9 +100,11 @@ def replica_microbatches(args: tuple, kwargs: Mapping[str, Any], target: Any, *,
     return split_microbatches(mine.args, mine.kwargs, mine.target, microbatches)
 
 
-def shard_stages(program: "StagedProgram", own: Sequence[int], mesh: Any) -> "StagedProgram":
-    """`fully_shard` every stage in `own` over `mesh["dp"]`; the program with its tensor table
-    pointing at the sharded parameters (DTensors) of those stages."""
+def shard_stages(program: "StagedProgram", own: Sequence[int], mesh: Any,
+                 placement: Any = None) -> "StagedProgram":
+    """`fully_shard` every stage in `own` over `mesh["dp"]` (`placement`: FSDP2's
+    `shard_placement_fn`, None: dim 0); the program with its tensor table pointing at the
+    sharded parameters (DTensors) of those stages."""
     from torch.distributed.fsdp import fully_shard
 
     dp = mesh["dp"]
@@ -104,7 +114,8 @@ def shard_stages(program: "StagedProgram", own: Sequence[int], mesh: Any) -> "St
             continue
         # where the stage holds each parameter (a tied one: under the name this stage reads)
         path = {id(p): n for n, p in stage.module.named_parameters(remove_duplicate=False)}
-        fully_shard(stage.module, mesh=dp, reshard_after_forward=False)
+        fully_shard(stage.module, mesh=dp, reshard_after_forward=False,
+                    shard_placement_fn=placement)
         for copies in tensors.values():
             for i, (s, tensor) in enumerate(copies):
                 if s == stage.index and id(tensor) in path:

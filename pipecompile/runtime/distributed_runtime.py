@@ -90,12 +90,12 @@ class DistributedRuntime(Runtime):
 
     def counted_parameters(self) -> list[torch.Tensor]:
         """Tensor parallelism: a split parameter's shard counts on every rank of its group, a
-        whole (replicated) one on the group's first rank only."""
+        whole (replicated over "tp") one on the group's first rank only (with FSDP its "dp"
+        shard: each replica holds another part)."""
         counted = super().counted_parameters()
         if self.topology.tensor_parallel == 1 or self.topology.tp_index == 0:
             return counted
-        return [p for p in counted if not all(
-            pl.is_replicate() for pl in getattr(p, "placements", ()))]
+        return [p for p in counted if not _replicated_over_tp(p)]
 
     def forward(self, args: tuple, kwargs: dict) -> Any:
         """Forward only across the ranks of this replica; every rank gets the outputs."""
@@ -111,3 +111,15 @@ class DistributedRuntime(Runtime):
             broadcast_outputs(ran.outputs.get(0), self.program, self._sizes(mb),
                               self.topology, self.sync.replica_group, self.schedule,
                               self.wiring.devices, same_dtypes=not autocast))
+
+
+def _replicated_over_tp(tensor: torch.Tensor) -> bool:
+    """Whether a parameter is whole on every rank of its tensor-parallel group: a DTensor
+    `Replicate()` on its "tp" mesh dimension (a 1-D "tp" mesh, or FSDP's (dp, tp))."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return True
+    names = tensor.device_mesh.mesh_dim_names or ()  # type: ignore[attr-defined]
+    if "tp" in names:
+        return placements[names.index("tp")].is_replicate()
+    return all(p.is_replicate() for p in placements)

@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from ..ir.records import StagedProgram
     from .distributed import Topology
 
-__all__ = ["tensor_parallel_mesh", "collectives", "sequence_collectives", "shard_stage_tensors", "placement_of",
-           "local_slice", "to_local"]
+__all__ = ["tensor_parallel_mesh", "collectives", "sequence_collectives", "shard_stage_tensors",
+           "placement_of", "local_slice", "to_local", "fsdp_dim", "fsdp_placement", "part_reader"]
 
 # the graph pass that lowers a stage for its plan (passes/tensor_shard.lower), handed in by
 # the planner: runtime/ imports no pass
@@ -163,13 +163,93 @@ def placement_of(placement: "Placement | None") -> Any:
     return Shard(placement.dim)
 
 
+def fsdp_dim(shape: Sequence[int], placement: "Placement | None", replicas: int) -> int | None:
+    """The dim FSDP shards a tensor-parallel parameter along over `replicas` "dp" ranks: 0,
+    but for a fused projection's weight (a `_StridedShard` over "tp") another dim that
+    `replicas` divides (FSDP's contiguous chunks of [q_r; k_r; v_r] along the split dim are
+    no DTensor layout: `full_tensor()` would be wrong); None when it has none (a fused bias):
+    it stays whole over "tp" (`shard_stage_tensors`)."""
+    if placement is None or len(placement.parts) == 1:
+        return 0
+    return next((d for d, n in enumerate(shape) if d != placement.dim and n % replicas == 0),
+                None)
+
+
+def fsdp_placement(replicas: int) -> Callable[[torch.nn.Parameter], Any]:
+    """FSDP2's `shard_placement_fn` for the DTensor parameters of `shard_stage_tensors`:
+    `Shard(fsdp_dim)` of each (module docstring)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def shard(param: torch.nn.Parameter) -> Any:
+        tp = getattr(param, "placements", (None,))[0]
+        if not isinstance(tp, _StridedShard):
+            return Shard(0)
+        fused = _fused(tp.dim, int(tp.split_factor))
+        return Shard(fsdp_dim(param.shape, fused, replicas) or 0)
+
+    return shard
+
+
+def _fused(dim: int, parts: int) -> "Placement":
+    from ..ir.shard_plan import Placement
+
+    return Placement(dim, (1,) * parts, "column")
+
+
+def part_reader(placement: "Placement", group: Any, degree: int, rank: int
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rank `rank`'s slice of a parameter held whole (`local_slice`), autograd-aware: the
+    gradient of the whole is this rank's slice's gradient in place, zeros elsewhere, summed
+    over the group (exact: one nonzero term per element)."""
+
+    class _Part(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, whole: torch.Tensor) -> torch.Tensor:
+            ctx.shape = whole.shape
+            return local_slice(whole, placement, degree, rank)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            whole = grad.new_zeros(ctx.shape)
+            pieces = whole.split(list(placement.parts), dim=placement.dim)
+            mine = [p.chunk(degree, dim=placement.dim)[rank] for p in pieces]
+            for target, value in zip(mine, grad.split([m.shape[placement.dim] for m in mine],
+                                                      dim=placement.dim)):
+                target.copy_(value)
+            dist.all_reduce(whole, group=group)
+            return whole
+
+    def part(whole: torch.Tensor) -> torch.Tensor:
+        return _Part.apply(whole)
+
+    return part
+
+
+def _read_parts(module: torch.fx.GraphModule, readers: Mapping[str, Callable]) -> None:
+    """Each read of a parameter named in `readers` (`to_local(get_attr)`) goes through its
+    reader: the graph gets this rank's part of a parameter held whole."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is to_local and \
+                node.args[0].op == "get_attr" and node.args[0].target in readers:
+            with graph.inserting_after(node):
+                part = graph.call_function(readers[node.args[0].target], (node,))
+            part.meta = dict(node.meta)
+            node.replace_all_uses_with(part, delete_user_cb=lambda user: user is not part)
+    module.recompile()
+
+
 def shard_stage_tensors(program: "StagedProgram", own: Sequence[int],
                         plans: "Mapping[int, ShardPlan]", mesh: Any, lower: Lower, *,
-                        sequence: bool = False) -> "StagedProgram":
+                        sequence: bool = False, replicas: int = 1) -> "StagedProgram":
     """`program` with each stage of `own` lowered for its plan (by `lower`) and its
     parameters DTensors over `mesh` (1-D, "tp"): this rank's slice of each split one, the
     whole of the rest. `sequence`: with sequence parallelism (the tokens between a row and
-    the next column split over the T ranks too)."""
+    the next column split over the T ranks too). `replicas`: FSDP's D (fsdp=True, the
+    stages fully_shard-ed after this); a fused parameter FSDP could only shard along its
+    split dim (`fsdp_dim` None) stays whole over "tp", the graph reading its part
+    (`part_reader`)."""
     from torch.distributed.tensor import DTensor
 
     T, rank = mesh.size(), mesh.get_local_rank()
@@ -180,9 +260,14 @@ def shard_stage_tensors(program: "StagedProgram", own: Sequence[int],
     for index in own:
         stage, plan = program.stages[index], plans[index]
         module = lower(stage.module, plan, copy=copy, reduce=reduce, local=to_local, **extra)
+        readers: dict[str, Callable] = {}
         for name, param in list(module.named_parameters(remove_duplicate=False)):
+            placement = plan.params.get(name)
+            if replicas > 1 and placement is not None and \
+                    fsdp_dim(param.shape, placement, replicas) is None:
+                readers[name] = part_reader(placement, mesh.get_group(), T, rank)
+                placement = None  # whole over "tp"
             if id(param) not in swapped:
-                placement = plan.params.get(name)
                 value = param.detach()
                 local = value if placement is None else local_slice(value, placement, T, rank)
                 swapped[id(param)] = torch.nn.Parameter(DTensor.from_local(
@@ -191,6 +276,8 @@ def shard_stage_tensors(program: "StagedProgram", own: Sequence[int],
                     requires_grad=param.requires_grad)
             owner, _, attr = name.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, attr, swapped[id(param)])
+        if readers:
+            _read_parts(module, readers)
         stages[index] = replace(stage, module=module)
     tensors = {name: tuple((s, swapped.get(id(t), t)) for s, t in copies)
                for name, copies in program.tensors.items()}

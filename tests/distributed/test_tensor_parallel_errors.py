@@ -41,8 +41,9 @@ def test_a_t_that_does_not_divide_the_ranks_names_both(monkeypatch):
 
 
 @pytest.mark.parametrize("options, what", [
-    (dict(data_parallel=2, fsdp=True), "fsdp=True"),
-    (dict(checkpoint=True), "checkpoint=True"),
+    (dict(compile_stages=True), "compile_stages=True"),
+    (dict(schedule="pipedream", optimizer=lambda p: torch.optim.SGD(p, lr=0.1)),
+     "schedule='pipedream'"),
 ])
 def test_combinations_not_built_yet_are_refused(monkeypatch, options, what):
     _torchrun(monkeypatch, 4 * options.get("data_parallel", 1))

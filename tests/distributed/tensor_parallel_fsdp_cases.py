@@ -1,0 +1,70 @@
+"""Functions run on every rank by tests/distributed/test_tensor_parallel_fsdp.py: tensor
+parallelism with FSDP (fsdp=True: FSDP2 over "dp" of the (dp, pp, tp) mesh) and with
+recomputation (checkpoint=True) on gloo in float64, against the unsplit model on the global
+batch."""
+
+from __future__ import annotations
+
+import torch
+
+import pipecompile as pc
+from pipecompile.ir.tensors import local_tensor
+from tests.distributed.tensor_parallel_cases import MODELS
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _placements(tensor: torch.Tensor) -> tuple:
+    """(mesh dimension names, placements) of a DTensor parameter, as strings."""
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    return tuple(mesh.mesh_dim_names), tuple(str(p) for p in tensor.placements)  # type: ignore
+
+
+def run_cases(rank: int, cases: list[tuple]) -> dict:
+    """Each case (model, pipeline devices P, schedule, options: (key, value) pairs given to
+    compile, e.g. data_parallel=D, fsdp=True, checkpoint=True) on P x D x T ranks (each
+    replica taking its 1/D of the global batch): one step's loss and full gradients, each
+    parameter's local and whole size and placements, the clipped norm, the user's AdamW step,
+    the next step's loss, eval_step after it, and state_dict()'s values (full_tensor())."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    results = {}
+    for case in cases:
+        name, P, schedule, options = case[0], case[1], case[2], dict(case[3])
+        replicas = options.get("data_parallel", 1)
+        T = dist.get_world_size() // (P * replicas)
+        model, args, kwargs, target, loss_fn = MODELS[name]()
+        replica = rank // (P * T)
+        args = tuple(a.chunk(replicas)[replica] for a in args)
+        target = target.chunk(replicas)[replica]
+        pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=P,
+                          tensor_parallel=T, loss_fn=loss_fn, schedule=schedule,
+                          microbatches=2, timeout=300, **options)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        loss = pipe.step(*args, target=target, **kwargs)
+        grads = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()
+                 if p.grad is not None}
+        sizes = {n: (local_tensor(p).numel(), p.numel(), _placements(p))
+                 for n, p in pipe.named_parameters()}
+        values = {n: _full(p).detach().clone() for n, p in pipe.named_parameters()}
+        norm = pipe.clip_grad_norm_(1e9).item()
+        opt.step()
+        opt.zero_grad()
+        loss2 = pipe.step(*args, target=target, **kwargs)
+        evaluated = pipe.eval_step(*args, target=target, **kwargs).item()
+        state = {k: _full(v).detach().clone() for k, v in pipe.state_dict().items()}
+        results[tuple(case)] = {
+            "loss": loss.item(), "grads": grads, "sizes": sizes, "values": values,
+            "norm": norm, "loss2": loss2.item(), "eval": evaluated, "state": state,
+            "explain": pipe.explain(),
+            "layout": (pipe.layout.pipeline, pipe.layout.data_parallel,
+                       pipe.layout.tensor_parallel, pipe.layout.fsdp),
+            "recomputed": sorted(pipe.runtime.spec.checkpoint),
+            "dtensor": all(isinstance(p, DTensor) for p in pipe.parameters())}
+        dist.barrier()
+    return results
