@@ -1,4 +1,6 @@
-"""The `pipecompile` command, run as `python -m pipecompile` in a subprocess."""
+"""The `pipecompile` command: `python -m pipecompile` in a subprocess (its entry point, exit
+status and streams), and the same `main()` in-process where a test compiles (no interpreter and
+torch import per test)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,21 @@ def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
                           text=True, cwd=cwd or ROOT, timeout=900)
 
 
-def test_inspect_json_with_code_and_drawing(tmp_path):
-    done = _run("inspect", f"{FACTORIES}:keyword_tuple", "--devices", "3", "--microbatches", "2",
-                "--code", "--runtime", "--draw", str(tmp_path / "partition.svg"), "--json")
+def _main(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+          *args: str) -> subprocess.CompletedProcess:
+    """main(args) run from the repository's root as the console script runs it: its status,
+    stdout and stderr as `_run` returns them."""
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["pipecompile", *args], status, out, err)
+
+
+def test_inspect_json_with_code_and_drawing(tmp_path, capsys, monkeypatch):
+    done = _main(capsys, monkeypatch, "inspect", f"{FACTORIES}:keyword_tuple", "--devices", "3",
+                 "--microbatches", "2", "--code", "--runtime", "--draw",
+                 str(tmp_path / "partition.svg"), "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)  # stdout is only the JSON object
     assert [s["index"] for s in result["stages"]] == [0, 1, 2]
@@ -47,9 +61,9 @@ def test_inspect_json_with_code_and_drawing(tmp_path):
 
 
 @pytest.mark.slow
-def test_inspect_gpt2_text():
-    done = _run("inspect", "examples/factories.py:gpt2", "--devices", "4", "--schedule", "gpipe",
-                "--microbatches", "4")
+def test_inspect_gpt2_text(capsys, monkeypatch):
+    done = _main(capsys, monkeypatch, "inspect", "examples/factories.py:gpt2", "--devices", "4",
+                 "--schedule", "gpipe", "--microbatches", "4")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert out.startswith("Pipeline: 4 stages, schedule gpipe, 4 micro-batches")
@@ -79,9 +93,10 @@ def test_plan_prints_the_schedule_and_draws_the_prediction(tmp_path, capsys):
     assert result["schedule"]["name"] == chosen["schedule"] and len(result["peak_inflight"]) == 2
 
 
-def test_export_onnx_and_save_then_use_both(tmp_path):
-    done = _run("export", f"{FACTORIES}:keyword_tuple", "--devices", "2", "--microbatches", "2",
-                "--onnx", str(tmp_path / "onnx"), "--save", str(tmp_path / "saved"), "--json")
+def test_export_onnx_and_save_then_use_both(tmp_path, capsys, monkeypatch):
+    done = _main(capsys, monkeypatch, "export", f"{FACTORIES}:keyword_tuple", "--devices", "2",
+                 "--microbatches", "2", "--onnx", str(tmp_path / "onnx"),
+                 "--save", str(tmp_path / "saved"), "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result == {"onnx": str(tmp_path / "onnx" / "manifest.json"),

@@ -3,8 +3,9 @@
 The ranks are forked from a forkserver that imported torch, pipecompile and the test models
 once per test process (`_PRELOAD`), so a job starts in well under a second instead of paying
 those imports again in every rank (seconds each, and more on a loaded machine). The server
-only imports: it runs no model and fills no cache, so what a rank computes does not depend on
-the jobs before it. Each rank gets the caller's environment and working directory and torch's
+runs no model: besides imports it only measures this machine's rates once, as a rank would
+(tests/distributed/warm_server.py; about 1 s of CPU and 3 s of waiting saved in every rank),
+so what a rank computes does not depend on the jobs before it. Each rank gets the caller's environment and working directory and torch's
 fresh-process random state, as a spawned process would.
 """
 
@@ -30,7 +31,8 @@ def free_port() -> int:
 
 # imported once by the forkserver; an import that fails there is retried in the rank
 _PRELOAD = ["torch", "torch.distributed", "pipecompile", "tests.distributed.ranks", "tests.support.models",
-            "transformers", "transformers.models.gpt2.modeling_gpt2"]
+            "transformers", "transformers.models.gpt2.modeling_gpt2",
+            "tests.distributed.warm_server"]
 
 
 def _context():
