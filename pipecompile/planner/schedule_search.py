@@ -32,7 +32,7 @@ from ..schedule.lowering import add_communication
 from ..schedule.schedules import SCHEDULES, TWO_STAGES_PER_DEVICE, make_schedule
 from ..schedule.lowering import relower
 from ..schedule.simulate import inflight, simulate
-from ..schedule.bounds import makespan_floor
+from ..schedule.bounds import fill_floor, makespan_floor
 from ..schedule.messages import Dataflow
 from ..schedule.validate import dependencies
 from .device_share import device_memory, fit_devices
@@ -240,7 +240,8 @@ def search(space: Space, devices: Sequence[DeviceSpec],
         if table is None:
             continue
         limit = _limit(above, found)
-        work = max(works[(m, v)], _fill_floor(name, m, v, table, p, devices))
+        fill = _work(table, 1) / max(d.speed for d in devices)  # a micro-batch on one device
+        work = max(works[(m, v)], fill_floor(name, p, m, v, fill))
         if work > limit:  # every device's compute together, spread evenly, and the fill
             skipped.append((work, _skip(name, m, v, work, limit, "its compute and the pipeline fill")))
             continue
@@ -299,24 +300,6 @@ def search(space: Space, devices: Sequence[DeviceSpec],
 def _work(table: BlockTable, m: int) -> float:
     """Seconds of compute of a step of `m` micro-batches on one device of speed 1."""
     return m * (sum(table.forward) + sum(table.backward_input) + sum(table.backward_weight))
-
-
-def _fill_floor(name: str, m: int, v: int, table: BlockTable, p: int,
-                devices: Sequence[DeviceSpec]) -> float:
-    """A lower bound of the step of a schedule whose backwards are whole and which places one
-    stage per device (gpipe, 1f1b; 0 for the others), before placing it.
-
-    Device d cannot start before micro-batch 0's forward passed the stages before it, and
-    after its last backward that micro-batch's backward still runs through them, so with c_s
-    a stage's F + B per micro-batch, step >= m c_d + sum_{s<d} c_s for every d. Over every
-    split of the compute C into c_0..c_{p-1}, the least max is where all p terms are equal:
-    C / (1 - (1 - 1/m)^p) (m C for p = 1, C for m = 1; (m + p - 1) C / p is the uniform
-    stages' step). Messages, overheads and recomputation only add to it."""
-    if v != 1 or name not in ("gpipe", "1f1b"):
-        return 0.0
-    c = (sum(table.forward) + sum(table.backward_input) + sum(table.backward_weight)) / max(
-        d.speed for d in devices)
-    return c / (1 - (1 - 1 / m) ** p)
 
 
 def _estimate(candidate: tuple[str, int, int], p: int, work: float) -> float:

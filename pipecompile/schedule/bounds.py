@@ -1,6 +1,7 @@
 """A lower bound of a schedule's simulated makespan, found without simulating it.
 
     makespan_floor(schedule, costs, dataflow=..., overhead=...) <= simulate(...).makespan
+    fill_floor(name, p, m, v, compute)   <= the makespan of gpipe or 1f1b, however placed
 
 `simulate` runs each device's actions one at a time in order, each for at least its own
 duration (its work, the fixed overhead and the stage's setup or teardown where they are
@@ -26,7 +27,7 @@ from pipecompile.schedule.actions import Kind, Schedule
 from pipecompile.schedule.messages import Dataflow
 from pipecompile.schedule.simulate import StageCosts, _duration, _ends
 
-__all__ = ["makespan_floor"]
+__all__ = ["makespan_floor", "fill_floor"]
 
 _COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.STEP)
 
@@ -77,3 +78,19 @@ def _longest(before: list[list[int]], seconds: Sequence[float]) -> list[float]:
     for s, waits in enumerate(before):
         out[s] = max((out[t] + seconds[t] for t in waits if t < s), default=0.0)
     return out
+
+
+def fill_floor(name: str, p: int, m: int, v: int, compute: float) -> float:
+    """A lower bound of the makespan of a schedule whose backwards are whole and which places
+    one stage per device (gpipe, 1f1b; 0 for the others), over every placement of `compute`
+    seconds per micro-batch (forward and backward of the whole model) on `p` devices.
+
+    Device d cannot start before micro-batch 0's forward passed the stages before it, and
+    after its last backward that micro-batch's backward still runs through them, so with c_s
+    a stage's F + B per micro-batch, makespan >= m c_d + sum_{s<d} c_s for every d. Over every
+    split of the compute C into c_0..c_{p-1}, the least max is where all p terms are equal:
+    C / (1 - (1 - 1/m)^p) (m C for p = 1, C for m = 1; the uniform stages' makespan is
+    (m + p - 1) C / p). Messages, overheads and recomputation only add to it."""
+    if v != 1 or name not in ("gpipe", "1f1b"):
+        return 0.0
+    return compute / (1 - (1 - 1 / m) ** p)

@@ -367,30 +367,19 @@ def simulate(
 
 
 def inflight(schedule: Schedule) -> tuple[int, ...]:
-    """Peak in-flight micro-batches per stage (at least 1) of a valid schedule (as
-    `make_schedule` returns them): what a stage's activation memory is sized for.
-
-    A stage's actions all run on its device, one after another in the device's list, so
-    their order in time is their order in that list, whatever they cost: the peak is read
-    from the lists (an F holds a micro-batch; its W, or its B where the backward is not
-    split, releases it), as a simulation at any costs would give it."""
-    split: list[set[int]] = [set() for _ in range(schedule.num_stages)]
-    for row in schedule.actions:
-        for a in row:
-            if a.kind is Kind.W and a.stage < schedule.num_stages:
-                split[a.stage].add(a.microbatch)  # type: ignore[arg-type]
-    count = [0] * schedule.num_stages
-    peak = [1] * schedule.num_stages
-    for row in schedule.actions:
-        for a in row:
-            s = a.stage
-            if s >= schedule.num_stages:
-                continue
-            if a.kind is Kind.F:
-                count[s] += 1
-                peak[s] = max(peak[s], count[s])
-            elif a.kind is Kind.W or (a.kind is Kind.B and a.microbatch not in split[s]):
-                count[s] -= 1
+    """Peak in-flight micro-batches per stage (at least 1) of a valid schedule: what a stage's
+    activation memory is sized for. A stage's actions run on its device one after another in
+    the device's list, so the peak is read from the list order (an F holds a micro-batch; its
+    W, or its B where the backward is not split, releases it), as any simulation gives it."""
+    n = schedule.num_stages
+    split = {(a.stage, a.microbatch) for row in schedule.actions for a in row if a.kind is Kind.W}
+    count, peak = [0] * n, [1] * n
+    for a in (a for row in schedule.actions for a in row if a.stage < n):
+        if a.kind is Kind.F:
+            count[a.stage] += 1
+            peak[a.stage] = max(peak[a.stage], count[a.stage])
+        elif a.kind is Kind.W or (a.kind is Kind.B and (a.stage, a.microbatch) not in split):
+            count[a.stage] -= 1
     return tuple(peak)
 
 

@@ -17,8 +17,8 @@ from pipecompile.ir.devices import DeviceSpec
 from pipecompile.passes.partition import PartitionMemoryError
 from pipecompile.pipeline import Pipeline
 from pipecompile.planner.schedule_search import (
-    NOT_SIMULATED, SYNC_SCHEDULES, TIE, BlockTable, Outpaced, Space, _fill_floor,
-    microbatch_choices, search)
+    NOT_SIMULATED, SYNC_SCHEDULES, TIE, BlockTable, Outpaced, Space, microbatch_choices, search)
+from pipecompile.schedule.bounds import fill_floor
 from tests.support.models import gpt
 from tests.support.reference import assert_grads_equal, reference_step
 from tests.test_cli import FACTORIES
@@ -354,7 +354,7 @@ def test_a_loaded_pipeline_keeps_the_candidate_table(tmp_path):
                       min_size=4, max_size=10),
        p=st.integers(1, 4), m=st.integers(1, 8), overhead=st.sampled_from([0.0, 1e-4]))
 def test_the_fill_floor_is_under_every_gpipe_and_1f1b_step(times, p, m, overhead):
-    """gpipe and 1f1b are skipped by `_fill_floor` before placing them: it must stay under the
+    """gpipe and 1f1b are skipped by `fill_floor` before placing them: it must stay under the
     step the search simulates, whatever the blocks' costs (the placement is optimal)."""
     n = len(times)
     p = min(p, n)
@@ -367,22 +367,7 @@ def test_the_fill_floor_is_under_every_gpipe_and_1f1b_step(times, p, m, overhead
     result = search(Space(("gpipe", "1f1b"), (m,)), devices, lambda mb, stages: table,
                     overhead=overhead)
     for c in result.candidates:
-        floor = _fill_floor(c.schedule, m, 1, table, p, devices)
+        floor = fill_floor(c.schedule, p, m, 1, sum(f + b for f, b in times))
         assert c.fits and c.step >= floor * (1 - 1e-12)
         assert floor >= m * sum(f + b for f, b in times) / p * (1 - 1e-12)  # above the work
 
-
-def test_the_fill_floor_of_uniform_stages():
-    """p equal stages: the closed form is under the uniform step (m + p - 1) c, and both are
-    m c for one device and p c for one micro-batch."""
-    c = 1.0
-    table = BlockTable(forward=(c / 3,) * 4, backward_input=(c / 3,) * 4,
-                       backward_weight=(c / 3,) * 4, static_bytes=(0.0,) * 4,
-                       activation_bytes=(0.0,) * 4, cut_bytes=(0.0,) * 5)
-    one = [DeviceSpec()]
-    assert _fill_floor("1f1b", 8, 1, table, 1, one) == pytest.approx(8 * 4 * c)
-    assert _fill_floor("gpipe", 1, 1, table, 4, one * 4) == pytest.approx(4 * c)
-    assert _fill_floor("1f1b", 8, 1, table, 4, one * 4) < (8 + 3) * c
-    assert _fill_floor("1f1b", 8, 1, table, 4, one * 4) > 8 * c * (1 + 3 / 16) * 0.99
-    assert _fill_floor("zb-h1", 8, 1, table, 4, one * 4) == 0.0
-    assert _fill_floor("interleaved-1f1b", 8, 2, table, 4, one * 4) == 0.0

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipecompile.schedule.actions import Schedule
-from pipecompile.schedule.bounds import makespan_floor
+from pipecompile.schedule.bounds import fill_floor, makespan_floor
 from pipecompile.schedule.lowering import add_communication
 from pipecompile.schedule.messages import Dataflow
 from pipecompile.schedule.schedules import SCHEDULES, TWO_STAGES_PER_DEVICE, make_schedule
@@ -74,3 +74,14 @@ def test_a_given_dataflow_and_explicit_messages_give_the_same_floor():
     assert makespan_floor(lowered, costs, dataflow=flow) == pytest.approx(
         makespan_floor(schedule, costs))
     assert makespan_floor(schedule, costs) <= simulate(schedule, costs).makespan
+
+
+def test_the_fill_floor_of_uniform_stages():
+    """p equal stages of c each: under the uniform makespan (m + p - 1) c, m p c on one
+    device, p c for one micro-batch; 0 for schedules that split backwards or interleave."""
+    c = 1.0
+    assert fill_floor("1f1b", 1, 8, 1, 4 * c) == pytest.approx(8 * 4 * c)
+    assert fill_floor("gpipe", 4, 1, 1, 4 * c) == pytest.approx(4 * c)
+    assert 8 * c * (1 + 3 / 16) * 0.99 < fill_floor("1f1b", 4, 8, 1, 4 * c) < (8 + 3) * c
+    assert fill_floor("zb-h1", 4, 8, 1, 4 * c) == 0.0
+    assert fill_floor("interleaved-1f1b", 4, 8, 2, 4 * c) == 0.0
