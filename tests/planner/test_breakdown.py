@@ -53,3 +53,41 @@ def test_explain_shows_where_the_step_goes(pipe):
     for label in ("matmul kernels", "fused attention", "memory-bound kernels",
                   "optimizer step + clipping", "bubble (idle)"):
         assert label in text
+
+
+class _WithLoss(torch.nn.Module):
+    """A GPT whose forward ends in the fp32 cross-entropy over its vocabulary."""
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = self.gpt(idx).float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 target.reshape(-1))
+
+
+def test_the_loss_over_a_vocabulary_is_named_apart_from_other_memory_bound_kernels():
+    """Cross-entropy over 32,000 fp32 logits per token (rows longer than shared memory
+    holds) is its own part: its forward and backward bytes at the memory-bound rate
+    (kernel_prices.cross_entropy_bytes), per micro-batch, on the device that runs it."""
+    from pipecompile.passes.kernel_prices import cross_entropy_bytes
+
+    vocab, seq, batch, m = 32000, 256, 16, 2
+    with torch.device("meta"):
+        model = _WithLoss(zoo.GPT(vocab=vocab, dim=64, layers=2, heads=2, seq=seq)
+                          ).to(torch.bfloat16)
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    pipe = pc.compile(model, (ids, ids), devices=[pc.preset("a100")] * 2, schedule="gpipe",
+                      microbatches=m, data_parallel=1, checkpoint=False)
+    parts = step_breakdown(pipe.plan)
+    assert sum(parts.parts().values()) == pytest.approx(parts.step, rel=1e-12)
+    rows = batch // m * seq
+    moved = m * (cross_entropy_bytes(rows, vocab, 4)
+                 + cross_entropy_bytes(rows, vocab, 4, backward=True))
+    # the busiest device runs the last stage: the output layer and the loss
+    assert parts.device == pipe.schedule.stage_to_device[-1]
+    assert parts.loss == pytest.approx(moved / CHIPS["a100"].bandwidth, rel=1e-6)
+    assert parts.memory > 0  # the other memory-bound kernels (the logits' cast, norms)
+    assert "loss over the vocabulary" in pipe.explain()
