@@ -105,7 +105,8 @@ def step_breakdown(plan: Plan) -> StepBreakdown | None:
     split = kinds.scaled(compute / total) if total > 0 else KernelTimes()
     return StepBreakdown(
         step=step, device=device, matmul=split.matmul, attention=split.attention,
-        memory=split.memory, loss=split.loss, launch=split.launch, compute=0.0 if total > 0 else compute,
+        memory=split.memory, loss=split.loss, launch=split.launch,
+        compute=0.0 if total > 0 else compute,
         optimizer=optimizer, collectives=extras - optimizer,
         communication=sending.makespan - quiet.makespan, overhead=step - sending.makespan,
         bubble=quiet.makespan - busy)
@@ -123,7 +124,7 @@ def _optimizer(plan: Plan, stages: list[int]) -> float:
     for s in stages:
         for param, grad, state in table.state_bytes[bounds[s]:bounds[s + 1]]:
             seconds += optimizer_seconds(priced.memory_bandwidth, param / shard, grad / shard,
-                                         state / shard)
+                                         state / shard, passes=priced.passes)
     return seconds
 
 

@@ -112,7 +112,8 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         return search_plans(space, specs, lambda m, s: costs_for(layout, m, s),
                             overhead=plan.overhead, split_ratio=plan.split_ratio,
                             efficiency=plan.efficiency, searched=tuple(sorted(o.auto)),
-                            collectives=Collectives.of(layout, o.cluster, devices[0]),
+                            collectives=Collectives.of(layout, o.cluster, devices[0],
+                                                        o.optimizer),
                             memo=memo, written=o.given_schedule, advise=False, above=above)
 
     memo: dict = {}  # the schedules built, shared by every layout's search

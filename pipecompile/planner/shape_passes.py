@@ -214,7 +214,8 @@ def collectives(plan: Plan) -> Collectives | None:
     layout = plan.ready.choices.layout
     if layout is None:
         return _one_replica(plan.asked)
-    return Collectives.of(layout, plan.asked.cluster, plan.resolved.devices[0])
+    return Collectives.of(layout, plan.asked.cluster, plan.resolved.devices[0],
+                          plan.asked.optimizer)
 
 
 def _one_replica(o: CompileOptions) -> Collectives | None:
@@ -222,4 +223,4 @@ def _one_replica(o: CompileOptions) -> Collectives | None:
     (priced by its bytes; no collectives). None for devices measured here."""
     if o.data_parallel > 1 or not all(d.absolute for d in o.devices):
         return None
-    return Collectives.of(Layout(len(o.devices), 1), o.cluster, o.devices[0])
+    return Collectives.of(Layout(len(o.devices), 1), o.cluster, o.devices[0], o.optimizer)

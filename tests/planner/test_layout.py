@@ -127,3 +127,20 @@ def test_the_planner_folder_names_each_of_its_modules():
     from tests.support.folders import unlisted
 
     assert unlisted(folder) == []
+
+
+def test_the_optimizer_step_is_priced_by_the_kernels_torch_runs_for_the_factory():
+    """compile's optimizer factory read on a probe (layout.step_passes): torch's AdamW by
+    default runs its foreach kernels, fused=True one kernel, Adam without weight decay
+    skips its pass over the parameters, any other optimizer at AdamW's fused minimum."""
+    import torch
+
+    from pipecompile.passes.kernel_prices import ADAMW_PASSES
+    from pipecompile.planner.layout import step_passes
+
+    assert step_passes(lambda p: torch.optim.AdamW(p)) == (4, 2, 7)
+    assert step_passes(lambda p: torch.optim.AdamW(p, weight_decay=0.0)) == (2, 2, 7)
+    assert step_passes(lambda p: torch.optim.AdamW(p, fused=True)) == ADAMW_PASSES
+    assert step_passes(lambda p: torch.optim.Adam(p)) == (2, 2, 7)
+    assert step_passes(lambda p: torch.optim.SGD(p, lr=0.1)) == ADAMW_PASSES
+    assert step_passes(None) == ADAMW_PASSES
