@@ -73,7 +73,7 @@ from dataclasses import dataclass, replace
 
 __all__ = ["Chip", "Attention", "CHIPS", "matmul_seconds", "matmul_efficiency",
            "attention_seconds", "attention_efficiency", "memory_seconds", "optimizer_seconds", "ADAMW_PASSES", "CLIP_PASSES",
-           "adam_passes",
+           "adam_passes", "master_weights_passes",
            "mixed_precision_bytes", "mixed_precision_optimizer_seconds",
            "FLASH_BLOCK", "SOFTMAX_HEAD_DIM", "softmax_bytes", "cross_entropy_bytes",
            "embedding_bytes",
@@ -230,6 +230,19 @@ def adam_passes(*, fused: bool, weight_decay: float = 0.0,
     if weight_decay:
         param, grad = (param + 2, grad) if decoupled else (param + 1, grad + 2)
     return (param, grad, 7.0)
+
+
+def master_weights_passes(model_bytes: int = 2) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer state) passes of a step over fp32 master weights and
+    fp32 moments of `model_bytes` parameters (the state: 12 bytes a parameter), priced as
+    Megatron-LM's mixed-precision step without a loss scale (`mixed_precision_bytes`: 52 bytes
+    a bf16 parameter): the parameter written once (the master copied back), the gradient read
+    once (copied to fp32), the rest (the fp32 gradient written, clipped and read by Adam; Adam
+    over the fp32 master and moments; the master read for the copy back: 42 bytes) over the
+    state's 12, beside the 16-bit clipping `optimizer_seconds` adds (CLIP_PASSES)."""
+    total = mixed_precision_bytes(model_bytes=model_bytes, loss_scale=False)
+    rest = total - (2 + CLIP_PASSES) * model_bytes
+    return (1.0, 1.0, rest / 12)
 
 
 def optimizer_seconds(bandwidth: float, param_bytes: float, grad_bytes: float,

@@ -46,7 +46,8 @@ import torch
 
 from ..errors import ConfigError
 from ..ir.devices import DeviceSpec
-from ..passes.kernel_prices import ADAMW_PASSES, adam_passes, optimizer_seconds
+from ..passes.kernel_prices import (ADAMW_PASSES, adam_passes, master_weights_passes,
+                                    optimizer_seconds)
 from .cluster import Cluster, Link
 from .collectives import Group, all_gather, all_reduce, reduce_scatter
 
@@ -213,11 +214,12 @@ class Collectives:
 
     @classmethod
     def of(cls, layout: Layout, cluster: Cluster | None, device: DeviceSpec,
-           optimizer: Callable | None = None) -> "Collectives | None":
+           optimizer: Callable | None = None, dtype: torch.dtype = torch.float32
+           ) -> "Collectives | None":
         """The pricing of `layout`: over the cluster's links, or the link `device` sends
         over (the ranks of this machine: measured, planner/ranks_passes.py), the step of
-        compile's `optimizer` by its kernels (`step_passes`). None for an absolute device
-        without memory bandwidth."""
+        compile's `optimizer` over parameters of `dtype` by its kernels (`step_passes`). None
+        for an absolute device without memory bandwidth."""
         if device.absolute and device.memory_bandwidth is None:
             return None
         if cluster is not None:
@@ -225,7 +227,7 @@ class Collectives:
         else:
             intra = inter = Link("link", device.bandwidth, device.latency)
         return cls(layout, data_group(layout, cluster), intra, inter, device.memory_bandwidth,
-                   step_passes(optimizer))
+                   step_passes(optimizer, dtype))
 
     def extras(self, param: float, grad: float, optimizer: float, last_backward: float, *,
                overlap: bool) -> tuple[float, float]:
@@ -303,14 +305,24 @@ class LayoutCandidate:
                    data["virtual_stages"], data["recomputed"], data["memory"], data["reason"])
 
 
-def step_passes(optimizer: Callable | None) -> tuple[float, float, float]:
+def step_passes(optimizer: Callable | None, dtype: torch.dtype = torch.float32
+                ) -> tuple[float, float, float]:
     """The passes over parameters, gradients and state of a step of the optimizer that
-    `optimizer` (compile's factory) builds, read from it on a probe: torch's Adam and AdamW by
-    their kernels (`kernel_prices.adam_passes`: fused, or the foreach / for-loop default, with
-    their weight decay); any other optimizer at AdamW's fused minimum (ADAMW_PASSES)."""
+    `optimizer` (compile's factory) builds, read from it on a probe of `dtype` (the model's):
+    one keeping fp32 copies of 16-bit parameters in its state (master weights) as Megatron-
+    LM's mixed-precision step (`kernel_prices.master_weights_passes`); torch's Adam and AdamW
+    by their kernels (`kernel_prices.adam_passes`: fused, or the foreach / for-loop default,
+    with their weight decay); any other at AdamW's fused minimum (ADAMW_PASSES)."""
     if optimizer is None:
         return ADAMW_PASSES
-    opt = optimizer([torch.nn.Parameter(torch.zeros(1))])
+    probe = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+    opt = optimizer([probe])
+    probe.grad = torch.zeros_like(probe)
+    opt.step()
+    kept = [t for s in opt.state.values() for t in s.values()
+            if isinstance(t, torch.Tensor) and t.numel() == probe.numel()]
+    if probe.element_size() == 2 and any(t.dtype == torch.float32 for t in kept):
+        return master_weights_passes(probe.element_size())
     if not isinstance(opt, torch.optim.Adam):
         return ADAMW_PASSES
     d = opt.defaults

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .resolved import Choices
-from .block_tables import BlockTables, coarsest, enough_blocks
+from .block_tables import BlockTables, coarsest, enough_blocks, model_dtype
 from ..errors import ConfigError
 from ..ir.records import CapturedModel
 from ..ir.records import Example
@@ -38,7 +38,7 @@ __all__ = ["layout_search_pass"]
 def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Plan, str]:
     """Choose P x D, FSDP, placement and, per layout, the "auto" options (schedule_search.py)."""
     o, devices = plan.asked, plan.resolved.devices  # the search starts from what was asked
-    captured = plan.ready.captured
+    captured, dtype = plan.ready.captured, model_dtype(plan)
     world = len(devices)
     finest = linearize(captured, granularity=o.granularity or GRANULARITIES[-1])
     given_p = o.given_schedule.num_devices if o.given_schedule is not None else None
@@ -113,7 +113,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
                             overhead=plan.overhead, split_ratio=plan.split_ratio,
                             efficiency=plan.efficiency, searched=tuple(sorted(o.auto)),
                             collectives=Collectives.of(layout, o.cluster, devices[0],
-                                                        o.optimizer),
+                                                        o.optimizer, dtype),
                             memo=memo, written=o.given_schedule, advise=False, above=above)
 
     memo: dict = {}  # the schedules built, shared by every layout's search

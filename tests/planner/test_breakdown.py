@@ -95,3 +95,26 @@ def test_the_loss_over_a_vocabulary_is_named_apart_from_other_memory_bound_kerne
     assert parts.loss == pytest.approx(moved / CHIPS["a100"].bandwidth, rel=1e-6)
     assert parts.memory > 0  # the other memory-bound kernels (the logits' cast, norms)
     assert "loss over the vocabulary" in pipe.explain()
+
+
+def test_an_optimizer_with_fp32_master_weights_is_priced_as_megatrons_step():
+    """compile's optimizer keeping fp32 master weights and moments of the bf16 parameters in
+    its state: 12 bytes of state a parameter, and a step of 52 bytes a parameter
+    (kernel_prices.mixed_precision_bytes without a loss scale) at the memory-bound rate."""
+    from pipecompile.passes.kernel_prices import mixed_precision_bytes
+    from tests.passes.test_annotate import MasterWeightsAdamW
+
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab=512, dim=256, layers=4, heads=4, seq=256).to(torch.bfloat16)
+    ids = torch.randint(0, 512, (8, 256))
+    pipe = pc.compile(model, (ids,), devices=[pc.preset("a100")] * 2, schedule="gpipe",
+                      microbatches=4, data_parallel=1, checkpoint=False,
+                      optimizer=MasterWeightsAdamW)
+    parts = step_breakdown(pipe.plan)
+    bounds = pipe.plan.placement.bounds
+    stages = [s for s, d in enumerate(pipe.schedule.stage_to_device) if d == parts.device]
+    blocks = [c for s in stages for c in pipe.plan.costs.symbolic[bounds[s]:bounds[s + 1]]]
+    params = sum(float(c.param_bytes) for c in blocks) / 2
+    assert sum(float(c.optimizer_bytes) for c in blocks) == pytest.approx(12 * params)
+    assert parts.optimizer == pytest.approx(
+        params * mixed_precision_bytes(loss_scale=False) / CHIPS["a100"].bandwidth)
