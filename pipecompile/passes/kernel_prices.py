@@ -203,7 +203,7 @@ def memory_seconds(chip: Chip, nbytes: float) -> float:
 def adam_passes(*, fused: bool, weight_decay: float = 0.0,
                 decoupled: bool = True) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer state) passes of torch.optim.Adam / AdamW's step: how
-    many times each is read or written, the state being both moments (torch/optim/adam.py).
+    many times each is read or written, the state being both moments (module torch.optim.adam).
 
     `fused=True` (`_fused_adam`: one kernel per tensor group) reads p, g, m, v and writes
     p, m, v: ADAMW_PASSES. Otherwise (torch's default for CUDA parameters, `foreach`:
