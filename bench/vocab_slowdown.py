@@ -7,7 +7,9 @@ output layer), bfloat16 on meta, pipeline-parallel on 8 A100 80GB in one node
 recomputation. The naive layout: 4 layers per stage, the embedding on the first stage and the
 output layer with the loss on the last (`split_points` every 4 layers). Printed per sequence
 length and vocabulary: the predicted step, the last stage's forward + backward per micro-batch
-against a middle stage's, and the step's growth from the 32k vocabulary.
+against a middle stage's, the step's growth from the 32k vocabulary, and what `explain()`
+names the loss over the vocabulary on the busiest device (planner/breakdown.py: softmax /
+cross-entropy over rows longer than shared memory, per step).
 
 Nothing here was fitted: the planner prices every kernel as docs/hardware.md says. The figure
 this is a sanity check against (a published naive-layout slowdown of 2.75x from 32k to 256k at
@@ -50,9 +52,13 @@ def predict(vocab: int, seq: int) -> dict:
                       data_parallel=1, schedule="1f1b", microbatches=M, checkpoint=False,
                       split_points=[f"transformer.h.{per * i}" for i in range(1, GPUS)],
                       optimizer=lambda p: torch.optim.AdamW(p))
-    costs = pipe.plan.stage_costs
+    from pipecompile.planner.breakdown import step_breakdown
+
+    costs, parts = pipe.plan.stage_costs, step_breakdown(pipe.plan)
     return dict(step=pipe.predicted.makespan, last=costs[-1].forward + costs[-1].backward,
-                middle=costs[1].forward + costs[1].backward)
+                middle=costs[1].forward + costs[1].backward,
+                loss=parts.loss if parts is not None else 0.0,
+                memory=parts.memory if parts is not None else 0.0)
 
 
 def main() -> None:
@@ -70,9 +76,11 @@ def main() -> None:
             base = base or p["step"]
             rows.append((str(seq), f"{vocab:,}", f"{p['step']:.2f}", f"{p['middle'] * 1e3:.1f}",
                          f"{p['last'] * 1e3:.1f}", f"{p['step'] / base:.2f}x",
+                         f"{p['loss']:.2f}", f"{p['memory']:.2f}",
                          f"{time.perf_counter() - start:.0f}"))
     print(C.table(rows, ("seq", "vocab", "step s", "middle stage F+B ms/mb",
-                         "last stage F+B ms/mb", "step / 32k", "plan s")))
+                         "last stage F+B ms/mb", "step / 32k", "loss s (busiest)",
+                         "other memory-bound s", "plan s")))
 
 
 if __name__ == "__main__":

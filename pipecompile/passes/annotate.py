@@ -153,14 +153,14 @@ def _numeric(cost: BlockCost, sizes, device: DeviceModel) -> NumericBlockCost:
     )
 
 
-def optimizer_state_factor(optimizer: Callable | None) -> float:
-    """Optimizer-state bytes per parameter byte, found by stepping the optimizer on a probe.
-
-    SGD gives 0, SGD with momentum 1, Adam/AdamW 2 (plus a scalar step counter, ignored).
-    """
+def optimizer_state_factor(optimizer: Callable | None,
+                           dtype: torch.dtype = torch.float32) -> float:
+    """Optimizer-state bytes per parameter byte, stepping the optimizer on a probe of `dtype`
+    (the model's): SGD 0, with momentum 1, Adam/AdamW 2 (a scalar step counter ignored); one
+    keeping fp32 master weights and moments of 16-bit parameters in its state, 6."""
     if optimizer is None:
         return 0.0
-    probe = torch.nn.Parameter(torch.zeros(1024))
+    probe = torch.nn.Parameter(torch.zeros(1024, dtype=dtype))
     opt = optimizer([probe])
     probe.grad = torch.ones_like(probe)
     opt.step()

@@ -6,6 +6,7 @@ Pure functions of a kernel's shape and a `Chip` (the figures of one GPU); no tor
     attention_seconds(chip, heads, s_q, s_k, d, causal=, backward=)   FlashAttention-2
     memory_seconds(chip, nbytes)               a memory-bound kernel moving `nbytes`
     optimizer_seconds(chip, param_bytes, grad_bytes, state_bytes)     AdamW + clipping
+    adam_passes(fused=, weight_decay=, decoupled=)   torch's Adam / AdamW step, by kernel
     mixed_precision_optimizer_seconds(bandwidth, parameters)   Adam over fp32 master weights
     softmax_bytes(rows, row, itemsize, backward=)      torch's CUDA softmax / log-softmax
     cross_entropy_bytes(rows, classes, itemsize, backward=)   torch's cross-entropy
@@ -72,6 +73,7 @@ from dataclasses import dataclass, replace
 
 __all__ = ["Chip", "Attention", "CHIPS", "matmul_seconds", "matmul_efficiency",
            "attention_seconds", "attention_efficiency", "memory_seconds", "optimizer_seconds", "ADAMW_PASSES", "CLIP_PASSES",
+           "adam_passes", "master_weights_passes",
            "mixed_precision_bytes", "mixed_precision_optimizer_seconds",
            "FLASH_BLOCK", "SOFTMAX_HEAD_DIM", "softmax_bytes", "cross_entropy_bytes",
            "embedding_bytes",
@@ -198,12 +200,60 @@ def memory_seconds(chip: Chip, nbytes: float) -> float:
     return max(nbytes / chip.bandwidth, chip.launch) if nbytes > 0 else chip.launch
 
 
+def adam_passes(*, fused: bool, weight_decay: float = 0.0,
+                decoupled: bool = True) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer state) passes of torch.optim.Adam / AdamW's step: how
+    many times each is read or written, the state being both moments (module torch.optim.adam).
+
+    `fused=True` (`_fused_adam`: one kernel per tensor group) reads p, g, m, v and writes
+    p, m, v: ADAMW_PASSES. Otherwise (torch's default for CUDA parameters, `foreach`:
+    `_multi_tensor_adam`; the for-loop `_single_tensor_adam` runs the same kernels per tensor)
+    each line below is a kernel over every element:
+
+        p *= 1 - lr wd           (decoupled weight decay, AdamW)   read p, write p
+        g = g + wd p             (coupled weight decay, Adam)      read g, p; write g
+        m.lerp_(g, 1 - b1)                                          read m, g; write m
+        v *= b2                                                     read v; write v
+        v.addcmul_(g, g, 1 - b2)                                    read v, g; write v
+        d = sqrt(v)                                                 read v; write d
+        d /= sqrt(1 - b2^t)                                         read d; write d
+        d += eps                                                    read d; write d
+        p.addcdiv_(m, d, -lr / (1 - b1^t))                          read p, m, d; write p
+
+    d is one moment's size: the state (m and v, two moments) is read or written 8 moment-
+    sizes and d 6, 7 passes over the state's bytes; p twice (four times with decoupled weight
+    decay, three with coupled), g twice (four with coupled). AdamW with weight decay: 20
+    element accesses per parameter where the fused kernel makes 7 (amsgrad not priced)."""
+    if fused:
+        return ADAMW_PASSES
+    param, grad = 2.0, 2.0
+    if weight_decay:
+        param, grad = (param + 2, grad) if decoupled else (param + 1, grad + 2)
+    return (param, grad, 7.0)
+
+
+def master_weights_passes(model_bytes: int = 2) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer state) passes of a step over fp32 master weights and
+    fp32 moments of `model_bytes` parameters (the state: 12 bytes a parameter), priced as
+    Megatron-LM's mixed-precision step without a loss scale (`mixed_precision_bytes`: 52 bytes
+    a bf16 parameter): the parameter written once (the master copied back), the gradient read
+    once (copied to fp32), the rest (the fp32 gradient written, clipped and read by Adam; Adam
+    over the fp32 master and moments; the master read for the copy back: 42 bytes) over the
+    state's 12, beside the 16-bit clipping `optimizer_seconds` adds (CLIP_PASSES)."""
+    total = mixed_precision_bytes(model_bytes=model_bytes, loss_scale=False)
+    rest = total - (2 + CLIP_PASSES) * model_bytes
+    return (1.0, 1.0, rest / 12)
+
+
 def optimizer_seconds(bandwidth: float, param_bytes: float, grad_bytes: float,
-                      state_bytes: float, *, clip: bool = True) -> float:
-    """Seconds of an AdamW step over these bytes at `bandwidth` (sustained bytes/s): the
-    bytes it reads and writes (ADAMW_PASSES), plus clipping by the global norm (CLIP_PASSES
-    over the gradients) when `clip`, as Megatron-LM and torchtitan step by default."""
-    p, g, s = ADAMW_PASSES
+                      state_bytes: float, *, clip: bool = True,
+                      passes: tuple[float, float, float] = ADAMW_PASSES) -> float:
+    """Seconds of an optimizer step over these bytes at `bandwidth` (sustained bytes/s): the
+    bytes it reads and writes (`passes` over parameters, gradients and state: AdamW's fused
+    minimum, ADAMW_PASSES, unless given; `adam_passes`), plus clipping by the global norm
+    (CLIP_PASSES over the gradients) when `clip`, as Megatron-LM and torchtitan step by
+    default."""
+    p, g, s = passes
     moved = p * param_bytes + g * grad_bytes + s * state_bytes
     if clip:
         moved += CLIP_PASSES * grad_bytes

@@ -84,24 +84,33 @@ class HardwareRates:
 @dataclass(frozen=True)
 class KernelTimes:
     """Seconds of a block's kernels by kind, forward or backward: matmuls, fused attention,
-    memory-bound ops, and what kernels too small to fill their launch add (`launch`)."""
+    memory-bound ops, what kernels too small to fill their launch add (`launch`), and the
+    softmax / log-softmax / cross-entropy kernels over rows longer than shared memory holds
+    (`loss`: the loss over a vocabulary, apart from the other memory-bound kernels)."""
 
     matmul: float = 0.0
     attention: float = 0.0
     memory: float = 0.0
     launch: float = 0.0
+    loss: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.matmul + self.attention + self.memory + self.launch
+        return self.matmul + self.attention + self.memory + self.launch + self.loss
 
     def __add__(self, other: "KernelTimes") -> "KernelTimes":
         return KernelTimes(self.matmul + other.matmul, self.attention + other.attention,
-                           self.memory + other.memory, self.launch + other.launch)
+                           self.memory + other.memory, self.launch + other.launch,
+                           self.loss + other.loss)
 
     def scaled(self, factor: float) -> "KernelTimes":
         return KernelTimes(self.matmul * factor, self.attention * factor,
-                           self.memory * factor, self.launch * factor)
+                           self.memory * factor, self.launch * factor, self.loss * factor)
+
+    def with_loss(self, seconds: float) -> "KernelTimes":
+        """These times with `seconds` of the memory-bound kernels named the loss."""
+        moved = min(max(0.0, seconds), self.memory)
+        return replace(self, memory=self.memory - moved, loss=self.loss + moved)
 
 
 #: A GEMM as recorded: (m, n, k, batch, bytes per element, how many), sympy expressions.
@@ -121,7 +130,9 @@ class Kernels:
     dimension, how many); tensor parallelism prices them (planner/tensor_costs.py). `ruled`:
     those of the memory-bound kernels whose backward is not twice the forward's traffic, as
     (forward bytes, backward bytes, how many): a priced backward is corrected by the
-    difference (planner/tensor_costs.py splits them as it splits their `moves`)."""
+    difference (planner/tensor_costs.py splits them as it splits their `moves`). `loss`: the
+    forward bytes of those ruled kernels that are a softmax, log-softmax or cross-entropy over
+    rows too long for shared memory (the loss over a vocabulary), which `parts` names apart."""
 
     matmuls: tuple[tuple[sympy.Expr, sympy.Expr], ...] = ()
     attention: sympy.Expr = sympy.Integer(0)  # FLOPs the fused kernels run (forward)
@@ -133,6 +144,7 @@ class Kernels:
     moves: tuple[tuple[sympy.Expr, int], ...] = ()
     split: tuple[tuple[sympy.Expr, sympy.Expr, int], ...] = ()
     ruled: tuple[tuple[sympy.Expr, sympy.Expr, int], ...] = ()
+    loss: tuple[sympy.Expr, ...] = ()
 
     def times(self, backward_flops: float, rates: HardwareRates,
               value: Callable[[sympy.Expr], float]) -> tuple[float, float]:
@@ -160,9 +172,19 @@ class Kernels:
         launch = self.launches * rates.launch
         counted = value(self.attention_counted)
         matmul_backward = max(0.0, backward_flops - FLASH_BACKWARD * counted)
-        return (KernelTimes(compute, attention, memory, launch),
+        loss_f, loss_b = self._loss(rates.memory, value)
+        return (KernelTimes(compute, attention, memory, launch).with_loss(loss_f),
                 KernelTimes(matmul_backward / rate, FLASH_BACKWARD * attention,
-                            2 * memory + ruled, 2 * launch))
+                            2 * memory + ruled, 2 * launch).with_loss(loss_b))
+
+    def _loss(self, bandwidth: float, value: Callable[[sympy.Expr], float]
+              ) -> tuple[float, float]:
+        """(forward, backward) seconds of the ruled kernels named the loss (`loss`) at
+        `bandwidth` bytes/s: already in the memory-bound time, which `with_loss` moves."""
+        named = set(self.loss)
+        forward = sum(c * value(f) for f, _, c in self.ruled if f in named) / bandwidth
+        backward = sum(c * value(b) for f, b, c in self.ruled if f in named) / bandwidth
+        return forward, backward
 
     def _shaped(self, backward_flops: float, chip: Chip, dtype: str | None,
                 value: Callable[[sympy.Expr], float]) -> tuple[KernelTimes, KernelTimes]:
@@ -194,7 +216,8 @@ class Kernels:
         for forward, backward, count in self.ruled:  # the kernels' own backward instead
             extra = count * (value(backward) - 2 * value(forward)) / chip.bandwidth
             bwd.times = bwd.times + KernelTimes(memory=extra)
-        return fwd.times, bwd.times
+        loss_f, loss_b = self._loss(chip.bandwidth, value)
+        return fwd.times.with_loss(loss_f), bwd.times.with_loss(loss_b)
 
 
 class _Split:
@@ -242,6 +265,7 @@ class Recorder:
     moves: list[sympy.Expr] = field(default_factory=list)
     split: list[tuple[sympy.Expr, sympy.Expr]] = field(default_factory=list)
     ruled: list[tuple[sympy.Expr, sympy.Expr]] = field(default_factory=list)
+    loss: list[sympy.Expr] = field(default_factory=list)
 
     def record(self, node: fx.Node, args: Any, kwargs: Any, out: Any, flops: Any,
                causal: bool) -> None:
@@ -271,6 +295,8 @@ class Recorder:
         if rule is not None:
             moved = rule[0]
             self.ruled.append((sympy.expand(rule[0]), sympy.expand(rule[1])))
+            if node.target in _SOFTMAX or node.target is _CROSS_ENTROPY:
+                self.loss.append(sympy.expand(rule[0]))  # a row too long: the loss
         flops = self.sym(flops)
         if flops != 0:
             self.matmuls.append((flops, moved))
@@ -351,7 +377,8 @@ class Recorder:
                        flash=tuple((*a, n) for a, n in _counts(self.flash).items()),
                        moves=tuple(_counts(self.moves).items()),
                        split=tuple((*a, n) for a, n in _counts(self.split).items()),
-                       ruled=tuple((*a, n) for a, n in _counts(self.ruled).items()))
+                       ruled=tuple((*a, n) for a, n in _counts(self.ruled).items()),
+                       loss=tuple(_counts(self.loss)))
 
 
 def _cached_row(itemsize: int) -> int:

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from ..errors import PartitionError
 from ..ir.records import CapturedModel, CostTable, Example, LinearGraph
 from ..passes.annotate import optimizer_state_factor
 from ..passes.calibrate import Calibration
 from ..passes.linearize import GRANULARITIES, linearize
+from .options import compute_dtype
 from .resolved import example_microbatch_size
 from .plan import Plan
 from .decisions import CostModel, cost
@@ -26,7 +29,8 @@ from .layout import Layout
 from .tensor_costs import TensorShare
 from ..ir.devices import DeviceSpec
 
-__all__ = ["BlockTables", "coarsest", "enough_blocks", "cost_model", "tensor_share"]
+__all__ = ["BlockTables", "coarsest", "enough_blocks", "cost_model", "tensor_share",
+           "model_dtype"]
 
 
 def coarsest(captured: CapturedModel, granularity: str | None, stages: int,
@@ -74,7 +78,8 @@ def cost_model(plan: Plan, example: Example) -> CostModel:
     return CostModel(device=plan.ready.device_model,
                      microbatch_size=example_microbatch_size(example, asked, o),
                      microbatches=o.microbatches,
-                     optimizer_factor=optimizer_state_factor(asked.optimizer), profile=o.profile,
+                     optimizer_factor=optimizer_state_factor(asked.optimizer, model_dtype(plan)),
+                     profile=o.profile,
                      calibration=plan.calibration, cache=asked.cache,
                      tensor=tensor_share(chosen, plan.asked.cluster, o.devices[0]))
 
@@ -109,3 +114,9 @@ class BlockTables:
                         None)  # the symbolic costs of a granularity are shared across sizes
             self._tables[key] = cost(linear, model, self.example, o.ranks, like)
         return linear, self._tables[key]
+
+
+def model_dtype(plan: Plan) -> torch.dtype:
+    """The dtype holding most of the captured model's parameters (options.compute_dtype)."""
+    captured = plan.ready.captured
+    return torch.float32 if captured is None else getattr(torch, compute_dtype(captured.module))

@@ -14,11 +14,12 @@ by simulating the plan's schedule three times (schedule/simulate.py):
 The busy time splits into the layout's extras (the optimizer step, priced by its bytes as
 `passes.kernel_prices.optimizer_seconds`, and the data-parallel collectives: the stages'
 `setup` and `teardown`) and compute; compute splits by kernel kind (matmul, attention,
-memory-bound, launch floors) in the proportions the kernel model prices the device's stages'
-blocks (`passes.kernels.Kernels.parts`: forward, backward, and forward again where a stage
-recomputes), or stays one part where blocks were measured or not priced by kernel.
+memory-bound, the loss over a vocabulary: softmax / cross-entropy over rows longer than
+shared memory holds, launch floors) in the proportions the kernel model prices the device's
+stages' blocks (`passes.kernels.Kernels.parts`: forward, backward, and forward again where a
+stage recomputes), or stays one part where blocks were measured or not priced by kernel.
 
-    matmul + attention + memory + launch + compute + optimizer + collectives
+    matmul + attention + memory + loss + launch + compute + optimizer + collectives
         + communication + overhead + bubble = step
 """
 
@@ -39,7 +40,8 @@ __all__ = ["StepBreakdown", "step_breakdown"]
 
 _LABELS = {
     "matmul": "matmul kernels", "attention": "fused attention",
-    "memory": "memory-bound kernels", "launch": "launch floors (small kernels)",
+    "memory": "memory-bound kernels", "loss": "loss over the vocabulary",
+    "launch": "launch floors (small kernels)",
     "compute": "compute (not split by kind)", "optimizer": "optimizer step + clipping",
     "collectives": "data-parallel collectives", "communication": "exposed pipeline messages",
     "overhead": "fixed cost per action", "bubble": "bubble (idle)",
@@ -55,6 +57,7 @@ class StepBreakdown:
     matmul: float = 0.0
     attention: float = 0.0
     memory: float = 0.0
+    loss: float = 0.0  # softmax / cross-entropy over rows longer than shared memory holds
     launch: float = 0.0
     compute: float = 0.0  # compute not split by kind (measured or unpriced blocks)
     optimizer: float = 0.0
@@ -102,7 +105,8 @@ def step_breakdown(plan: Plan) -> StepBreakdown | None:
     split = kinds.scaled(compute / total) if total > 0 else KernelTimes()
     return StepBreakdown(
         step=step, device=device, matmul=split.matmul, attention=split.attention,
-        memory=split.memory, launch=split.launch, compute=0.0 if total > 0 else compute,
+        memory=split.memory, loss=split.loss, launch=split.launch,
+        compute=0.0 if total > 0 else compute,
         optimizer=optimizer, collectives=extras - optimizer,
         communication=sending.makespan - quiet.makespan, overhead=step - sending.makespan,
         bubble=quiet.makespan - busy)
@@ -120,7 +124,7 @@ def _optimizer(plan: Plan, stages: list[int]) -> float:
     for s in stages:
         for param, grad, state in table.state_bytes[bounds[s]:bounds[s + 1]]:
             seconds += optimizer_seconds(priced.memory_bandwidth, param / shard, grad / shard,
-                                         state / shard)
+                                         state / shard, passes=priced.passes)
     return seconds
 
 

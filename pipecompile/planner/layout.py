@@ -40,11 +40,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import torch
 
 from ..errors import ConfigError
 from ..ir.devices import DeviceSpec
-from ..passes.kernel_prices import optimizer_seconds
+from ..passes.kernel_prices import (ADAMW_PASSES, adam_passes, master_weights_passes,
+                                    optimizer_seconds)
 from .cluster import Cluster, Link
 from .collectives import Group, all_gather, all_reduce, reduce_scatter
 
@@ -206,20 +209,25 @@ class Collectives:
     # bytes/s of device memory: what the optimizer step moves at (None: not priced, for
     # the ranks of this machine, whose memory bandwidth is not measured)
     memory_bandwidth: float | None
+    # the optimizer step's passes over parameters, gradients and state (`step_passes`)
+    passes: tuple[float, float, float] = ADAMW_PASSES
 
     @classmethod
-    def of(cls, layout: Layout, cluster: Cluster | None, device: DeviceSpec
+    def of(cls, layout: Layout, cluster: Cluster | None, device: DeviceSpec,
+           optimizer: Callable | None = None, dtype: torch.dtype = torch.float32
            ) -> "Collectives | None":
         """The pricing of `layout`: over the cluster's links, or the link `device` sends
-        over (the ranks of this machine: measured, planner/ranks_passes.py). None for an
-        absolute device without memory bandwidth."""
+        over (the ranks of this machine: measured, planner/ranks_passes.py), the step of
+        compile's `optimizer` over parameters of `dtype` by its kernels (`step_passes`). None
+        for an absolute device without memory bandwidth."""
         if device.absolute and device.memory_bandwidth is None:
             return None
         if cluster is not None:
             intra, inter = cluster.intra, cluster.inter
         else:
             intra = inter = Link("link", device.bandwidth, device.latency)
-        return cls(layout, data_group(layout, cluster), intra, inter, device.memory_bandwidth)
+        return cls(layout, data_group(layout, cluster), intra, inter, device.memory_bandwidth,
+                   step_passes(optimizer, dtype))
 
     def extras(self, param: float, grad: float, optimizer: float, last_backward: float, *,
                overlap: bool) -> tuple[float, float]:
@@ -230,7 +238,7 @@ class Collectives:
         shard = d if self.layout.fsdp else 1
         step = (0.0 if self.memory_bandwidth is None else  # AdamW + clipping, by bytes
                 optimizer_seconds(self.memory_bandwidth, param / shard, grad / shard,
-                                  optimizer / shard))
+                                  optimizer / shard, passes=self.passes))
         if d < 2:
             return 0.0, step
         if self.layout.fsdp:
@@ -295,3 +303,29 @@ class LayoutCandidate:
                         sequence_parallel=bool(data.get("sequence_parallel", False)))
         return cls(layout, float(data["step"]), data["schedule"], data["microbatches"],
                    data["virtual_stages"], data["recomputed"], data["memory"], data["reason"])
+
+
+def step_passes(optimizer: Callable | None, dtype: torch.dtype = torch.float32
+                ) -> tuple[float, float, float]:
+    """The passes over parameters, gradients and state of a step of the optimizer that
+    `optimizer` (compile's factory) builds, read from it on a probe of `dtype` (the model's):
+    one keeping fp32 copies of 16-bit parameters in its state (master weights) as Megatron-
+    LM's mixed-precision step (`kernel_prices.master_weights_passes`); torch's Adam and AdamW
+    by their kernels (`kernel_prices.adam_passes`: fused, or the foreach / for-loop default,
+    with their weight decay); any other at AdamW's fused minimum (ADAMW_PASSES)."""
+    if optimizer is None:
+        return ADAMW_PASSES
+    probe = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+    opt = optimizer([probe])
+    probe.grad = torch.zeros_like(probe)
+    opt.step()
+    kept = [t for s in opt.state.values() for t in s.values()
+            if isinstance(t, torch.Tensor) and t.numel() == probe.numel()]
+    if probe.element_size() == 2 and any(t.dtype == torch.float32 for t in kept):
+        return master_weights_passes(probe.element_size())
+    if not isinstance(opt, torch.optim.Adam):
+        return ADAMW_PASSES
+    d = opt.defaults
+    return adam_passes(fused=bool(d.get("fused")), weight_decay=float(d.get("weight_decay", 0)),
+                       decoupled=bool(d.get("decoupled_weight_decay",
+                                            isinstance(opt, torch.optim.AdamW))))

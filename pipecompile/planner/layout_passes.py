@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .resolved import Choices
-from .block_tables import BlockTables, coarsest, enough_blocks
+from .block_tables import BlockTables, coarsest, enough_blocks, model_dtype
 from ..errors import ConfigError
 from ..ir.records import CapturedModel, LinearGraph
 from ..ir.records import Example
@@ -38,7 +38,7 @@ __all__ = ["layout_search_pass"]
 def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Plan, str]:
     """Choose P x D, FSDP, placement and, per layout, the "auto" options (schedule_search.py)."""
     o, devices = plan.asked, plan.resolved.devices  # the search starts from what was asked
-    captured = plan.ready.captured
+    captured, dtype = plan.ready.captured, model_dtype(plan)
     world = len(devices)
     tables = BlockTables(plan, example, plan.calibration)  # calibrated by the probe
     finest = coarsest(captured, o.granularity or GRANULARITIES[-1], 0, tables.levels)
@@ -112,7 +112,8 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         return search_plans(space, specs, lambda m, s: costs_for(layout, m, s),
                             overhead=plan.overhead, split_ratio=plan.split_ratio,
                             efficiency=plan.efficiency, searched=tuple(sorted(o.auto)),
-                            collectives=Collectives.of(layout, o.cluster, devices[0]),
+                            collectives=Collectives.of(layout, o.cluster, devices[0],
+                                                        o.optimizer, dtype),
                             memo=memo, written=o.given_schedule, advise=False, above=above)
 
     memo: dict = {}  # the schedules built, shared by every layout's search

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from .block_tables import BlockTables, coarsest, cost_model, enough_blocks
+from .block_tables import BlockTables, coarsest, cost_model, enough_blocks, model_dtype
 from .resolved import Choices, resolve
 from ..weights.materialize import is_meta_model
 from ..measure.probe import Probe, probe
@@ -145,7 +145,8 @@ def _search(plan: Plan, example: Example) -> tuple[Plan, str]:
     found = search_plans(space, o.devices, costs_for, overhead=plan.overhead,
                          split_ratio=plan.split_ratio,
                          cores=shared_cores(o.devices, o.ranks), efficiency=plan.efficiency,
-                         searched=tuple(sorted(asked.auto)), collectives=_one_replica(asked))
+                         searched=tuple(sorted(asked.auto)),
+                         collectives=_one_replica(asked, model_dtype(plan)))
     best = found.best
     stages = len(o.devices) * best.virtual_stages
     recompute = (tuple(best.recompute) if "checkpoint" in asked.auto
@@ -211,15 +212,17 @@ def target(plan: Plan) -> Target:
 def collectives(plan: Plan) -> Collectives | None:
     """The searched layout's collectives and optimizer step (no layout searched: the
     optimizer step alone on absent devices, else None)."""
-    layout = plan.ready.choices.layout
+    layout, dtype = plan.ready.choices.layout, model_dtype(plan)
     if layout is None:
-        return _one_replica(plan.asked)
-    return Collectives.of(layout, plan.asked.cluster, plan.resolved.devices[0])
+        return _one_replica(plan.asked, dtype)
+    return Collectives.of(layout, plan.asked.cluster, plan.resolved.devices[0],
+                          plan.asked.optimizer, dtype)
 
 
-def _one_replica(o: CompileOptions) -> Collectives | None:
+def _one_replica(o: CompileOptions, dtype: torch.dtype) -> Collectives | None:
     """Devices described by their figures, no layout searched: one replica's optimizer step
     (priced by its bytes; no collectives). None for devices measured here."""
     if o.data_parallel > 1 or not all(d.absolute for d in o.devices):
         return None
-    return Collectives.of(Layout(len(o.devices), 1), o.cluster, o.devices[0])
+    return Collectives.of(Layout(len(o.devices), 1), o.cluster, o.devices[0], o.optimizer,
+                          dtype)

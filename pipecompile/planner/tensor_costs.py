@@ -162,7 +162,8 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
         launches=k.launches, gemms=tuple(gemms),
         flash=tuple((heads / t, s_q, s_k, d, causal, count)
                     for heads, s_q, s_k, d, causal, count in k.flash),
-        moves=tuple(moves), ruled=tuple(ruled))
+        moves=tuple(moves), ruled=tuple(ruled),
+        loss=tuple(x for f in k.loss for x in (f / t, f)))  # the loss, split or whole
     return _Sharded(sharded, backward, max(sides, default=0), min(sides, default=0), tokens,
                     itemsize, batched // 2)
 

@@ -171,3 +171,37 @@ def test_symbolic_costs_are_computed_once_per_graph_and_shapes(monkeypatch):
     costs(Chain(), factor=3.0)  # a bounded cache: the least recently used goes
     assert len(calls) == 4 and len(cache) == 3
     assert costs(Chain()) == first and len(calls) == 5  # the first entry was evicted
+
+
+class MasterWeightsAdamW(torch.optim.Optimizer):
+    """Adam over fp32 master weights and moments of 16-bit parameters, kept in its state (as
+    Megatron-LM's mixed-precision optimizer keeps them)."""
+
+    def __init__(self, params, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["master"] = p.detach().float()
+                    state["exp_avg"] = torch.zeros_like(state["master"])
+                    state["exp_avg_sq"] = torch.zeros_like(state["master"])
+                g = p.grad.float()
+                state["exp_avg"].lerp_(g, 0.1)
+                state["exp_avg_sq"].mul_(0.999).addcmul_(g, g, value=0.001)
+                state["master"].addcdiv_(state["exp_avg"], state["exp_avg_sq"].sqrt() + 1e-8,
+                                         value=-group["lr"])
+                p.copy_(state["master"])
+
+
+def test_the_state_factor_is_probed_in_the_models_dtype():
+    """On a bf16 probe, torch's AdamW keeps bf16 moments (2 bytes of state per parameter
+    byte); an optimizer keeping fp32 master weights and moments keeps 12 bytes per 2-byte
+    parameter: 6 (an fp32 probe would have said 3)."""
+    adamw = lambda p: torch.optim.AdamW(p)  # noqa: E731
+    assert optimizer_state_factor(adamw, torch.bfloat16) == 2.0
+    assert optimizer_state_factor(MasterWeightsAdamW, torch.bfloat16) == 6.0
+    assert optimizer_state_factor(MasterWeightsAdamW) == 3.0

@@ -12,6 +12,9 @@ from pipecompile.passes.kernel_prices import (
     CHIPS,
     Attention,
     Chip,
+    ADAMW_PASSES,
+    adam_passes,
+    master_weights_passes,
     attention_efficiency,
     attention_seconds,
     cross_entropy_bytes,
@@ -89,6 +92,31 @@ def test_the_optimizer_step_and_clipping_move_their_bytes():
     # AdamW: 2 x parameters + gradients + 2 x state; clipping: 3 x gradients
     assert optimizer_seconds(1e12, 2e9, 2e9, 4e9, clip=False) == pytest.approx(14e-3)
     assert optimizer_seconds(1e12, 2e9, 2e9, 4e9) == pytest.approx(20e-3)
+
+
+def test_torchs_adam_step_is_priced_by_the_kernels_it_runs():
+    """torch.optim.AdamW's foreach (default) step: p read and written twice (the decoupled
+    weight decay, then addcdiv), g read twice (lerp, addcmul), the two moments 8 times and the
+    denominator 6 (sqrt, divide, add eps, read by addcdiv): 20 accesses of the parameter's
+    size where the fused kernel makes 7 (adam_passes' docstring)."""
+    assert adam_passes(fused=True, weight_decay=0.01) == ADAMW_PASSES == (2, 1, 2)
+    foreach = adam_passes(fused=False, weight_decay=0.01, decoupled=True)
+    assert foreach == (4, 2, 7)
+    assert foreach[0] + foreach[1] + 2 * foreach[2] == 20  # state = two moments
+    assert adam_passes(fused=False) == (2, 2, 7)  # Adam without weight decay
+    assert adam_passes(fused=False, weight_decay=0.1, decoupled=False) == (3, 4, 7)
+    # a bf16 AdamW over 1e9 parameters at 1 TB/s, with clipping: (20 + 3) x 2 bytes each
+    assert optimizer_seconds(1e12, 2e9, 2e9, 4e9, passes=foreach) == pytest.approx(46e-3)
+
+
+def test_master_weights_are_priced_as_megatrons_mixed_precision_step():
+    """fp32 master weights and moments (12 bytes of state) of bf16 parameters: the parameter
+    written once, the gradient read once, 42 bytes over the state, 6 of 16-bit clipping: 52
+    bytes a parameter, mixed_precision_bytes without a loss scale."""
+    passes = master_weights_passes(2)
+    assert passes == (1, 1, 3.5)
+    assert 2 * passes[0] + 2 * passes[1] + 12 * passes[2] + 3 * 2 == 52
+    assert mixed_precision_bytes(model_bytes=2, loss_scale=False) == 52
 
 
 def test_megatrons_mixed_precision_optimizer_moves_its_bytes_per_parameter():

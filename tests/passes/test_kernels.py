@@ -171,12 +171,15 @@ def test_the_loss_over_a_vocabulary_and_a_cast_are_priced_by_the_kernels_torch_r
     assert recorder.ruled == [(forward, cross_entropy_bytes(8, 32000, 4, backward=True)),
                               (8 * 32000 * 6, 8 * 32000 * 6)]
     kernels = recorder.kernels()
+    assert kernels.loss == (forward,)  # the cross-entropy is the loss; the cast is not
     priced = kernels.parts(0.0, RATES, float)
-    # backward: the ruled ops their own bytes, the short softmax twice its forward
-    assert priced[1].memory == pytest.approx(
-        (cross_entropy_bytes(8, 32000, 4, backward=True) + 8 * 32000 * 6
-         + 2 * 8 * 128 * 4) / 1e12)
-    assert priced[0].memory == pytest.approx((forward + 8 * 32000 * 6 + 8 * 128 * 4) / 1e12)
+    # backward: the ruled ops their own bytes, the short softmax twice its forward; the
+    # cross-entropy's bytes named the loss, apart from the other memory-bound kernels
+    assert priced[1].loss == pytest.approx(cross_entropy_bytes(8, 32000, 4, backward=True)
+                                           / 1e12)
+    assert priced[1].memory == pytest.approx((8 * 32000 * 6 + 2 * 8 * 128 * 4) / 1e12)
+    assert priced[0].loss == pytest.approx(forward / 1e12)
+    assert priced[0].memory == pytest.approx((8 * 32000 * 6 + 8 * 128 * 4) / 1e12)
 
 
 def test_an_embedding_is_priced_by_the_rows_it_gathers_and_its_zero_filled_gradient():

@@ -127,3 +127,31 @@ def test_the_planner_folder_names_each_of_its_modules():
     from tests.support.folders import unlisted
 
     assert unlisted(folder) == []
+
+
+def test_the_optimizer_step_is_priced_by_the_kernels_torch_runs_for_the_factory():
+    """compile's optimizer factory read on a probe (layout.step_passes): torch's AdamW by
+    default runs its foreach kernels, fused=True one kernel, Adam without weight decay
+    skips its pass over the parameters, any other optimizer at AdamW's fused minimum."""
+    import torch
+
+    from pipecompile.passes.kernel_prices import ADAMW_PASSES
+    from pipecompile.planner.layout import step_passes
+
+    assert step_passes(lambda p: torch.optim.AdamW(p)) == (4, 2, 7)
+    assert step_passes(lambda p: torch.optim.AdamW(p, weight_decay=0.0)) == (2, 2, 7)
+    assert step_passes(lambda p: torch.optim.AdamW(p, fused=True)) == ADAMW_PASSES
+    assert step_passes(lambda p: torch.optim.Adam(p)) == (2, 2, 7)
+    assert step_passes(lambda p: torch.optim.SGD(p, lr=0.1)) == ADAMW_PASSES
+    assert step_passes(None) == ADAMW_PASSES
+    # bf16 parameters: AdamW's moments are bf16 (its kernels, as above); an optimizer keeping
+    # fp32 master weights in its state is priced as Megatron-LM's mixed-precision step
+    from pipecompile.passes.kernel_prices import mixed_precision_bytes, optimizer_seconds
+    from tests.passes.test_annotate import MasterWeightsAdamW
+
+    assert step_passes(lambda p: torch.optim.AdamW(p), torch.bfloat16) == (4, 2, 7)
+    master = step_passes(MasterWeightsAdamW, torch.bfloat16)
+    assert master == (1, 1, 3.5) and step_passes(MasterWeightsAdamW) == ADAMW_PASSES
+    # 1e9 bf16 parameters, fp32 master and moments (12 bytes each), at 1 TB/s: 52 bytes each
+    assert optimizer_seconds(1e12, 2e9, 2e9, 12e9, passes=master) == pytest.approx(
+        mixed_precision_bytes(loss_scale=False) * 1e9 / 1e12) == pytest.approx(52e-3)
