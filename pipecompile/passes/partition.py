@@ -241,7 +241,11 @@ def _time_costs(problem: PartitionProblem) -> tuple[_Cost, _Cost]:
     f = _prefix(problem.forward_times or (0.0,) * problem.num_blocks)
     cut, inflight = problem.cut_bytes, problem.inflight
     speed, mem = zip(*((d.speed, d.memory) for d in problem.devices))
-    send = [[d.send_time(x) for x in cut] for d in problem.devices]  # [j][a]: one message
+    rows: dict[DeviceSpec, list[float]] = {}  # stages mostly run on equal devices
+    for d in problem.devices:
+        if d not in rows:
+            rows[d] = [d.send_time(x) for x in cut]
+    send = [rows[d] for d in problem.devices]  # [j][a]: one message
     modes = problem.recompute or (False,) * problem.num_stages
     plain = tuple(m is not True for m in modes)  # may run without recomputation
     again = tuple(m is not False for m in modes)  # may recompute
