@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -28,17 +27,15 @@ from ..ir.progress import Progress
 from ..passes.partition import PartitionMemoryError, PartitionProblem, partition
 from ..ir.formats import format_bytes
 from ..schedule.actions import Schedule
-from ..schedule.lowering import add_communication
-from ..schedule.schedules import SCHEDULES, TWO_STAGES_PER_DEVICE, make_schedule
-from ..schedule.lowering import relower
-from ..schedule.simulate import inflight, simulate
+from ..schedule.schedules import TWO_STAGES_PER_DEVICE, schedule_properties
+from ..schedule.simulate import simulate
 from ..schedule.bounds import fill_floor, makespan_floor
-from ..schedule.messages import Dataflow
-from ..schedule.validate import dependencies
+from .built_schedules import BuiltSchedules
 from .device_share import device_memory, fit_devices
 from .layout import Collectives
 from ..schedule.actions import Kind
 from .stage_costs import (
+    backward_ratio,
     SPLIT_BACKWARD_RATIO,
     BlockTable,
     dataflow,
@@ -69,12 +66,6 @@ ANY_V_SCHEDULES: tuple[str, ...] = ("interleaved-1f1b", "interleaved-zb")
 
 #: Predicted steps within this fraction of the fastest are ties, decided by peak memory.
 TIE = 1e-3
-
-#: How many actions of relowered schedules (with their dependencies, about 0.3 kB an action)
-#: a search keeps for the next candidates and layouts: the searches of layouts with as many
-#: devices meet the same schedules again, in the same order, so a cache smaller than one
-#: layout's schedules would miss every time.
-_LOWERED_KEPT = 1_000_000
 
 #: How a candidate skipped by its lower bound (`search`'s `above`) begins its reason.
 NOT_SIMULATED = "not simulated"
@@ -217,7 +208,7 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     """
     devices = tuple(devices)
     p = len(devices)
-    schedules = _Schedules(memo, written)
+    schedules = BuiltSchedules(memo, written)
     found: list[Candidate] = []
     skipped: list[tuple[float, Candidate]] = []  # (its lower bound, it)
     total = sum(len(space.microbatches) * len(space.virtual_for(n)) for n in space.schedules)
@@ -228,9 +219,8 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     tables = {(m, v): costs_for(m, p * v) for _, m, v in enumerated}
     works = {key: _work(table, key[0]) / speed for key, table in tables.items()
              if table is not None}
-    # With `above`, the likeliest fastest are costed first, so that they bound the others
-    # sooner; the order changes what is simulated, never the winner (ties are decided by the
-    # enumeration order below).
+    # with `above`, the likeliest fastest first, to bound the others sooner: the order changes
+    # what is simulated, never the winner (ties go by the enumeration order below)
     order_of = {key: k for k, key in enumerate(enumerated)}
     todo = enumerated if above is None else sorted(
         enumerated, key=lambda c: (_estimate(c, p, works.get(c[1:], math.inf)), order_of[c]))
@@ -240,10 +230,13 @@ def search(space: Space, devices: Sequence[DeviceSpec],
         if table is None:
             continue
         limit = _limit(above, found)
-        fill = _work(table, 1) / max(d.speed for d in devices)  # a micro-batch on one device
-        work = max(works[(m, v)], fill_floor(name, p, m, v, fill))
+        # a split backward's I + W cost backward_ratio x B (simulator_costs); the fill
+        ratio = backward_ratio(split_ratio) if _splits(name, written) else 1.0
+        work = max(_work(table, m, ratio) / speed,
+                   fill_floor(name, p, m, v, _work(table, 1) / max(d.speed for d in devices)))
         if work > limit:  # every device's compute together, spread evenly, and the fill
-            skipped.append((work, _skip(name, m, v, work, limit, "its compute and the pipeline fill")))
+            skipped.append((work, _skip(name, m, v, work, limit,
+                                        "its compute and the pipeline fill")))
             continue
         c = _candidate(name, m, v, table, devices, space.checkpoint, schedules,
                        overhead=overhead, split_ratio=split_ratio, cores=cores,
@@ -297,9 +290,17 @@ def search(space: Space, devices: Sequence[DeviceSpec],
     return SearchResult(labelled[0], tuple(labelled), bound, searched, note)
 
 
-def _work(table: BlockTable, m: int) -> float:
-    """Seconds of compute of a step of `m` micro-batches on one device of speed 1."""
-    return m * (sum(table.forward) + sum(table.backward_input) + sum(table.backward_weight))
+def _work(table: BlockTable, m: int, ratio: float = 1.0) -> float:
+    """Seconds of compute of a step of `m` micro-batches on one device of speed 1, each
+    backward costing `ratio` x the table's."""
+    return m * (sum(table.forward)
+                + ratio * (sum(table.backward_input) + sum(table.backward_weight)))
+
+
+def _splits(name: str, written: Schedule | None) -> bool:
+    """Whether schedule `name` (the written one where it has that name) splits backwards."""
+    return schedule_properties(name, written if written and written.name == name else None
+                               ).splits_backward
 
 
 def _estimate(candidate: tuple[str, int, int], p: int, work: float) -> float:
@@ -331,64 +332,6 @@ def _skip(name: str, m: int, v: int, floor: float, limit: float, what: str) -> C
 # -- one candidate ------------------------------------------------------------------------------
 
 
-class _Schedules:
-    """The schedules one search builds, each once, with their peak in-flight micro-batches per
-    stage; kept for that search (or the layout search's searches). A built-in generator's
-    schedule is not validated here (its tests validate every generator; validating is most of
-    the cost of building one with 80 stages): the schedule pass builds the chosen one with
-    `make_schedule`, which does. A written schedule is validated (make_schedule)."""
-
-    def __init__(self, memo: dict | None = None, written: Schedule | None = None) -> None:
-        self._made: dict[tuple[str, int, int, int], tuple[Schedule, tuple[int, ...]]] = (
-            {} if memo is None else memo)
-        self._written = written
-        # the last relowered schedules, shared like the schedules (in `memo`, under a key no
-        # schedule has): the searches of layouts with as many devices meet the same ones
-        self._low: OrderedDict[tuple, list] = self._made.setdefault(
-            ("lowered",), OrderedDict())  # type: ignore[arg-type, assignment]
-
-    def get(self, name: str, p: int, m: int, v: int) -> tuple[Schedule, tuple[int, ...]]:
-        key = (name, p, m, v)
-        if key not in self._made:
-            written = self._written
-            if name in SCHEDULES and (written is None or name != written.name):
-                schedule = add_communication(SCHEDULES[name](p, m, virtual_stages=v))
-            else:
-                schedule = make_schedule(written if written is not None and name == written.name
-                                         else name, p, m, virtual_stages=v)
-            self._made[key] = schedule, inflight(schedule)
-        return self._made[key]
-
-    def lowered(self, name: str, p: int, m: int, v: int, links: Dataflow | None
-                ) -> tuple[Schedule, Callable[[], dict]]:
-        """The schedule relowered with `links`' messages, and a function giving its
-        dependencies (computed on the first call: a candidate whose floor is over the step to
-        beat is not simulated and never needs them). Both depend on which stages link (with
-        or without a gradient), not on the values' names or bytes, so candidates whose cuts
-        link the same stages share them."""
-        shape = None if links is None else tuple((k.src, k.dst, bool(k.grads))
-                                                   for k in links.links)
-        key = (name, p, m, v, shape)
-        low = self._low
-        if key in low:
-            low.move_to_end(key)
-        else:
-            schedule = self.get(name, p, m, v)[0]
-            if links is not None:
-                schedule = relower(schedule, links)
-            low[key] = [schedule, None]
-            while (sum(sum(map(len, s.actions)) for s, _ in low.values()) > _LOWERED_KEPT
-                   and len(low) > 1):
-                low.popitem(last=False)
-        entry = low[key]
-
-        def deps() -> dict:
-            if entry[1] is None:
-                entry[1] = dependencies(entry[0], links)
-            return entry[1]
-
-        return entry[0], deps
-
 def _problem(schedule: Schedule, peaks: tuple[int, ...], table: BlockTable,
              specs: tuple[DeviceSpec, ...], checkpoint: bool | None,
              split_ratio: float | None) -> PartitionProblem:
@@ -400,7 +343,7 @@ def _problem(schedule: Schedule, peaks: tuple[int, ...], table: BlockTable,
 
 
 def _candidate(name: str, m: int, v: int, table: BlockTable, devices: tuple[DeviceSpec, ...],
-               checkpoint: bool | None, schedules: _Schedules, *, overhead: float,
+               checkpoint: bool | None, schedules: BuiltSchedules, *, overhead: float,
                split_ratio: float | None, cores: int | None, efficiency: float,
                collectives: Collectives | None = None, limit: float = math.inf
                ) -> Candidate | float:
@@ -462,7 +405,7 @@ def _label(c: Candidate, best: Candidate) -> Candidate:
 
 def _no_fit(smallest: Candidate, table: BlockTable, devices: tuple[DeviceSpec, ...],
             checkpoint: bool | None, split_ratio: float | None,
-            schedules: _Schedules) -> PartitionMemoryError:
+            schedules: BuiltSchedules) -> PartitionMemoryError:
     """The error when nothing fits: the smallest plan's need per device, in the partitioner's
     words when its placement failed (with the fewest devices that would fit), and the fixes."""
     p, m, v = len(devices), smallest.microbatches, smallest.virtual_stages

@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from pipecompile.errors import ScheduleError
 from pipecompile.schedule.actions import Action, Kind, Schedule
@@ -36,6 +37,11 @@ __all__ = ["add_communication", "strip_communication", "relower", "split_backwar
 
 def _with_rows(schedule: Schedule, rows: list[list[Action]]) -> Schedule:
     return dataclasses.replace(schedule, actions=tuple(map(tuple, rows)))
+
+
+#: A message action by its fields: actions are frozen values, so the lowerings of the many
+#: schedules a planning search builds share each one instead of constructing it again.
+_message = functools.lru_cache(maxsize=1 << 20)(Action)
 
 
 def add_communication(schedule: Schedule, dataflow: Dataflow | None = None) -> Schedule:
@@ -64,14 +70,14 @@ def add_communication(schedule: Schedule, dataflow: Dataflow | None = None) -> S
             forward = action.kind is Kind.F
             backward = action.kind in (Kind.B, Kind.I)
             if forward:
-                out += [Action(s, Kind.RECV_F, i, p) for p in recv_f[s]]
+                out += [_message(s, Kind.RECV_F, i, p) for p in recv_f[s]]
             if backward:
-                out += [Action(s, Kind.RECV_B, i, p) for p in recv_b[s]]
+                out += [_message(s, Kind.RECV_B, i, p) for p in recv_b[s]]
             out.append(action)
             if forward:
-                out += [Action(s, Kind.SEND_F, i, p) for p in send_f[s]]
+                out += [_message(s, Kind.SEND_F, i, p) for p in send_f[s]]
             if backward:
-                out += [Action(s, Kind.SEND_B, i, p) for p in send_b[s]]
+                out += [_message(s, Kind.SEND_B, i, p) for p in send_b[s]]
         rows.append(out)
     return _with_rows(schedule, rows)
 
