@@ -102,7 +102,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         space = Space(
             schedules=(FSDP_SCHEDULES if layout.fsdp else SYNC_SCHEDULES)
             if "schedule" in o.auto else (o.schedule,),
-            microbatches=(_enough(microbatch_choices(local), layout.pipeline)
+            microbatches=(_enough(microbatch_choices(local, cap=local), layout.pipeline)
                           if "microbatches" in o.auto and captured.dynamic_batch
                           else (o.microbatches,)),
             virtual_stages=None if "virtual_stages" in o.auto else (o.virtual_stages,),
