@@ -46,8 +46,7 @@ def test_the_option_is_a_bool_or_auto_and_needs_tensor_parallelism():
         pc.compile(model, (ids,), devices=2, tensor_parallel=2, sequence_parallel=True)
 
 
-@pytest.mark.parametrize("what", [{"fsdp": True}, {"schedule": "pipedream"},
-                                  {"compile_stages": True}])
+@pytest.mark.parametrize("what", [{"schedule": "pipedream"}, {"compile_stages": True}])
 def test_what_sequence_parallelism_does_not_run_with_is_refused_naming_it(what):
     from pipecompile.ir.devices import DeviceSpec
     from pipecompile.planner.options import CompileOptions, _check_tensor_parallel
@@ -59,6 +58,9 @@ def test_what_sequence_parallelism_does_not_run_with_is_refused_naming_it(what):
     with pytest.raises(ConfigError, match=f"tensor_parallel=2, sequence_parallel=True with "
                                           f"{name}=.* is not built yet.*leave out {name}"):
         _check_tensor_parallel(options)
+    # FSDP and recomputation run with it (tests/distributed/test_tensor_parallel_fsdp.py)
+    for runs in ({"fsdp": True}, {"checkpoint": True}):
+        _check_tensor_parallel(replace(options, schedule="1f1b", compile_stages=False, **runs))
 
 
 def test_layouts_try_both_settings_for_t_above_one():
