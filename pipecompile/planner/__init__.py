@@ -17,6 +17,7 @@
   the decisions and their prices:
     decisions.py       cost, place, refine: the planner's decisions as pure functions
     schedule_search.py which schedule, micro-batch count, virtual stages and recomputation
+    built_schedules.py the schedules a search builds, each once, kept for the next layouts
     layout_search.py   every layout searched with the schedule search, the best kept
     layout.py          a layout (P x D x T, FSDP, which dimension stays inside a node), its costs
                        and what the search found of it (`LayoutCandidate`)
