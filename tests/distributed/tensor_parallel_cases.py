@@ -121,11 +121,8 @@ def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
     for case in cases:
         name, P, schedule = case[:3]
         sp = len(case) > 3 and case[3] == "sp"  # sequence_parallel=True
-        T = dist.get_world_size() // (P * replicas)
-        model, args, kwargs, target, loss_fn = MODELS[name]()
-        replica = rank // (P * T)
-        args = tuple(a.chunk(replicas)[replica] for a in args)
-        target = target.chunk(replicas)[replica]
+        T, (model, args, kwargs, target, loss_fn) = replica_case(
+            name, P, replicas, rank, dist.get_world_size())
         pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=P,
                           data_parallel=replicas, tensor_parallel=T, loss_fn=loss_fn,
                           schedule=schedule, microbatches=2, timeout=300,
@@ -163,3 +160,13 @@ def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
             "dtensor": all(isinstance(p, DTensor) for p in pipe.parameters())}
         dist.barrier()
     return results
+
+
+def replica_case(name: str, P: int, replicas: int, rank: int, world: int):
+    """T for `world` ranks of P x replicas x T, and model `name`'s case with this rank's
+    replica's share of the global batch (args and target chunked over the replicas)."""
+    T = world // (P * replicas)
+    model, args, kwargs, target, loss_fn = MODELS[name]()
+    replica = rank // (P * T)
+    args = tuple(a.chunk(replicas)[replica] for a in args)
+    return T, (model, args, kwargs, target.chunk(replicas)[replica], loss_fn)

@@ -9,7 +9,7 @@ import torch
 
 import pipecompile as pc
 from pipecompile.ir.tensors import local_tensor
-from tests.distributed.tensor_parallel_cases import MODELS
+from tests.distributed.tensor_parallel_cases import replica_case
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,11 +37,8 @@ def run_cases(rank: int, cases: list[tuple]) -> dict:
     for case in cases:
         name, P, schedule, options = case[0], case[1], case[2], dict(case[3])
         replicas = options.get("data_parallel", 1)
-        T = dist.get_world_size() // (P * replicas)
-        model, args, kwargs, target, loss_fn = MODELS[name]()
-        replica = rank // (P * T)
-        args = tuple(a.chunk(replicas)[replica] for a in args)
-        target = target.chunk(replicas)[replica]
+        T, (model, args, kwargs, target, loss_fn) = replica_case(
+            name, P, replicas, rank, dist.get_world_size())
         pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=P,
                           tensor_parallel=T, loss_fn=loss_fn, schedule=schedule,
                           microbatches=2, timeout=300, **options)
