@@ -201,7 +201,7 @@ def _compile(args: argparse.Namespace):
     if args.nodes is not None or args.per_node is not None:  # a cluster: the layout searched
         if not args.device:
             raise UsageError("--nodes/--per-node plan a cluster of a preset: give --device "
-                             "NAME too (h100, a100)")
+                             "NAME too (h100, h200, a100)")
         devices = pipecompile.cluster(args.device, nodes=args.nodes or 1,
                                       per_node=args.per_node or 8)
         layout = dict(data_parallel="auto", fsdp="auto")
@@ -370,7 +370,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--capture", default="export", choices=("export", "fx"))
     common.add_argument("--device", metavar="NAME",
                         help="plan for devices of a named preset that need not be here "
-                             "(h100, a100); nothing is measured or run")
+                             "(h100, h200, a100); nothing is measured or run")
     common.add_argument("--link", default="nvlink", choices=("nvlink", "infiniband"),
                         help="the preset's link between pipeline devices (default nvlink)")
     common.add_argument("--nodes", type=int, metavar="N",

@@ -358,3 +358,6 @@ CHIPS: dict[str, Chip] = {
                   ("float32", 66.9 * TERA), ("float8_e4m3fn", 1978.9 * TERA)),
                  3350e9, ceiling=792.1 / 989.4, attention=Attention(0.35, 0.35 * 0.63 / 0.73)),
 }
+# NVIDIA H200 SXM 141GB: the H100 SXM's GH100 (132 SMs, the same dense peaks, NVIDIA H200
+# datasheet) with HBM3e at 4.8 TB/s; its kernels' efficiencies are the H100's
+CHIPS["h200"] = replace(CHIPS["h100"], title="NVIDIA H200 141GB SXM", memory_bandwidth=4800e9)

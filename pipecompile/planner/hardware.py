@@ -108,11 +108,12 @@ class Accelerator:
         return LINK_EFFICIENCY * links[name]
 
 
-def _of_chip(chip: Chip, links: tuple[tuple[str, float], ...]) -> Accelerator:
+def _of_chip(chip: Chip, links: tuple[tuple[str, float], ...], memory: float = 80 * GIGA
+             ) -> Accelerator:
     """The accelerator of `chip`: its datasheet figures, its best GEMM as the matmul rate and
     fused attention forward + backward (2.5x the forward's FLOPs) as one fraction."""
     fused = 3.5 / (1 / chip.attention.forward + 2.5 / chip.attention.backward)
-    return Accelerator(title=chip.title, peak_flops=chip.peak_flops, memory=80 * GIGA,
+    return Accelerator(title=chip.title, peak_flops=chip.peak_flops, memory=memory,
                        memory_bandwidth=chip.memory_bandwidth, links=links,
                        matmul=chip.ceiling, attention=fused, chip=chip)
 
@@ -123,15 +124,19 @@ ACCELERATORS: dict[str, Accelerator] = {
     "h100": _of_chip(CHIPS["h100"], (("nvlink", 450 * GIGA), ("infiniband", 50 * GIGA))),
     # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column; ConnectX-6 HDR 200 Gb/s
     "a100": _of_chip(CHIPS["a100"], (("nvlink", 300 * GIGA), ("infiniband", 25 * GIGA))),
+    # NVIDIA H200 datasheet, SXM column: 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; an HGX
+    # H200 node has one 400 Gb/s NIC per GPU as the DGX H100
+    "h200": _of_chip(CHIPS["h200"], (("nvlink", 450 * GIGA), ("infiniband", 50 * GIGA)),
+                     memory=141 * GIGA),
 }
 
-_NOISE = ("nvidia", "sxm5", "sxm4", "sxm", "80gb", "tensorcore", "gpu")
+_NOISE = ("nvidia", "sxm5", "sxm4", "sxm", "141gb", "80gb", "tensorcore", "gpu")
 
 
 def preset(name: str, *, efficiency: float | None = None, link: str = "nvlink",
            device: str = "cuda") -> DeviceSpec:
-    """The `DeviceSpec` of a named accelerator: "h100" or "a100" (any case; "H100 80GB SXM",
-    "a100-sxm4-80gb" too). `efficiency`: sustained / peak FLOP/s; `link`: "nvlink" (within a
+    """The `DeviceSpec` of a named accelerator: "h100", "h200" or "a100" (any case; "H100 80GB
+    SXM", "a100-sxm4-80gb", "NVIDIA H200" too). `efficiency`: sustained / peak FLOP/s; `link`: "nvlink" (within a
     node) or "infiniband" (across nodes); `device`: the torch device its stages run on when
     this machine has it ("cuda" is numbered per pipeline device when enough GPUs are here).
     `efficiency`: sustained / peak FLOP/s of the best GEMM (None: the accelerator's own,

@@ -27,7 +27,7 @@ def test_an_h100_cluster_has_its_devices_and_two_link_levels():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: cluster("tpu-v5", nodes=2), "no device preset named 'tpu-v5'; presets: h100, a100"),
+    (lambda: cluster("tpu-v5", nodes=2), "no device preset named 'tpu-v5'; presets: h100, a100, h200"),
     (lambda: cluster("h100", nodes=0), "nodes must be a positive int, got 0"),
     (lambda: cluster("h100", inter="ethernet"), "has no link 'ethernet'"),
 ])

@@ -49,7 +49,7 @@ def test_presets_carry_the_datasheet_figures_at_the_stated_fractions():
 
 
 def test_preset_errors_name_what_exists():
-    with pytest.raises(ConfigError, match="no device preset named 'v100'; presets: h100, a100"):
+    with pytest.raises(ConfigError, match="no device preset named 'v100'; presets: h100, a100, h200"):
         preset("v100")
     with pytest.raises(ConfigError, match="has no link 'pcie'; use one of nvlink, infiniband"):
         preset("h100", link="pcie")
@@ -181,3 +181,11 @@ def test_cli_rejects_a_bad_factory_argument(capsys):
     assert cli.main(["plan", f"{FACTORIES}:gpt", "--arg", "nope=1", "--device", "h100"]) == 2
     assert "gpt(nope=1) raised TypeError" in capsys.readouterr().err
 
+
+
+def test_the_h200_preset_is_the_h100_chip_with_its_memory_and_bandwidth():
+    """NVIDIA's H200 datasheet: the H100's GH100 (same dense peaks) with 141 GB at 4.8 TB/s."""
+    h100, h200 = preset("h100"), preset("NVIDIA H200")
+    assert h200.memory == 141e9 and h100.memory == 80e9
+    assert h200.flops == h100.flops
+    assert h200.memory_bandwidth == pytest.approx(h100.memory_bandwidth * 4800 / 3350)
