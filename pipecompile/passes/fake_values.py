@@ -32,6 +32,8 @@ state between compiles.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -129,14 +131,16 @@ def run_on_fakes(run: Callable[[FakeValues], T], fakes: FakeValues, *,
     `name` names the block in the log."""
     others = {s: v for s, v in example_sizes.items() if s != batch}
     try:
-        return run(fakes)
+        with _unguarded(fakes.mode):
+            return run(fakes)
     except Exception as exc:  # noqa: BLE001 - tried again with fewer symbols below
         failure = exc
     if others:
         log.info("pipecompile: block %s could not run on fake tensors with every size symbolic "
                  "(%s); costing it with only the batch symbolic", name, failure)
         try:
-            return run(fakes.specialized(others, example_sizes))
+            with _unguarded(fakes.mode):
+                return run(fakes.specialized(others, example_sizes))
         except Exception as exc:  # noqa: BLE001
             failure = exc
     if batch is None or batch not in example_sizes:
@@ -150,12 +154,34 @@ def run_on_fakes(run: Callable[[FakeValues], T], fakes: FakeValues, *,
     return _linear(first, second, batch, b1, b2)
 
 
+def _unguarded(mode: Any) -> contextlib.AbstractContextManager:
+    """The capture's shape environment with guards suppressed: a kernel's size check (CUDA's
+    attention picks its backend by comparing sizes) takes the example's branch without
+    recording the guard, which would replace the batch symbol by the example's batch for the
+    rest of the compile (every later cost then a constant at the example's batch, 4x the
+    activations of a micro-batch of a quarter of it)."""
+    env = getattr(mode, "shape_env", None)
+    return env.suppress_guards() if env is not None else contextlib.nullcontext()
+
+
 def _linear(first: Any, second: Any, batch: sympy.Symbol, b1: int, b2: int) -> Any:
-    """Every sympy number of `first` (at batch `b1`) as the line through it and `second`'s
-    (at `b2`), in `batch`; tuples element by element; anything else as in `first`."""
-    if isinstance(first, sympy.Basic) and first.is_number:
-        slope = (sympy.sympify(second) - first) / (b2 - b1)
-        return sympy.expand(first + slope * (batch - b1))
+    """Every number of `first` (at batch `b1`) that differs from `second`'s (at `b2`) as the
+    line through both, in `batch`: sympy numbers and plain ints and floats (a size costed at
+    concrete sizes is a plain int), through tuples and dataclasses (the block's `Kernels`:
+    its GEMM shapes and bytes) field by field; an equal value (a count, a flag) as it is."""
+    if isinstance(first, bool) or first is None:
+        return first
+    if isinstance(first, (int, float, sympy.Basic)) and not isinstance(first, sympy.Symbol):
+        if isinstance(first, sympy.Basic) and not first.is_number:
+            return first
+        if first == second:
+            return first
+        slope = (sympy.sympify(second) - sympy.sympify(first)) / (b2 - b1)
+        return sympy.expand(sympy.sympify(first) + slope * (batch - b1))
     if isinstance(first, tuple) and isinstance(second, tuple) and len(first) == len(second):
         return tuple(_linear(a, b, batch, b1, b2) for a, b in zip(first, second))
+    if dataclasses.is_dataclass(first) and type(first) is type(second):
+        return dataclasses.replace(first, **{
+            f.name: _linear(getattr(first, f.name), getattr(second, f.name), batch, b1, b2)
+            for f in dataclasses.fields(first) if f.init})
     return first

@@ -172,3 +172,82 @@ def test_an_fx_capture_is_costed_like_an_export_capture():
     flops = {m: [(b.forward_flops, b.backward_flops) for b in c] for m, c in costs.items()}
     assert flops["fx"] == flops["export"]
     assert [f for f, _ in flops["fx"]] == [2 * 4 * 16 * 32, 0, 2 * 4 * 32 * 16, 2 * 4 * 16 * 8]
+
+
+class _Attention(nn.Module):
+    """A block with each kind of kernel the presets price: GEMMs, softmax attention, a GELU,
+    a LayerNorm and a loss over a vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 40)
+
+    def forward(self, x):  # (B, S, 16)
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(x.shape))
+        return torch.log_softmax(self.head(F.gelu(self.norm(x))), -1)
+
+
+def _at(value, batch, b):
+    """`value` (costs: dataclasses, tuples, sympy) with the batch at `b`, as plain numbers."""
+    import dataclasses
+
+    import sympy
+
+    if dataclasses.is_dataclass(value):
+        return tuple(_at(getattr(value, f.name), batch, b) for f in dataclasses.fields(value))
+    if isinstance(value, tuple):
+        return tuple(_at(v, batch, b) for v in value)
+    if isinstance(value, sympy.Basic):
+        return float(value.xreplace({batch: b}))
+    return value
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_costs_fitted_through_two_concrete_batches_equal_the_symbolic_ones(monkeypatch, fused):
+    """A block whose fake run fails with a symbolic batch is costed at two concrete batch sizes
+    and fitted linearly: its saved bytes (a plain int at concrete sizes) and its kernels (the
+    GEMM shapes and bytes a chip prices) too, not only its FLOPs. They had stayed at the
+    example's batch: a CUDA plan predicted 4x the activations of 4 micro-batches of 4."""
+    torch.manual_seed(0)
+    linear = linearize(capture(_Attention(), (torch.randn(4, 8, 16),), {}))
+    batch = linear.captured.batch_symbol
+    symbolic = symbolic_block_costs(linear, fused=fused)
+    real = annotate_module._run_block_fake
+
+    def only_concrete(block_nodes, nodes, roles, gm, fakes, *args):
+        if batch not in fakes.specialize:
+            raise RuntimeError("this kernel takes only concrete sizes")
+        return real(block_nodes, nodes, roles, gm, fakes, *args)
+
+    monkeypatch.setattr(annotate_module, "_run_block_fake", only_concrete)
+    fitted = symbolic_block_costs(linear, fused=fused)
+    assert any(c.activation_bytes != 0 for c in symbolic)
+    for b in (1, 3, 4):
+        assert _at(fitted, batch, b) == _at(symbolic, batch, b)
+
+
+def test_a_size_check_while_costing_leaves_the_batch_symbolic(monkeypatch):
+    """A kernel that reads a size as an int while the block is costed (CUDA's attention picks
+    its backend so) guards on the example's batch; the guard must not replace the batch
+    symbol, or every later block is costed at the example's batch (a CUDA plan predicted 4x
+    the activations). The costs equal those of a run without the check, at every batch."""
+    torch.manual_seed(0)
+    linear = linearize(capture(_Attention(), (torch.randn(4, 8, 16),), {}))
+    batch = linear.captured.batch_symbol
+    unchecked = symbolic_block_costs(linear, fused=True)
+    real = annotate_module._run_block_fake
+    placeholder = next(iter(linear.captured.module.graph.find_nodes(op="placeholder")))
+
+    def size_checked(*args, **kwargs):
+        assert int(placeholder.meta["val"].shape[0]) == 4  # a guard: s0 == 4
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(annotate_module, "_run_block_fake", size_checked)
+    checked = symbolic_block_costs(linear, fused=True)
+    assert any(batch in c.forward_flops.free_symbols for c in checked)
+    for b in (1, 3, 4):
+        assert _at(checked, batch, b) == _at(unchecked, batch, b)
