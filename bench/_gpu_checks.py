@@ -140,6 +140,21 @@ def memory(ctx: Ctx, out: dict[str, Any]) -> None:
             peak = torch.cuda.max_memory_allocated()
         stats = pipe.memory_stats()
         predicted = [s.cost.memory for s in pipe.program.stages]
+        if stages == 1:  # what the prediction was made from
+            captured = pipe.plan.captured
+            blocks = sorted(zip(pipe.plan.linear.blocks, pipe.plan.costs.blocks),
+                            key=lambda bc: -bc[1].activation_bytes)
+            out["capture"] = dict(
+                method=captured.method, dynamic_batch=captured.dynamic_batch,
+                captured_batch_size=captured.captured_batch_size,
+                example_sizes=str(dict(captured.example_sizes)),
+                inflight=pipe.program.stages[0].cost.inflight,
+                attention_ops=str(sorted({str(n.target) for n in captured.module.graph.nodes
+                                          if "attention" in str(n.target)})),
+                activation_bytes_per_microbatch=sum(c.activation_bytes
+                                                    for _, c in blocks),
+                largest_blocks=", ".join(f"{b.name} {c.activation_bytes:.3g}"
+                                         for b, c in blocks[:4]))
         for d in stats:
             rows.append(dict(stages=stages, device=d.device, place=d.place,
                              plan_stages=str(d.stages), measured_total=d.total,

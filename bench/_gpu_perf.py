@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from typing import Any, Callable
 
 import torch
@@ -40,7 +41,7 @@ PEAK_BF16 = H100.peak("bfloat16")
 
 def overhead(ctx: Ctx, out: dict[str, Any]) -> None:
     size = ctx.size(LLAMA_100M)
-    m, reps = size["m"], (3 if ctx.dry else 5)
+    m, reps = size["m"], (3 if ctx.dry else 7)
     rows: list[dict[str, Any]] = []
     out.update(rows=rows, aim="pipe / plain <= 1.03",
                model=f"llama hidden {size['hidden']} x {size['layers']} layers, vocab "
@@ -73,6 +74,11 @@ def overhead(ctx: Ctx, out: dict[str, Any]) -> None:
                        plain_spread=spread(times["plain"]), pipe_spread=spread(times["pipe"]))
             log(f"overhead: {label}: plain {plain * 1e3:.2f} ms, pipe {piped_t * 1e3:.2f} ms, "
                 f"ratio {piped_t / plain:.3f}")
+            if ctx.cuda and not ctx.over_budget():  # where the time goes, each way
+                out.setdefault("profiles", []).extend(
+                    [_profile(f"{label}: plain", lambda: plain_step(model, ids, m, ctx, amp),
+                              ctx),
+                     _profile(f"{label}: pipe", piped, ctx)])
         except Exception as exc:  # noqa: BLE001 - the other variant still runs
             row["error"] = f"{type(exc).__name__}: {exc}"[:600]
             log(f"overhead: {label}: {row['error'][:200]}")
@@ -80,6 +86,33 @@ def overhead(ctx: Ctx, out: dict[str, Any]) -> None:
     ratios = [r["ratio"] for r in rows if "ratio" in r]
     out["best_ratio"] = min(ratios) if ratios else None
     _action_cost(ctx, out)
+
+
+def _profile(label: str, fn: Callable[[], Any], ctx: Ctx) -> dict[str, Any]:
+    """One call of `fn` under torch.profiler: wall time, CUDA kernel time, kernel and
+    synchronisation counts, and the host calls that took the most self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    ctx.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        ctx.sync()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                    for e in events)
+    kernels = sum(e.count for e in events
+                  if getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                  > 0 and getattr(e, "device_type", None) is not None
+                  and "cuda" in str(e.device_type).lower())
+    syncs = {e.key: e.count for e in events if "Synchronize" in e.key or "WaitEvent" in e.key}
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+    return dict(case=label, wall_ms=wall * 1e3, device_busy_ms=device_us / 1e3, kernels=kernels,
+                syncs=str(syncs),
+                top_self_cpu=", ".join(f"{e.key} x{e.count} {e.self_cpu_time_total / 1e3:.1f}ms"
+                                       for e in top))
 
 
 def _action_cost(ctx: Ctx, out: dict[str, Any]) -> None:
@@ -131,12 +164,18 @@ def _mlp_plain(model: torch.nn.Module, params: list, x: torch.Tensor, y: torch.T
 
 # -- the preset against the GPU ------------------------------------------------------------
 
+def preset_name() -> str:
+    """The preset of the GPU here: "h200" on an H200, else "h100" (the dry run too)."""
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return "h200" if "h200" in name.lower() else "h100"
+
+
 def _predict(size: dict, batch: int, seq: int) -> dict[str, float]:
-    """The H100 preset's forward+backward per micro-batch of a bfloat16 Llama built on meta."""
+    """The GPU's preset's forward+backward per micro-batch of a bfloat16 Llama built on meta."""
     with torch.device("meta"):
         model = llama(**dict(size, seq=seq)).to(torch.bfloat16)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-    pipe = pc.compile(model, (ids,), {"labels": ids}, devices=[pc.preset("h100")],
+    pipe = pc.compile(model, (ids,), {"labels": ids}, devices=[pc.preset(preset_name())],
                       microbatches=1, schedule="gpipe", loss_fn=own_loss, checkpoint=False)
     costs, blocks = pipe.plan.costs.blocks, pipe.plan.linear.blocks
     layers: dict[str, float] = {}
@@ -173,7 +212,7 @@ def _compare(name: str, predicted: float, measured: float, **extra: Any) -> dict
 def preset_vs_gpu(ctx: Ctx, out: dict[str, Any]) -> None:
     reps = 2 if ctx.dry else 3
     rows: list[dict[str, Any]] = []
-    out.update(preset=pc.preset("h100").hardware, rows=rows,
+    out.update(preset=pc.preset(preset_name()).hardware, rows=rows,
                note="error_pct = predicted / measured - 1 (positive: the preset is slower)")
     size = ctx.size(LLAMA_100M)
     pred = _predict(size, size["mb"], size["seq"])
@@ -208,7 +247,7 @@ def _microbenchmarks(ctx: Ctx, out: dict[str, Any]) -> None:
     bf16 = torch.bfloat16
     rows: list[dict[str, Any]] = []
     out["matmul"] = rows
-    spec = pc.preset("h100")
+    spec = pc.preset(preset_name())
     rate, bw = spec.rate("bfloat16"), spec.memory_bandwidth
     for mm, k, n in ((8192, 8192, 8192), (4096, 4096, 14336), (2048, 4096, 4096),
                      (16, 4096, 4096)):

@@ -1,7 +1,7 @@
 """pipecompile on one GPU, in one command: exactness on CUDA, runtime overhead, the H100 preset
 against the GPU it runs on, memory against the planner's prediction, compiled stages.
 
-    PYTHONPATH=. python bench/gpu.py OUTDIR            # on a one-GPU machine: about 90-120 s
+    PYTHONPATH=. python bench/gpu.py OUTDIR            # on a one-GPU machine: about 4-5 min
     PYTHONPATH=. python bench/gpu.py OUTDIR --dry-run  # the same code paths on the CPU, tiny sizes
 
 Writes OUTDIR/gpu.json (every number, the error text of any section that failed) and
@@ -11,6 +11,10 @@ bench/_gpu_perf.py, each in its own try/except, each with a time budget; past th
 deadline the rest are skipped with a note):
 
     env        GPU name, capability, memory, torch / transformers / CUDA / NCCL versions
+    kernels    every kernel price (passes/kernel_prices.py) against the kernel on the GPU at
+               published runs' shapes: GEMMs by shape, attention by sequence / head dim / mask,
+               memory-bound ops, the loss over a vocabulary, AdamW and clipping, the launch
+               floor; the constants the measurements imply (bench/_gpu_kernels.py)
     exactness  GPT-2 and Llama (transformers, tiny configs) at 1 and 2 stages on one device
                (two device threads and streams), gpipe / 1f1b / zb-h1: loss and gradients
                against the unsplit model on the same micro-batches, float32 and bf16 autocast
@@ -48,13 +52,14 @@ for _path in (ROOT, HERE):
 import torch  # noqa: E402
 
 import _gpu_checks as checks  # noqa: E402
+import _gpu_kernels as kernel_checks  # noqa: E402
 import _gpu_perf as perf  # noqa: E402
 from _gpu_common import Ctx, fresh_thread_state, log, release  # noqa: E402
 
-DEADLINE_S = 90.0  # past this, the remaining sections are skipped (the run fits ~90-120 s)
+DEADLINE_S = 240.0  # past this, the remaining sections are skipped (the run fits ~4-5 min)
 DRY_DEADLINE_S = 600.0
 # seconds per section on the GPU (a section checks its budget between its cases)
-BUDGETS = {"env": 10, "exactness": 40, "overhead": 15, "preset": 15, "memory": 10,
+BUDGETS = {"env": 10, "kernels": 90, "exactness": 40, "overhead": 30, "preset": 15, "memory": 10,
            "tp": 5, "compiled": 40}
 # seconds a section needs before the deadline to start at all (compiling stages with inductor
 # cannot be stopped halfway: it runs last, and only with this much time left)
@@ -105,7 +110,7 @@ def tensor_parallel(ctx: Ctx, out: dict[str, Any]) -> None:
 
 
 SECTIONS: list[tuple[str, Callable[[Ctx, dict[str, Any]], None]]] = [
-    ("env", env), ("exactness", checks.exactness), ("overhead", perf.overhead),
+    ("env", env), ("kernels", kernel_checks.kernels), ("exactness", checks.exactness), ("overhead", perf.overhead),
     ("preset", perf.preset_vs_gpu), ("memory", checks.memory), ("tp", tensor_parallel),
     ("compiled", checks.compiled_stages)]
 

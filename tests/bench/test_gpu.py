@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ["env", "exactness", "overhead", "preset", "memory", "tp", "compiled"]
+SECTIONS = ["env", "kernels", "exactness", "overhead", "preset", "memory", "tp", "compiled"]
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +108,23 @@ def test_compiled_stages_exact(report):
     assert result["exact"] is True
     assert result["compiled_grad_rel_err"] <= 1e-5 and result["eager_grad_rel_err"] <= 1e-5
     assert result["compiled_over_eager"] > 0
+
+
+def test_kernels_price_every_kind_and_report_the_constants_they_imply(report):
+    """Every kind of kernel price has measured rows with a positive prediction from
+    kernel_prices (the CPU's times say nothing of the GPU's: only that the paths run)."""
+    result = _section(report, "kernels")
+    kinds = {r["kind"] for r in result["rows"] if r.get("predicted_us")}
+    assert kinds == {"launch", "gemm", "attention", "memory", "loss", "optimizer"}
+    for row in result["rows"]:
+        assert "error" not in row, row
+        if row["kind"] not in ("skipped", "attention-kernels"):  # a backward is fwd+bwd - fwd:
+            assert row["predicted_us"] > 0 and row["measured_us"] == row["measured_us"], row
+    gemm = [r for r in result["rows"] if r["kind"] == "gemm"]
+    assert {r["case"].split()[-1] for r in gemm} == {"fwd", "dgrad", "wgrad"}
+    fitted = {r["constant"]: r for r in result["fitted"]}
+    assert set(fitted) == {"ceiling", "attention_forward", "attention_backward",
+                           "memory_efficiency", "launch"}
+    assert fitted["launch"]["measured"] > 0 and fitted["launch"]["now"] == 7e-6
+    assert result["chip"] == "h100"  # no GPU name here: the H100's figures
+
