@@ -22,11 +22,17 @@ to fill the SMs split K over them (split-K, slices of at least 256):
     compute  = waves * tm * tn * 2 ceil(K / splits) / (ceiling * peak / SMs)    the best tile
     seconds  = max(compute, (M K + K N + M N) batch bytes / bandwidth, launch)
 
-`ceiling` is the best a GEMM reaches on the chip at all (Bekman's MAMF finder, cuBLAS BF16:
-A100 SXM 267.9 of 312 TFLOP/s, H100 SXM 792.1 of 989). A small M (few tokens) makes the GEMM
-read its weight for little work: the bytes term (a roofline) then dominates.
+`ceiling` is what a whole-wave GEMM reaches on the chip: on the A100 the best cuBLAS BF16
+GEMM of Bekman's MAMF finder (267.9 of 312 TFLOP/s); on the H100 the median, over the 93
+GEMMs of published runs' layers measured on an H200 (the same GH100 compute), of the tile
+model's time at a ceiling of 1 over the measured time: 0.71 (the best shape there reached
+0.806, MAMF's 792.1 of 989: the best shape is not the typical one; the rows spread -32 % to
++20 % around it). A small M (few tokens) makes the GEMM read its weight for little work: the
+bytes term (a roofline) then dominates.
 
-Attention (FlashAttention-2, Dao 2023, which torch's scaled_dot_product_attention runs): a
+Attention (FlashAttention-2, Dao 2023, which torch's scaled_dot_product_attention runs on the
+A100; on the H100 torch's default runs cuDNN's fused attention, priced by the same shape
+model at its own efficiencies, measured): a
 thread block owns 128 query rows and walks the key blocks of 128; each tile pays about one key
 block of fixed work (loading Q, rescaling and writing O), so with n = s / 128 key blocks
 
@@ -47,17 +53,21 @@ output (dropout and its mask) and strided, not plain copies. Every kernel lasts 
 `launch` seconds (a small kernel costs its launch, not its bytes).
 
 Softmax over a long row (torch's CUDA kernels, aten/src/ATen/native/cuda/SoftMax.cu,
-`host_softmax` and `host_softmax_backward`): one thread block per row makes three passes
-over it (the maximum, the sum of exponentials, the output). A row of at most 1024 elements
-and 4096 bytes runs the warp-per-row kernel, and a row that fits a block's shared memory
-(`SHARED_MEMORY_PER_BLOCK`, 48 KB: 12,256 fp32 elements) is cached there
+`host_softmax` and `host_softmax_backward`): one thread block per row. A row of at most
+1024 elements and 4096 bytes runs the warp-per-row kernel, and a row that fits a block's
+shared memory (`SHARED_MEMORY_PER_BLOCK`, 48 KB: 12,256 fp32 elements) is cached there
 (`cunn_SoftMaxForwardSmem`), so HBM sees it once; a longer row (the logits over a
-vocabulary) is read from HBM by each of the three passes (`cunn_SoftMaxForward`). Backward
-(`cunn_SoftMaxBackward` for rows over 1024 elements) reads the incoming gradient twice (its
-sum, then the result) and the output once; softmax (not log-softmax) first multiplies the
-gradient by the output in a kernel of its own. Cross-entropy is log-softmax, then NLL; NLL's
-backward fills a gradient of the logits' size with zeros before scattering into it
-(aten/src/ATen/native/cuda/Loss.cu / LossNLL.cu).
+vocabulary) is read from HBM twice, as measured on an H200 (torch 2.11: log_softmax over
+4096 rows of 128,256 and 256,000 fp32 or bf16 logits moves two reads and one write at 0.62
+of HBM bandwidth, the memory-bound rate; three reads, one per pass of the maximum, the sum
+and the output, would be 0.83). Backward (`cunn_SoftMaxBackward` for rows over 1024
+elements) sums the incoming gradient, then reads it again with the output to write the
+result; measured, the second read costs no HBM traffic (cross-entropy's backward moved four
+passes of the logits' size at that rate, zero-fill included), so the gradient is priced
+once. Softmax (not log-softmax) first multiplies the gradient by the output in a kernel of
+its own. Cross-entropy is log-softmax, then NLL; NLL's backward fills a gradient of the
+logits' size with zeros before scattering into it (aten/src/ATen/native/cuda/Loss.cu /
+LossNLL.cu).
 
 An embedding (aten/src/ATen/native/Embedding.cpp: `weight.index_select(0, indices)`) reads
 the rows it gathers, not its table. Its backward (`embedding_dense_backward_cuda`,
@@ -73,6 +83,7 @@ from dataclasses import dataclass, replace
 
 __all__ = ["Chip", "Attention", "CHIPS", "matmul_seconds", "matmul_efficiency",
            "attention_seconds", "attention_efficiency", "memory_seconds", "optimizer_seconds", "ADAMW_PASSES", "CLIP_PASSES",
+           "TORCH_CLIP_PASSES",
            "adam_passes", "master_weights_passes",
            "mixed_precision_bytes", "mixed_precision_optimizer_seconds",
            "FLASH_BLOCK", "SOFTMAX_HEAD_DIM", "softmax_bytes", "cross_entropy_bytes",
@@ -90,8 +101,13 @@ SOFTMAX_HEAD_DIM = 16
 #: AdamW moves per parameter: reads parameter, gradient and both moments, writes parameter and
 #: both moments (torch.optim.AdamW, fused or foreach, at its minimum).
 ADAMW_PASSES = (2, 1, 2)  # (parameter, gradient, optimizer state) bytes, each this many times
-#: Clipping by the global norm: reads every gradient for the norm, reads and writes it to scale.
+#: Clipping by the global norm: reads every gradient for the norm, reads and writes it to scale
+#: (Megatron-LM's fused multi-tensor kernels, `mixed_precision_bytes`).
 CLIP_PASSES = 3
+#: torch's `clip_grad_norm_` (foreach) as measured on an H200: 847 and 1094 us over 100M fp32
+#: gradients in 100 tensors, 6.3-8.2 passes at the memory-bound rate; `_foreach_norm` alone
+#: sustains 0.21 of HBM bandwidth, `_foreach_mul_` 0.70 (bench/gpu.py, kernels section).
+TORCH_CLIP_PASSES = 6
 #: Shared memory a thread block gets without opting in (CUDA C++ Programming Guide, compute
 #: capabilities 8.0 and 9.0: 48 KB), which torch's softmax asks for (`sharedMemPerBlock`).
 SHARED_MEMORY_PER_BLOCK = 48 * 1024
@@ -239,9 +255,9 @@ def master_weights_passes(model_bytes: int = 2) -> tuple[float, float, float]:
     a bf16 parameter): the parameter written once (the master copied back), the gradient read
     once (copied to fp32), the rest (the fp32 gradient written, clipped and read by Adam; Adam
     over the fp32 master and moments; the master read for the copy back: 42 bytes) over the
-    state's 12, beside the 16-bit clipping `optimizer_seconds` adds (CLIP_PASSES)."""
+    state's 12, beside the 16-bit clipping `optimizer_seconds` adds (TORCH_CLIP_PASSES)."""
     total = mixed_precision_bytes(model_bytes=model_bytes, loss_scale=False)
-    rest = total - (2 + CLIP_PASSES) * model_bytes
+    rest = total - (2 + TORCH_CLIP_PASSES) * model_bytes
     return (1.0, 1.0, rest / 12)
 
 
@@ -250,13 +266,13 @@ def optimizer_seconds(bandwidth: float, param_bytes: float, grad_bytes: float,
                       passes: tuple[float, float, float] = ADAMW_PASSES) -> float:
     """Seconds of an optimizer step over these bytes at `bandwidth` (sustained bytes/s): the
     bytes it reads and writes (`passes` over parameters, gradients and state: AdamW's fused
-    minimum, ADAMW_PASSES, unless given; `adam_passes`), plus clipping by the global norm
-    (CLIP_PASSES over the gradients) when `clip`, as Megatron-LM and torchtitan step by
-    default."""
+    minimum, ADAMW_PASSES, unless given; `adam_passes`), plus torch's clipping by the global
+    norm (TORCH_CLIP_PASSES over the gradients, measured) when `clip`, as Megatron-LM and
+    torchtitan step by default."""
     p, g, s = passes
     moved = p * param_bytes + g * grad_bytes + s * state_bytes
     if clip:
-        moved += CLIP_PASSES * grad_bytes
+        moved += TORCH_CLIP_PASSES * grad_bytes
     return moved / bandwidth
 
 
@@ -304,15 +320,14 @@ def softmax_bytes(rows: float, row: float, itemsize: int, out_itemsize: int | No
                   backward: bool = False, log: bool = True) -> float:
     """HBM bytes torch's CUDA (log-)softmax over the last dimension moves: `rows` rows of `row`
     elements, input of `itemsize` bytes, output (and its gradient) of `out_itemsize` (module
-    docstring). Forward: the input once per pass (one, or three for a row shared memory cannot
-    hold), the output once. Backward: the gradient twice for rows over 1024 elements (once at
-    most 1024), the output once, the input's gradient written; softmax adds grad x output."""
+    docstring). Forward: the input once (twice for a row shared memory cannot hold), the
+    output once. Backward: the gradient and the output read once, the input's gradient
+    written; softmax adds grad x output."""
     out = out_itemsize or itemsize
     n = rows * row
     if not backward:
-        return n * ((1 if _row_cached(row, itemsize) else 3) * itemsize + out)
-    reads = 1 if row <= 1024 and row * out <= 4096 else 2
-    moved = n * (reads * out + out + itemsize)
+        return n * ((1 if _row_cached(row, itemsize) else 2) * itemsize + out)
+    moved = n * (out + out + itemsize)
     return moved if log else moved + 3 * n * out
 
 
@@ -350,13 +365,19 @@ CHIPS: dict[str, Chip] = {
     "a100": Chip("NVIDIA A100 80GB SXM", 108,
                  (("bfloat16", 312 * TERA), ("float16", 312 * TERA), ("float32", 19.5 * TERA)),
                  2039e9, ceiling=267.9 / 312, attention=Attention(0.73, 0.63)),
-    # NVIDIA H100 80GB SXM5: 132 SMs (H100 whitepaper); MAMF 792.1 / 989 (Bekman); torch's
-    # sdpa runs FlashAttention-2 there: "only 35% utilization on the H100" (Shah et al. 2024,
-    # FlashAttention-3, abstract), backward in the A100's proportion (0.63 / 0.73)
+    # NVIDIA H100 80GB SXM5: 132 SMs (H100 whitepaper). Measured on an H200 (the same GH100
+    # compute: 132 SMs, 989.4 TFLOP/s dense BF16, 700 W; torch 2.11, CUDA 13; bench/gpu.py's
+    # kernels section, two runs): the 93 GEMMs of published runs' layers (hidden 3072-12288,
+    # tensor-parallel widths 1-8, forward and both gradients) sit at a median 0.70-0.72 of the
+    # tile model at a ceiling of 1 (the best shape reached 0.806, Bekman's MAMF 792.1 / 989:
+    # the best, not the typical); torch's default attention there is cuDNN's (the profiler's
+    # kernels), at 0.54 forward and 0.49 backward once the shape factors are divided out (the
+    # median over sequences 2048-8192; FlashAttention-2 alone: 0.31 and 0.28 at sequence
+    # 8192, as FA3's paper says of FA2 on the H100); an eager op lasts at least 6.9 us
     "h100": Chip("NVIDIA H100 80GB SXM", 132,
                  (("bfloat16", 989.4 * TERA), ("float16", 989.4 * TERA),
                   ("float32", 66.9 * TERA), ("float8_e4m3fn", 1978.9 * TERA)),
-                 3350e9, ceiling=792.1 / 989.4, attention=Attention(0.35, 0.35 * 0.63 / 0.73)),
+                 3350e9, ceiling=0.71, attention=Attention(0.54, 0.49), launch=7e-6),
 }
 # NVIDIA H200 SXM 141GB: the H100 SXM's GH100 (132 SMs, the same dense peaks, NVIDIA H200
 # datasheet) with HBM3e at 4.8 TB/s; its kernels' efficiencies are the H100's

@@ -18,13 +18,16 @@ table and the reasoning):
                 200 Gb/s = 25 GB/s (ConnectX-6), as in DGX H100 / DGX A100.
     sustained   per kernel, as the device runs it, from published kernel measurements
                 (passes/kernel_prices.py holds every constant, CHIPS; docs/hardware.md the
-                sources): GEMMs by tile and wave quantisation under the best cuBLAS rate
-                (MAMF: 0.859 of the A100's peak, 0.801 of the H100's), FlashAttention-2 by
-                sequence, causal mask and head dimension (forward up to 0.73 / 0.35 of peak,
-                backward 0.63 / 0.30), memory-bound kernels at 0.62 of HBM bandwidth (eager
-                kernels as FlashAttention's Figure 2 measured them on the A100), at least
-                4 us per kernel; links at LINK_EFFICIENCY = 0.8 (nccl-tests reach 0.8-0.9).
-                A spec's `flops` is the best GEMM's rate.
+                sources): GEMMs by tile and wave quantisation under a ceiling (A100: the MAMF
+                finder's best cuBLAS GEMM, 0.859 of peak; H100 and H200: 0.71, the median of
+                published layers' GEMMs measured on an H200), fused attention by sequence,
+                causal mask and head dimension (A100: FlashAttention-2, forward up to 0.73 of
+                peak, backward 0.63; H100 and H200: torch's default, cuDNN's, measured at 0.54
+                and 0.49), memory-bound kernels at 0.62 of HBM bandwidth (eager kernels as
+                FlashAttention's Figure 2 measured them on the A100; the H200's GELU,
+                LayerNorm and dropout: 0.52-0.68), at least 4 us per kernel (7 us on the H100,
+                measured); links at LINK_EFFICIENCY = 0.8 (nccl-tests reach 0.8-0.9). A spec's
+                `flops` is the GEMM ceiling's rate.
     memory      the datasheet's 80 GB as 80e9 bytes: the devices report about 85.5e9 (81,559
                 MiB on an H100, 81,920 MiB on an A100); the difference is left for the CUDA
                 context, NCCL buffers and allocator fragmentation.
@@ -140,15 +143,16 @@ def preset(name: str, *, efficiency: float | None = None, link: str = "nvlink",
     node) or "infiniband" (across nodes); `device`: the torch device its stages run on when
     this machine has it ("cuda" is numbered per pipeline device when enough GPUs are here).
     `efficiency`: sustained / peak FLOP/s of the best GEMM (None: the accelerator's own,
-    0.801 for the H100, 0.859 for the A100, the MAMF finder's cuBLAS measurements).
+    0.71 for the H100 and H200 (measured on an H200: the median GEMM of published runs'
+    layers), 0.859 for the A100 (the MAMF finder's best cuBLAS GEMM)).
 
     Sources (dense peaks; the datasheets' tensor-core figures are "with sparsity", 2x dense):
     NVIDIA H100 datasheet, SXM5: BF16/FP16 989.4 TFLOP/s, FP32 66.9, 80 GB HBM3 at 3.35 TB/s,
     NVLink 900 GB/s (450 per direction); NVIDIA A100 datasheet, 80GB SXM: BF16/FP16 312,
     FP32 19.5, 80 GB HBM2e at 2.039 TB/s, NVLink 600 GB/s (300 per direction); DGX H100 / A100:
     one ConnectX-7 NDR 400 Gb/s (50 GB/s) / ConnectX-6 HDR 200 Gb/s (25 GB/s) per GPU.
-    Kernel constants (passes/kernel_prices.CHIPS): the best GEMM, FlashAttention-2's
-    efficiencies, 0.62 of HBM bandwidth, 4 us per kernel at least; assumed: 0.8 of link
+    Kernel constants (passes/kernel_prices.CHIPS): the GEMM ceiling, fused attention's
+    efficiencies, 0.62 of HBM bandwidth, 4 us (H100: 7 us) per kernel at least; assumed: 0.8 of link
     bandwidth, 10/20 us per NVLink/InfiniBand message, 50 us per pipeline action (the module
     docstring and docs/hardware.md give the sources and reasons)."""
     return _accelerator(name).spec(efficiency=efficiency, link=link, device=device)

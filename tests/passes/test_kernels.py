@@ -101,7 +101,7 @@ def test_presets_price_attention_at_their_own_fraction_of_peak(gpt_plan):
     h100 = accelerator_of(pc.preset("h100"))
     assert h100 is not None and model.attention == pytest.approx(h100.attention * 66.9e12)  # fp32
     assert model.kernels is not None and model.kernels.matmul == pytest.approx(
-        792.1 / 989.4 * 66.9e12)  # the best cuBLAS GEMM's share of peak, at fp32
+        0.71 * 66.9e12)  # the measured GEMM's share of peak, at fp32
     assert model.kernels.chip is not None and model.kernels.dtype == "float32"
 
 

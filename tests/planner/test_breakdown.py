@@ -42,10 +42,11 @@ def test_the_optimizer_step_is_its_stages_bytes_at_memory_bandwidth(pipe):
     state = sum(float(c.optimizer_bytes) for c in blocks)
     # torch's AdamW over bf16 parameters (2 bf16 moments: 4 bytes per parameter), run as
     # its foreach kernels (kernel_prices.adam_passes: p 4, g 2, the state 7 passes), with
-    # clipping (3 passes over the gradients): 2 x (4 + 2 + 2 x 7 + 3) = 46 bytes a parameter
+    # torch's clipping (6 passes over the gradients, measured): 2 x (4 + 2 + 2 x 7 + 6) = 52
+    # bytes a parameter
     expected = optimizer_seconds(CHIPS["a100"].bandwidth, param, param, state,
                                  passes=(4, 2, 7))
-    assert expected == pytest.approx(param / 2 * 46 / CHIPS["a100"].bandwidth)
+    assert expected == pytest.approx(param / 2 * 52 / CHIPS["a100"].bandwidth)
     assert state == pytest.approx(2 * param)
     assert parts.optimizer == pytest.approx(expected) and parts.collectives == pytest.approx(0.0)
 

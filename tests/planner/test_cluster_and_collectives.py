@@ -16,7 +16,7 @@ def test_an_h100_cluster_has_its_devices_and_two_link_levels():
     assert pipecompile.cluster is cluster and cluster_module.cluster is cluster
     assert len(c) == 64 and is_cluster(c) and not is_cluster([c[0]] * 64)
     assert c[0] is c[63] and list(c)[5] == c[5] and len(c[:10]) == 10
-    assert c.device.flops == pytest.approx(792.1e12)
+    assert c.device.flops == pytest.approx(0.71 * 989.4e12)
     assert (c.intra.name, c.intra.bandwidth, c.intra.latency) == (
         "nvlink", pytest.approx(0.8 * 450e9), 10e-6)
     assert (c.inter.name, c.inter.bandwidth, c.inter.latency) == (
