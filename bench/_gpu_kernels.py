@@ -115,16 +115,18 @@ def _gemm_ideal(chip: kp.Chip, m: int, n: int, k: int) -> float:
                                      memory_bandwidth=float("inf")), m, n, k)
 
 
-def _backends() -> list[tuple[str, Callable[[], contextlib.AbstractContextManager]]]:
-    """("default", no restriction) and ("flash", FlashAttention-2 only) where torch has it."""
+def _backends(cuda: bool) -> list[tuple[str, Callable[[], contextlib.AbstractContextManager]]]:
+    """("default", no restriction), ("flash", FlashAttention-2 only) where torch has it, and on
+    CUDA cuDNN's and the memory-efficient kernels alone."""
     out: list[tuple[str, Callable[[], contextlib.AbstractContextManager]]] = [
         ("default", contextlib.nullcontext)]
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return out
-    for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"),
-                          ("efficient", "EFFICIENT_ATTENTION")):
+    kinds = [("flash", "FLASH_ATTENTION")] + ([("cudnn", "CUDNN_ATTENTION"),
+                                               ("efficient", "EFFICIENT_ATTENTION")] if cuda else [])
+    for name, backend in kinds:
         if hasattr(SDPBackend, backend):
             out.append((name, lambda b=getattr(SDPBackend, backend): sdpa_kernel(b)))
     return out
@@ -154,7 +156,7 @@ def _attention(ctx: Ctx, chip: kp.Chip, div: int, reps: int, rows: list[dict]) -
         rows.append(dict(kind="attention-kernels", case=_default_attention_kernels(ctx)))
     except Exception as exc:  # noqa: BLE001 - a profiler this torch lacks: noted
         rows.append(dict(kind="attention-kernels", case=f"unknown: {exc!r}"[:200]))
-    for backend, context in _backends():
+    for backend, context in _backends(ctx.cuda):
         for seq in seqs:
             for head_dim in ((64, 128) if div == 1 else (16,)):
                 for causal in (True, False):

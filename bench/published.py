@@ -9,7 +9,8 @@ Published (pytorch/torchtitan docs/performance.md, "Llama 3 performance numbers"
 
 The prediction uses the planner's own pieces, nothing fitted to these numbers:
 - per-block costs on `cluster("a100", nodes=8, per_node=8)` (passes/kernel_prices.py: each
-  GEMM by tile and wave quantisation under the best cuBLAS rate, 0.859 of the A100's peak;
+  GEMM by tile and wave quantisation under a ceiling of 0.761 of the A100's peak (MAMF's best
+  cuBLAS rate, 0.859, times the typical-over-best ratio measured on an H200, 0.887);
   FlashAttention-2 by sequence, mask and head dimension, forward and backward; other ops by
   their bytes at 0.62 of HBM bandwidth, at least 4 us per kernel), taken from a compile of
   the model with `data_parallel=64, fsdp=True` (one replica per GPU, no pipeline). The model is captured with 2 layers: every

@@ -19,7 +19,8 @@ table and the reasoning):
     sustained   per kernel, as the device runs it, from published kernel measurements
                 (passes/kernel_prices.py holds every constant, CHIPS; docs/hardware.md the
                 sources): GEMMs by tile and wave quantisation under a ceiling (A100: the MAMF
-                finder's best cuBLAS GEMM, 0.859 of peak; H100 and H200: 0.71, the median of
+                finder's best cuBLAS GEMM, 0.859 of peak, times 0.887, the typical-over-best ratio
+                measured on an H200: 0.761; H100 and H200: 0.71, the median of
                 published layers' GEMMs measured on an H200), fused attention by sequence,
                 causal mask and head dimension (A100: FlashAttention-2, forward up to 0.73 of
                 peak, backward 0.63; H100 and H200: torch's default, cuDNN's, measured at 0.54
@@ -144,7 +145,8 @@ def preset(name: str, *, efficiency: float | None = None, link: str = "nvlink",
     this machine has it ("cuda" is numbered per pipeline device when enough GPUs are here).
     `efficiency`: sustained / peak FLOP/s of the best GEMM (None: the accelerator's own,
     0.71 for the H100 and H200 (measured on an H200: the median GEMM of published runs'
-    layers), 0.859 for the A100 (the MAMF finder's best cuBLAS GEMM)).
+    layers), 0.761 for the A100 (the MAMF finder's best cuBLAS GEMM, 0.859, times that
+    typical-over-best ratio, 0.887)).
 
     Sources (dense peaks; the datasheets' tensor-core figures are "with sparsity", 2x dense):
     NVIDIA H100 datasheet, SXM5: BF16/FP16 989.4 TFLOP/s, FP32 66.9, 80 GB HBM3 at 3.35 TB/s,

@@ -65,20 +65,21 @@ def test_collectives_of_a_layout_on_its_links():
     assert fsdp is not None
     group = Group(8, 1)
     setup, teardown = fsdp.extras(16e9, 16e9, 32e9, 1.0, overlap=True)
-    # AdamW: 2 x parameters + gradients + 2 x state; clipping: 3 x gradients (the shards)
-    step = (2 * 16e9 + 16e9 + 2 * 32e9 + 3 * 16e9) / 8 / C.device.memory_bandwidth
+    # AdamW: 2 x parameters + gradients + 2 x state; torch's clipping: 6 x gradients (the
+    # shards; kernel_prices.TORCH_CLIP_PASSES, measured)
+    step = (2 * 16e9 + 16e9 + 2 * 32e9 + 6 * 16e9) / 8 / C.device.memory_bandwidth
     assert setup == pytest.approx(all_gather(16e9, group, C.intra, C.inter))
     assert teardown == pytest.approx(reduce_scatter(16e9, group, C.intra, C.inter) + step)
     ddp = Collectives.of(Layout(8, 8, False, "pipeline"), C, C.device)
     assert ddp is not None
     reduce = all_reduce(16e9, Group(1, 8), C.intra, C.inter)
-    plain = (2 * 16e9 + 16e9 + 2 * 32e9 + 3 * 16e9) / C.device.memory_bandwidth
+    plain = (2 * 16e9 + 16e9 + 2 * 32e9 + 6 * 16e9) / C.device.memory_bandwidth
     # the reducer overlaps the last backward; recomputation or a split backward: after it
     assert ddp.extras(16e9, 16e9, 32e9, 0.1, overlap=True) == pytest.approx(
         (0.0, max(0.0, reduce - 0.1) + plain))
     assert ddp.extras(16e9, 16e9, 32e9, 0.1, overlap=False) == pytest.approx((0.0, reduce + plain))
     assert Collectives.of(Layout(2, 1), None, C.device).extras(1e9, 1e9, 0, 1.0, overlap=True) == (
-        0.0, pytest.approx(6e9 / C.device.memory_bandwidth))
+        0.0, pytest.approx(9e9 / C.device.memory_bandwidth))  # 2 + 1 + 6 gradient-sizes
 
 
 class _Best:
@@ -151,7 +152,7 @@ def test_the_optimizer_step_is_priced_by_the_kernels_torch_runs_for_the_factory(
 
     assert step_passes(lambda p: torch.optim.AdamW(p), torch.bfloat16) == (4, 2, 7)
     master = step_passes(MasterWeightsAdamW, torch.bfloat16)
-    assert master == (1, 1, 3.5) and step_passes(MasterWeightsAdamW) == ADAMW_PASSES
+    assert master == (1, 1, 3.0) and step_passes(MasterWeightsAdamW) == ADAMW_PASSES
     # 1e9 bf16 parameters, fp32 master and moments (12 bytes each), at 1 TB/s: 52 bytes each
     assert optimizer_seconds(1e12, 2e9, 2e9, 12e9, passes=master) == pytest.approx(
         mixed_precision_bytes(loss_scale=False) * 1e9 / 1e12) == pytest.approx(52e-3)

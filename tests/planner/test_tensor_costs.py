@@ -118,7 +118,10 @@ def test_one_rank_costs_its_share_of_a_layer_plus_two_all_reduces(unsplit):
     reduce = all_reduce(64 * 64 * 4, Group(2, 1), C.intra, C.intra)
     assert sharded.blocks[i].forward_time == pytest.approx(
         costs.blocks[i].forward_time * half.total / whole.total + 2 * reduce)
-    assert sharded.blocks[i].forward_time < costs.blocks[i].forward_time + 2 * reduce
+    # never dearer than the whole layer plus the reduces (here, at 64 tokens, every kernel is
+    # at the 7 us launch floor either way: no cheaper either)
+    assert sharded.blocks[i].forward_time <= (costs.blocks[i].forward_time + 2 * reduce) * (
+        1 + 1e-12)
     # weights held 1/T (the norms' vectors whole), activations as Korthikanti et al.
     assert sharded.symbolic[i].param_bytes < 0.52 * costs.symbolic[i].param_bytes
     assert sharded.blocks[i].activation_bytes == pytest.approx(
