@@ -4,6 +4,8 @@ the parameters are DTensors whose full_tensor() is the unsplit value."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ PP2_TP2 = [("gpt", 2, "gpipe"), ("gpt", 2, "1f1b"), ("llama", 2, "1f1b"), ("gpt2
            ("gpt", 2, "zb-h1"), ("gpt", 2, "interleaved-1f1b"), *PP2_TP2_SP]
 
 
+@functools.cache  # the same for every test of the case; the tests only read it
 def _reference(name, microbatches=2):
     """The unsplit model's loss and gradients, and its loss after one AdamW step (the global
     batch in `microbatches`: D replicas x 2 each)."""

@@ -7,6 +7,8 @@ parameters stay DTensors whose full_tensor() is the unsplit value."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -34,6 +36,7 @@ def _id(case: tuple) -> str:
                                                  if k in names)
 
 
+@functools.cache  # the same for every test of the case; the tests only read it
 def _reference(name: str, microbatches: int) -> dict:
     """The unsplit model on the global batch in `microbatches`: loss, gradients, weights,
     gradient norm; then one AdamW step, its state and the next loss."""

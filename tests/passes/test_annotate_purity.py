@@ -132,7 +132,9 @@ def test_costs_with_every_size_symbolic_equal_the_batch_only_costs_at_the_exampl
     """The pad's backward fails on fake tensors with symbolic sizes (every size, or the batch
     alone): the block is costed again with fewer symbols, down to two concrete batch sizes,
     and both captures give the FLOPs counted by hand."""
-    every, batch = (annotate(linearize(windows[s]), microbatch_size=2) for s in ("all", "batch"))
+    cache = CompileCache()  # empty: both computed here; the micro-batch of 1 below reuses "all"
+    every, batch = (annotate(linearize(windows[s]), microbatch_size=2, cache=cache)
+                    for s in ("all", "batch"))
     assert len(every.symbolic[0].forward_flops.free_symbols) == 3  # batch, height, width
     # the convolution: 2 * 8 * 8 FLOPs per pixel of 2 x 6 x 6; the windows: a Linear(8, 8) per
     # token on 2 x 8 x 8 padded tokens, then another on the 2 x 6 x 6 cropped ones
@@ -141,9 +143,10 @@ def test_costs_with_every_size_symbolic_equal_the_batch_only_costs_at_the_exampl
     assert [b.forward_flops for b in every.blocks] == [b.forward_flops for b in batch.blocks]
     assert [b.backward_flops for b in every.blocks] == [b.backward_flops for b in batch.blocks]
     # linear in the batch: the same at a micro-batch of 1
-    assert [b.forward_flops for b in annotate(linearize(windows["all"]),
-                                              microbatch_size=1).blocks] == [
+    assert [b.forward_flops for b in annotate(linearize(windows["all"]), microbatch_size=1,
+                                              cache=cache).blocks] == [
         conv / 2, (padded + cropped) / 2]
+    assert cache.misses == 2 and cache.hits == 1  # the same symbolic costs, not recomputed
 
 
 def test_specialized_fake_values_keep_the_batch_symbolic(windows):
