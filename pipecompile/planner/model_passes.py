@@ -225,7 +225,10 @@ def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
         return None
     program = plan.ready.program
     own = o.ranks.own_stages(plan.ready.schedule)
-    tied = frozenset(n for tie in program.ties for n in tie.names)
+    # a parameter whose copies live on several stages stays whole (one stage's own tie, as
+    # GPT-2's wte/lm_head on one stage, is one table to the pass: split alike or not at all)
+    tied = frozenset(n for tie in program.ties if len({s for s, _ in tie.copies}) > 1
+                     for n in (*tie.names, *(name for _, name in tie.copies)))
     needs_grad = gradient_values(program)
     vocabulary = _vocabulary(plan, example)
     plans = {s: choose(program.stages[s].module, o.tensor_parallel, exclude=tied,
