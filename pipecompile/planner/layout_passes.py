@@ -141,12 +141,17 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
     choices = Choices(best.schedule, best.microbatches, best.virtual_stages, recompute, profile,
                       layout=chosen, devices=pipeline_specs(chosen, o.cluster, devices))
     fits = sum(c.fits for c in tried)
+    share = tensor_share(chosen, o.cluster, devices[0])
+    vocabulary = "" if share is None else "".join(
+        f"; vocabulary: {p}" for p in vocabulary_choices(
+            captured.module, share, flops=plan.ready.device_model.flops,
+            optimizer_factor=optimizer_factor, given=given_vocabulary(plan)).values())
     return replace(plan, choices=choices, search=replace(found, layouts=tried)), (
         f"layout {chosen}: {best.schedule}, {best.microbatches} micro-batches of "
         f"{example.batch // chosen.data_parallel // best.microbatches} per replica, "
         f"{best.virtual_stages} virtual stage(s), recompute stages "
         f"{format_stages(best.recomputed)}: predicted step {best.step * 1e3:.3f} ms "
-        f"({len(tried)} layouts, {fits} fit)")
+        f"({len(tried)} layouts, {fits} fit){vocabulary}")
 
 
 def _tensor_degrees(plan: Plan, world: int, tables: BlockTables, example: Example
