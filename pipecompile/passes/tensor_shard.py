@@ -219,13 +219,13 @@ def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] 
     docstring), not one of `taken`: (the layer, its vocabulary dim, the embedding nodes and the
     output-layer nodes that read it, the output layers' biases)."""
     params = dict(gm.named_parameters(remove_duplicate=False))
-    ids: dict[int, int] = {}
-    for p in params.values():
-        ids[id(p)] = ids.get(id(p), 0) + 1
     readers: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in params:
             readers.setdefault(str(node.target), []).extend(node.users)
+    ids: dict[int, int] = {}  # names read of each tensor (a tie read under two: left whole)
+    for n, users in readers.items():
+        ids[id(params[n])] = ids.get(id(params[n]), 0) + (1 if users else 0)
     found = []
     for name, users in readers.items():
         p = params[name]

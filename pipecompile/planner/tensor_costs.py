@@ -6,10 +6,10 @@
     vocabulary_choices(gm, share, ...)               -> that choice for each table of a graph
 
 **The vocabulary** (embeddings and the output layer, passes/tensor_shard.py splits them or not
-as this prices them): per micro-batch, forward and backward, replicated costs the output
-layer's whole GEMM (6 n V h FLOPs over n tokens) and no collective; split costs 1/T of it plus
-the all-gather of the logits (n V bytes) and the all-reduce of its input's gradient (n h), and
-for an embedding the all-reduce of the looked-up rows (n h). Split frees (1 - 1/T) of the
+as this prices them): over the n tokens the graph records, forward and backward, replicated
+costs the output layer's whole GEMM (6 n V h FLOPs) and no collective; split costs 1/T of it
+plus the all-gather of the logits (n V elements) and the all-reduce of its input's gradient
+(n h), and for an embedding the all-reduce of the looked-up rows (n h). Split frees (1 - 1/T) of the
 table's weight, gradient and optimizer state on each rank. A table is split when that is no
 slower, or when it frees at least `MEMORY_WORTH` of the device's memory (Llama-3-70B's
 128256 x 8192 table in bf16 is 2 GiB, 8 GiB more of AdamW state): memory the plan spends on
@@ -25,15 +25,15 @@ choice ahead of time):
 - a **weight matmul** (a GEMM recorded with no batch dimension: linear, mm, addmm) whose
   output width n or inner size k divides by T runs 1/T of its FLOPs on each rank: priced as
   the GEMM (m, n/T, k) (column-parallel) where T divides n and n >= k, else (m, n, k/T)
-  (row-parallel); the output layer's GEMM over the vocabulary is one of them (vocabulary-
-  parallel). A batched GEMM whose batch (batch x heads) divides by T is attention written
+  (row-parallel); the output layer's GEMM over the vocabulary is one of them when its
+  table is priced split (above), else whole. A batched GEMM whose batch (batch x heads) divides by T is attention written
   out as matmuls (QK^T, then by V: two per attention) and runs batch / T on each rank;
 - **fused attention** runs heads / T of its heads on each rank;
 - **memory-bound kernels** (norms, residual adds, softmax, elementwise, the loss) run whole on
   every rank, replicated, except those over the MLP's intermediate or the vocabulary (bytes
   per token a whole multiple of the widest side of the block's sharded GEMMs, when that side
-  is wider than the narrowest: the MLP's activation and product, the vocabulary-parallel
-  loss), which run 1/T, and except those on the attention's heads, which run 1/T too: in a
+  is wider than the narrowest: the MLP's activation and product; not the loss over the
+  vocabulary: the output layer's logits are gathered whole first), which run 1/T, and except those on the attention's heads, which run 1/T too: in a
   block with attention (fused, or batched GEMMs), a kernel whose output has four or more
   dimensions and a whole number of heads per token divisible by T (its elements over its
   last dimension, per row of the weight matmuls: queries, keys and values as (b, heads, s,
@@ -120,7 +120,8 @@ MEMORY_WORTH = 0.01
 @dataclass(frozen=True)
 class VocabularyPrice:
     """What splitting one vocabulary table over T ranks costs and frees (module docstring):
-    seconds per micro-batch whole and split, bytes freed per rank; `given`: compile's
+    seconds of forward and backward over the layer's tokens whole and split, bytes freed per
+    rank; `given`: compile's
     `vocab_parallel` when it was True or False."""
 
     layer: VocabularyLayer
@@ -146,8 +147,8 @@ class VocabularyPrice:
                "cheaper whole")
         return (f"{self.layer.name} ({roles}, {self.layer.vocab} x {self.layer.hidden}) "
                 f"{f'split over {self.degree}' if self.chosen else 'replicated'} ({why}): "
-                f"{self.split * 1e3:.3g} ms split vs {self.whole * 1e3:.3g} ms whole per "
-                f"micro-batch, {self.freed / 2**20:.3g} MiB freed per rank")
+                f"{self.split * 1e3:.3g} ms split vs {self.whole * 1e3:.3g} ms whole over "
+                f"{self.layer.tokens} tokens, {self.freed / 2**30:.3g} GiB freed per rank")
 
 
 def vocabulary_price(layer: VocabularyLayer, share: TensorShare, *, flops: float,
@@ -201,9 +202,11 @@ class _Sharded:
 
 def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
                    backward_flops: float, sequence: bool,
-                   whole: frozenset[tuple[int, int]] = frozenset()) -> _Sharded:
+                   whole: frozenset[tuple[int, int]] = frozenset(),
+                   gathered: frozenset[tuple[int, int]] = frozenset()) -> _Sharded:
     """One rank's share of a block's kernels (module docstring); a weight GEMM whose (n, k)
-    is in `whole` (an output layer priced replicated) runs whole."""
+    is in `whole` (an output layer priced replicated) runs whole, one in `gathered` (an
+    output layer split, its logits all-gathered) runs 1/T but the kernels after it whole."""
     gemms, full, mine, itemsize, batched = [], 0.0, 0.0, 2, 0
     tokens, sides = 0.0, []
     for m, n, kk, batch, size, count in k.gemms:
@@ -219,7 +222,7 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
                 kk = kk / t
             mine += flops / t
             tokens = max(tokens, mv)
-            sides += [ni, ki]
+            sides += [] if (ni, ki) in gathered else [ni, ki]  # logits: read whole after
         elif bv > 1 and int(round(bv)) % t == 0:  # batch x heads: attention by heads
             batch = batch / t
             mine += flops / t
@@ -304,6 +307,8 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
     kept = {n for n, p in vocabulary.items() if not p.chosen}
     whole = frozenset((p.layer.vocab, p.layer.hidden) for p in vocabulary.values()
                       if not p.chosen and "output" in p.layer.roles)
+    gathered = frozenset((p.layer.vocab, p.layer.hidden) for p in vocabulary.values()
+                         if p.chosen and "output" in p.layer.roles)
     symbolic, blocks = [], []
     for i, (c, x) in enumerate(zip(costs.symbolic, costs.blocks)):
         sizes = [math.prod(shapes[n]) for n in c.parameters if n in shapes]
@@ -315,7 +320,7 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
         forward, backward, widest, pairs, nbytes = 1.0, 1.0, 0, 0, 0.0
         if isinstance(c, PricedBlockCost) and rates is not None:
             found = _shard_kernels(c.kernels, t, value, x.backward_flops,
-                                   share.sequence_parallel, whole)
+                                   share.sequence_parallel, whole, gathered)
             widest = found.widest
             f0, b0 = c.kernels.times(x.backward_flops, rates, value)
             f1, b1 = found.kernels.times(found.backward_flops, rates, value)
@@ -335,9 +340,9 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
         elif keep < 1:  # a block held sharded that is not priced by kernels
             pairs, nbytes = 1, costs.cut_bytes[i + 1]
         collective = pairs * share.all_reduce(nbytes)
-        gathered = 0.0  # a split output layer's logits, all-gathered in forward only
+        gather = 0.0  # a split output layer's logits, all-gathered in forward only
         if logits and isinstance(c, PricedBlockCost) and rates is not None:
-            gathered = sum(share.all_gather(found.tokens * v * found.itemsize) for v in logits)
+            gather = sum(share.all_gather(found.tokens * v * found.itemsize) for v in logits)
         layer = widest > 0
         act = (1 / t if share.sequence_parallel else
                REPLICATED_ACTIVATIONS + (1 - REPLICATED_ACTIVATIONS) / t) if layer else 1.0
@@ -345,7 +350,7 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
                                 grad_bytes=int(round(c.grad_bytes * keep)),
                                 optimizer_bytes=int(round(c.optimizer_bytes * keep)),
                                 activation_bytes=c.activation_bytes * act))
-        blocks.append(replace(x, forward_time=x.forward_time * forward + collective + gathered,
+        blocks.append(replace(x, forward_time=x.forward_time * forward + collective + gather,
                               backward_input_time=x.backward_input_time * backward + collective,
                               backward_weight_time=x.backward_weight_time * backward,
                               static_bytes=x.static_bytes * keep,
