@@ -18,8 +18,10 @@ TP2_VOCAB = [("gpt2", 1, "1f1b", "vocab"), ("llama", 1, "gpipe", "vocab"),
              ("llama", 1, "1f1b", "sp", "vocab")]
 TP2 = [("gpt", 1, "gpipe"), ("llama", 1, "1f1b"), ("gpt2", 1, "1f1b"), *TP2_SP, *TP2_VOCAB]
 PP2_TP2_SP = [("gpt", 2, "1f1b", "sp"), ("llama", 2, "1f1b", "sp")]
+# Llama's tables on the first and last stage split; GPT-2's tied across the stages kept whole
+PP2_TP2_VOCAB = [("llama", 2, "1f1b", "vocab"), ("gpt2", 2, "gpipe", "vocab")]
 PP2_TP2 = [("gpt", 2, "gpipe"), ("gpt", 2, "1f1b"), ("llama", 2, "1f1b"), ("gpt2", 2, "gpipe"),
-           ("gpt", 2, "zb-h1"), ("gpt", 2, "interleaved-1f1b"), *PP2_TP2_SP]
+           ("gpt", 2, "zb-h1"), ("gpt", 2, "interleaved-1f1b"), *PP2_TP2_SP, *PP2_TP2_VOCAB]
 
 
 def _reference(name, microbatches=2):
@@ -237,3 +239,19 @@ def test_vocabulary_parallel_holds_half_of_each_table_and_gathers_the_logits(tp2
             assert "vocabulary" in got["explain"] and "vocab_parallel=True" in got["explain"]
     comms = tp2[1][0][("llama", 1, "gpipe", "vocab")]["comms"]
     assert comms["forward"] == {"c10d.allreduce_": 5, "c10d.allgather_": 1}, comms
+
+
+def test_pp2_vocabulary_splits_each_stage_table_and_keeps_a_tie_across_stages_whole(pp2_tp2):
+    """PP2 x TP2, vocab_parallel=True: Llama's embed_tokens (stage 0) and lm_head (stage 1)
+    each half a rank; GPT-2's wte, tied to lm_head on the other stage, stays whole (exact
+    either way: the steps above)."""
+    held = {}
+    for r in pp2_tp2[1]:
+        for case in PP2_TP2_VOCAB:
+            for name, (local, whole, _) in r[case]["sizes"].items():
+                held[case[0], name] = (local, whole)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        local, whole = held["llama", name]
+        assert local * 2 == whole == 64 * 16, name
+    local, whole = held["gpt2", "transformer.wte.weight"]
+    assert local == whole == 64 * 16
