@@ -15,8 +15,12 @@ slower, or when it frees at least `MEMORY_WORTH` of the device's memory (Llama-3
 128256 x 8192 table in bf16 is 2 GiB, 8 GiB more of AdamW state): memory the plan spends on
 micro-batches, fewer stages or less recomputation. A small table stays whole. `vocabulary=`
 True or False (compile's `vocab_parallel`) overrides the price. In `shard_costs` a table
-priced whole keeps its bytes and its GEMM whole on every rank; one priced split adds the
-all-gather of its logits to its block.
+priced whole keeps its bytes and its GEMM whole on every rank; one priced split is priced as
+Megatron-LM runs it (the GEMM 1/T, the loss over the vocabulary 1/T: its vocabulary-parallel
+cross entropy, which the published runs held against bench/ use). pipecompile's runtime
+instead all-gathers the logits and runs the user's loss whole: that all-gather (n V elements
+per micro-batch) and the whole loss are counted in the choice above but not yet in a
+layout's step time.
 
 What is sharded is estimated from the captured blocks by one rule, the rule a Megatron-style
 sharding pass follows (the runtime's pass decides per op when it runs; this prices the same
@@ -32,8 +36,8 @@ choice ahead of time):
 - **memory-bound kernels** (norms, residual adds, softmax, elementwise, the loss) run whole on
   every rank, replicated, except those over the MLP's intermediate or the vocabulary (bytes
   per token a whole multiple of the widest side of the block's sharded GEMMs, when that side
-  is wider than the narrowest: the MLP's activation and product; not the loss over the
-  vocabulary: the output layer's logits are gathered whole first), which run 1/T, and except those on the attention's heads, which run 1/T too: in a
+  is wider than the narrowest: the MLP's activation and product, the vocabulary-parallel
+  loss), which run 1/T, and except those on the attention's heads, which run 1/T too: in a
   block with attention (fused, or batched GEMMs), a kernel whose output has four or more
   dimensions and a whole number of heads per token divisible by T (its elements over its
   last dimension, per row of the weight matmuls: queries, keys and values as (b, heads, s,
@@ -202,11 +206,9 @@ class _Sharded:
 
 def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
                    backward_flops: float, sequence: bool,
-                   whole: frozenset[tuple[int, int]] = frozenset(),
-                   gathered: frozenset[tuple[int, int]] = frozenset()) -> _Sharded:
+                   whole: frozenset[tuple[int, int]] = frozenset()) -> _Sharded:
     """One rank's share of a block's kernels (module docstring); a weight GEMM whose (n, k)
-    is in `whole` (an output layer priced replicated) runs whole, one in `gathered` (an
-    output layer split, its logits all-gathered) runs 1/T but the kernels after it whole."""
+    is in `whole` (an output layer priced replicated) runs whole."""
     gemms, full, mine, itemsize, batched = [], 0.0, 0.0, 2, 0
     tokens, sides = 0.0, []
     for m, n, kk, batch, size, count in k.gemms:
@@ -222,7 +224,7 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
                 kk = kk / t
             mine += flops / t
             tokens = max(tokens, mv)
-            sides += [] if (ni, ki) in gathered else [ni, ki]  # logits: read whole after
+            sides += [ni, ki]
         elif bv > 1 and int(round(bv)) % t == 0:  # batch x heads: attention by heads
             batch = batch / t
             mine += flops / t
@@ -307,20 +309,16 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
     kept = {n for n, p in vocabulary.items() if not p.chosen}
     whole = frozenset((p.layer.vocab, p.layer.hidden) for p in vocabulary.values()
                       if not p.chosen and "output" in p.layer.roles)
-    gathered = frozenset((p.layer.vocab, p.layer.hidden) for p in vocabulary.values()
-                         if p.chosen and "output" in p.layer.roles)
     symbolic, blocks = [], []
     for i, (c, x) in enumerate(zip(costs.symbolic, costs.blocks)):
         sizes = [math.prod(shapes[n]) for n in c.parameters if n in shapes]
         held = sum(math.prod(shapes[n]) / t if _sharded_param(shapes[n], t) and n not in kept
                    else math.prod(shapes[n]) for n in c.parameters if n in shapes)
-        logits = [p.layer.vocab for n, p in vocabulary.items()
-                  if n in c.parameters and p.chosen and "output" in p.layer.roles]
         keep = held / sum(sizes) if sum(sizes) > 0 else 1.0
         forward, backward, widest, pairs, nbytes = 1.0, 1.0, 0, 0, 0.0
         if isinstance(c, PricedBlockCost) and rates is not None:
             found = _shard_kernels(c.kernels, t, value, x.backward_flops,
-                                   share.sequence_parallel, whole, gathered)
+                                   share.sequence_parallel, whole)
             widest = found.widest
             f0, b0 = c.kernels.times(x.backward_flops, rates, value)
             f1, b1 = found.kernels.times(found.backward_flops, rates, value)
@@ -335,14 +333,10 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
                 nbytes = value(heads) * value(s_q) * value(d) * found.itemsize
             pairs = attentions * (2 if widest > width else 1)
             if not attentions and (widest or keep < 1):  # an MLP, an embedding, the logits
-                pairs, nbytes = 1, (found.tokens * found.narrowest * found.itemsize if logits
-                                    else costs.cut_bytes[i + 1])
+                pairs, nbytes = 1, costs.cut_bytes[i + 1]
         elif keep < 1:  # a block held sharded that is not priced by kernels
             pairs, nbytes = 1, costs.cut_bytes[i + 1]
         collective = pairs * share.all_reduce(nbytes)
-        gather = 0.0  # a split output layer's logits, all-gathered in forward only
-        if logits and isinstance(c, PricedBlockCost) and rates is not None:
-            gather = sum(share.all_gather(found.tokens * v * found.itemsize) for v in logits)
         layer = widest > 0
         act = (1 / t if share.sequence_parallel else
                REPLICATED_ACTIVATIONS + (1 - REPLICATED_ACTIVATIONS) / t) if layer else 1.0
@@ -350,7 +344,7 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
                                 grad_bytes=int(round(c.grad_bytes * keep)),
                                 optimizer_bytes=int(round(c.optimizer_bytes * keep)),
                                 activation_bytes=c.activation_bytes * act))
-        blocks.append(replace(x, forward_time=x.forward_time * forward + collective + gather,
+        blocks.append(replace(x, forward_time=x.forward_time * forward + collective,
                               backward_input_time=x.backward_input_time * backward + collective,
                               backward_weight_time=x.backward_weight_time * backward,
                               static_bytes=x.static_bytes * keep,
