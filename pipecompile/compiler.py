@@ -69,7 +69,10 @@ def compile(  # noqa: A001 - the public name of the design
     [r B/D, (r+1) B/D), the loss returned is the global batch's. `tensor_parallel=T` splits
     each stage's column/row-parallel matmul pairs over T consecutive ranks (devices=P,
     data_parallel=D: P x D x T ranks under torchrun; every rank of a replica passes its
-    batch); what cannot be split exactly stays replicated (explain() says why).
+    batch); what cannot be split exactly stays replicated (explain() says why). Embeddings
+    and the output layer are split along the vocabulary where the cost model prices it
+    cheaper (the logits all-gathered before `loss_fn`), replicated otherwise;
+    `vocab_parallel=True` or `False` decides it instead.
     `tensor_parallel="auto"` and T with a searched layout are not built yet.
     On `devices=pipecompile.cluster(...)` (planned, nothing runs) `sequence_parallel=True`
     prices each tensor-parallel group as also splitting the tokens of its norms, dropout and

@@ -3,6 +3,8 @@ holds each parameter by them: runtime/tensor_parallel.py).
 
     Placement(dim, parts, role)   one parameter's split over T ranks
     ShardPlan(degree, params, ...) what was split in one stage graph, and what stayed whole
+    VocabularyLayer(...)          a table the embedding and/or output layer read, which may be
+                                  split along its vocabulary (the planner prices the choice)
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-__all__ = ["Placement", "ShardPlan"]
+__all__ = ["Placement", "ShardPlan", "VocabularyLayer"]
 
 
 @dataclass(frozen=True)
@@ -37,12 +39,31 @@ class ShardPlan:
     rows: tuple[str, ...] = ()  # matmul nodes split on their input features (reduce after)
     split: Mapping[str, int] = field(default_factory=dict)  # region node -> its split dim
     notes: tuple[str, ...] = ()  # layers left replicated, and why
+    embeddings: tuple[str, ...] = ()  # embedding lookups split along the vocabulary
+    outputs: tuple[str, ...] = ()  # output-layer matmuls split along the vocabulary (gathered)
+    vocabulary: tuple[str, ...] = ()  # each vocabulary table's priced choice, in words
 
     def summary(self) -> str:
         pairs = len(self.rows)
+        vocab = f"; vocabulary: {'; '.join(self.vocabulary)}" if self.vocabulary else ""
         if not self.params:
             return (f"nothing to shard at T={self.degree}: every parameter replicated"
-                    + (f" ({'; '.join(self.notes)})" if self.notes else ""))
+                    + (f" ({'; '.join(self.notes)})" if self.notes else "") + vocab)
         return (f"{len(self.columns)} column- and {pairs} row-parallel matmuls, "
-                f"{len(self.params)} parameters split over {self.degree}"
+                f"{len(self.params)} parameters split over {self.degree}" + vocab
                 + (f"; replicated: {'; '.join(self.notes)}" if self.notes else ""))
+
+
+@dataclass(frozen=True)
+class VocabularyLayer:
+    """A 2-D parameter read only by embedding lookups (rows: the vocabulary) and/or by an
+    output-layer matmul (its output features: the vocabulary, the stage's output), which
+    passes/tensor_shard.py can split along the vocabulary; GPT-2's tied table is read by
+    both. `tokens`: rows looked up or multiplied per call; `itemsize`: bytes per element."""
+
+    name: str
+    vocab: int
+    hidden: int
+    roles: tuple[str, ...]  # "embedding", "output"
+    tokens: int
+    itemsize: int

@@ -23,6 +23,19 @@ on a column's input, `reduce` (all-reduce forward, identity backward) on a row's
 its bias; view/expand/split sizes of the split dim divided by T. Collectives are handed in as
 callables: this module imports no process group. The per-op rules are passes/tensor_rules.py.
 With sequence parallelism the lowered graph is then rewritten by passes/sequence_shard.py.
+
+The vocabulary (`vocabulary_layers`): a table read only by embedding lookups and/or by an
+output-layer matmul (one whose product leaves the stage, reshaped or cast at most: the
+logits) may be split along its vocabulary, rank r holding rows [r V/T, (r+1) V/T) of an
+embedding's [V, h] (an output layer's vocabulary dim: linear's out, mm's columns). Whether
+it is, is the caller's `vocabulary` choice (the planner prices it: planner/tensor_costs.py);
+GPT-2's tied table is one choice for both of its readers, so both split alike or neither.
+Lowered as Megatron's VocabParallelEmbedding: `lookup` (indices outside this rank's rows
+masked to row 0, looked up, their rows zeroed) then `reduce`; and the output layer as a
+column (its input through `copy`) whose partial logits are all-gathered along the vocabulary
+(`gather`: backward this rank's slice) before anything reads them: the user's loss sees the
+whole logits. Both exact. With sequence parallelism the lookup's `reduce` becomes a
+reduce-scatter along the tokens like a row's (passes/sequence_shard.py).
 """
 
 from __future__ import annotations
@@ -32,13 +45,16 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
-__all__ = ["choose", "lower"]
+__all__ = ["choose", "lower", "vocabulary_layers", "Vocabulary"]
 
-from ..ir.shard_plan import Placement, ShardPlan
+from ..ir.shard_plan import Placement, ShardPlan, VocabularyLayer
 from .sequence_shard import shard_sequence
 from .tensor_rules import SPLITS, VIEWS, State, node_args, rule, shape_of
 
 aten = torch.ops.aten
+
+#: the caller's choice for one vocabulary table: (split it?, the priced reason in words)
+Vocabulary = Callable[[VocabularyLayer], tuple[bool, str]]
 
 
 class _Refused(Exception):
@@ -96,10 +112,12 @@ def _carries_grad(gm: fx.GraphModule, params: Mapping[str, Any],
 
 
 def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozenset(),
-           constant_inputs: frozenset[str] = frozenset()) -> ShardPlan:
+           constant_inputs: frozenset[str] = frozenset(),
+           vocabulary: Vocabulary | None = None) -> ShardPlan:
     """The placements of `gm`'s parameters over `degree` ranks (module docstring); parameters
     in `exclude` (tied to another stage's copy) stay whole; `constant_inputs` are stage inputs
-    that need no gradient (a floating-point input otherwise counts as carrying one)."""
+    that need no gradient (a floating-point input otherwise counts as carrying one);
+    `vocabulary` chooses for each vocabulary table whether it is split (None: none is)."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     reads: dict[str, int] = {}
     for node in gm.graph.nodes:
@@ -120,7 +138,7 @@ def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozens
     columns = {name for name, (_, w, out, _) in matmuls.items()
                if params[w].shape[out] % degree == 0}
     parts: dict[str, tuple[int, ...]] = {}
-    notes: list[str] = []
+    notes: list[tuple[frozenset[str], str]] = []
     while True:
         try:
             split, rows = _propagate(gm, degree, matmuls, columns, parts, grads, params)
@@ -131,8 +149,8 @@ def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozens
                 parts.update(_fused(refused.why))
                 continue
             columns -= refused.origins
-            notes.append(f"{_where(gm, refused.origins, matmuls)}: {refused.why} at "
-                         f"{refused.node.name}")
+            notes.append((refused.origins, f"{_where(gm, refused.origins, matmuls)}: "
+                                           f"{refused.why} at {refused.node.name}"))
     used = {c for c in columns if any(c in s.origins for s in split.values())}
     placements: dict[str, Placement] = {}
     for name in sorted(used):
@@ -145,8 +163,105 @@ def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozens
     for name in rows:
         _, weight, out, _ = matmuls[name]
         placements[weight] = Placement(1 - out, (params[weight].shape[1 - out],), "row")
+    embeddings: list[str] = []
+    outputs: list[str] = []
+    chosen: list[str] = []
+    for layer, dim, embeds, outs, biases in (vocabulary_layers(
+            gm, degree, taken=frozenset(placements) | exclude) if vocabulary else ()):
+        split_it, why = vocabulary(layer) if vocabulary else (False, "")
+        chosen.append(why)
+        if split_it:
+            placements[layer.name] = Placement(dim, (layer.vocab,), "vocabulary")
+            placements.update({b: Placement(0, (layer.vocab,), "vocabulary bias")
+                               for b in biases})
+            embeddings += embeds
+            outputs += outs
     return ShardPlan(degree, placements, tuple(sorted(used)), tuple(rows),
-                     {n: s.dim for n, s in split.items()}, tuple(notes))
+                     {n: s.dim for n, s in split.items()},
+                     tuple(text for origins, text in notes if not origins <= set(outputs)),
+                     tuple(embeddings), tuple(outputs), tuple(chosen))
+
+
+# ops that carry an output layer's product to the stage's outputs (reshaped or cast at most)
+_CARRY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.slice.Tensor, aten.clone.default, aten.contiguous.default, aten.alias.default,
+          aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default}
+
+
+def _leaves(node: fx.Node) -> bool:
+    """Whether `node`'s value leaves the stage through ops that only reshape or cast it."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op == "output":
+            return True
+        if user.op != "call_function" or user.target not in _CARRY or \
+                node_args(user)[0] is not node:
+            return False
+        node = user
+    return False
+
+
+def _count(shape: tuple | None) -> int:
+    """Elements of a recorded shape (a symbolic size by its hint, else 1)."""
+    total = 1
+    for d in shape or ():
+        try:
+            total *= int(d)
+        except Exception:  # noqa: BLE001 - a symbolic size without a hint
+            hint = getattr(getattr(d, "node", None), "hint", None)
+            total *= int(hint) if hint is not None else 1
+    return total
+
+
+def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] = frozenset()
+                      ) -> list[tuple[VocabularyLayer, int, list[str], list[str], list[str]]]:
+    """Each table of `gm` that could be split along its vocabulary over `degree` ranks (module
+    docstring), not one of `taken`: (the layer, its vocabulary dim, the embedding nodes and the
+    output-layer nodes that read it, the output layers' biases)."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    readers: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            readers.setdefault(str(node.target), []).extend(node.users)
+    ids: dict[int, int] = {}  # names read of each tensor (a tie read under two: left whole)
+    for n, users in readers.items():
+        ids[id(params[n])] = ids.get(id(params[n]), 0) + (1 if users else 0)
+    found = []
+    for name, users in readers.items():
+        p = params[name]
+        if name in taken or p.dim() != 2 or ids[id(p)] != 1 or not users:
+            continue
+        embeds, outs, biases, dims, tokens, roles = [], [], [], set(), 0, []
+        for user in users:
+            args = node_args(user)
+            if user.op == "call_function" and user.target is aten.embedding.default and \
+                    args[0].target == name and not any(args[3:5]) and not user.kwargs:
+                embeds.append(user.name)
+                dims.add(0)
+                tokens = max(tokens, _count(shape_of(args[1])))
+                continue
+            found_mm = _matmul(user, params)
+            if found_mm is None or found_mm[1] != name or not _leaves(user):
+                break
+            x, _, out, bias = found_mm
+            if bias is not None and (bias in taken or len(readers.get(bias, ())) != 1
+                                     or ids[id(params[bias])] != 1):
+                break
+            outs.append(user.name)
+            biases += [bias] if bias is not None else []
+            dims.add(out)
+            tokens = max(tokens, _count((shape_of(x) or (1,))[:-1]))
+        else:
+            if len(dims) != 1:
+                continue
+            dim = dims.pop()
+            vocab, hidden = int(p.shape[dim]), int(p.shape[1 - dim])
+            if vocab % degree:
+                continue
+            roles = (["embedding"] if embeds else []) + (["output"] if outs else [])
+            found.append((VocabularyLayer(name, vocab, hidden, tuple(roles), tokens,
+                                          p.element_size()), dim, embeds, outs, biases))
+    return found
 
 
 def _fused(why: str) -> dict[str, tuple[int, ...]]:
@@ -197,13 +312,17 @@ def _propagate(gm: fx.GraphModule, degree: int, matmuls: Mapping[str, Any],
 
 
 def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callable,
-          local: Callable | None = None, sequence: Mapping[str, Callable] | None = None
-          ) -> fx.GraphModule:
+          local: Callable | None = None, sequence: Mapping[str, Callable] | None = None,
+          vocab: Mapping[str, Callable] | None = None) -> fx.GraphModule:
     """The graph rank r runs for `plan` (module docstring); the parameters stay `gm`'s
     (the caller replaces them by their local slices). `local`, if given, wraps every
     parameter read (a DTensor parameter's local tensor). `sequence`, if given, are the
     sequence-parallel collectives: the tokens between each row and the next column are
-    split too (passes/sequence_shard.py)."""
+    split too (passes/sequence_shard.py). `vocab`: rank r's `lookup(local table, indices,
+    padding_idx)` (its rows' part of an embedding) and `gather(x, dim)` (all-gather,
+    backward this rank's slice), needed when `plan` splits a vocabulary."""
+    if (plan.embeddings or plan.outputs) and vocab is None:
+        raise ValueError("a plan that splits a vocabulary is lowered with `vocab`")
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     T = plan.degree
@@ -219,13 +338,26 @@ def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callab
             continue
         args = fx.map_arg(node_args(node), lambda n: env[n])
         kwargs = fx.map_arg(node.kwargs, lambda n: env[n])
-        if node.name in plan.columns:
+        if node.name in plan.embeddings and vocab is not None:
+            part = graph.call_function(vocab["lookup"], (*args[:2], (list(args) + [-1])[2]))
+            part.meta = dict(node.meta)
+            env[node] = graph.call_function(reduce, (part,))
+            env[node].meta = dict(node.meta)
+            continue
+        if node.name in plan.columns or node.name in plan.outputs:
             x = node_args(node)[0] if node.target is aten.linear.default or \
                 node.target is aten.mm.default else node_args(node)[1]
             if x not in copied:
                 copied[x] = graph.call_function(copy, (env[x],))
             at = 0 if node.target is not aten.addmm.default else 1
             args = (*args[:at], copied[x], *args[at + 1:])
+        if node.name in plan.outputs and vocab is not None:
+            part = graph.node_copy(node, lambda n: env[n])
+            part.args, part.kwargs = args, kwargs
+            env[node] = graph.call_function(vocab["gather"],
+                                            (part, len(shape_of(node) or (0,)) - 1))
+            env[node].meta = dict(node.meta)
+            continue
         if node.name in plan.rows:
             env[node] = _row(graph, node, args, reduce)
             continue

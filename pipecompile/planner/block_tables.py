@@ -66,7 +66,14 @@ def tensor_share(layout: Layout | None, cluster: Cluster | None, device: DeviceS
         return None
     link = (cluster.intra if cluster is not None
             else Link("link", device.bandwidth, device.latency))
-    return TensorShare(layout.tensor_parallel, link, layout.sequence_parallel)
+    return TensorShare(layout.tensor_parallel, link, layout.sequence_parallel, device.memory)
+
+
+def given_vocabulary(plan: Plan) -> bool | None:
+    """compile's `vocab_parallel` when True or False; None: "auto", priced
+    (planner/tensor_costs.py)."""
+    given = plan.request.layout.vocab_parallel if plan.request is not None else None
+    return given if isinstance(given, bool) else None
 
 
 def cost_model(plan: Plan, example: Example) -> CostModel:
@@ -81,7 +88,8 @@ def cost_model(plan: Plan, example: Example) -> CostModel:
                      optimizer_factor=optimizer_state_factor(asked.optimizer, model_dtype(plan)),
                      profile=o.profile,
                      calibration=plan.calibration, cache=asked.cache,
-                     tensor=tensor_share(chosen, plan.asked.cluster, o.devices[0]))
+                     tensor=tensor_share(chosen, plan.asked.cluster, o.devices[0]),
+                     vocabulary=given_vocabulary(plan))
 
 
 class BlockTables:

@@ -47,7 +47,7 @@ from .layout import Layout
 from ..measure.ranks import Ranks
 from ..schedule.simulate import inflight  # the passes' in-flight counts (one home: simulate)
 from .stage_costs import BlockTable, inflight_for, partition_problem
-from .tensor_costs import TensorShare, shard_costs
+from .tensor_costs import TensorShare, shard_costs, vocabulary_choices
 
 __all__ = ["CostModel", "Target", "Choice", "cost", "place", "refine", "device_model",
            "action_cost", "analytic", "inflight"]
@@ -66,6 +66,7 @@ class CostModel:
     calibration: Calibration | None = None
     cache: CompileCache | None = None  # keeps the symbolic block costs (None: derived afresh)
     tensor: TensorShare | None = None  # one rank's share under tensor parallelism (None: all)
+    vocabulary: bool | None = None  # compile's vocab_parallel (None: "auto", priced)
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,13 @@ def _sharded(linear: LinearGraph, costs: CostTable, model: CostModel) -> CostTab
     """One rank's share of `costs` under the model's tensor parallelism (tensor_costs.py)."""
     if model.tensor is None:
         return costs
-    shapes = {n: tuple(p.shape) for n, p in linear.captured.module.named_parameters(
-        remove_duplicate=False)}
+    gm = linear.captured.module
+    shapes = {n: tuple(p.shape) for n, p in gm.named_parameters(remove_duplicate=False)}
+    vocabulary = vocabulary_choices(gm, model.tensor, flops=model.device.flops,
+                                    optimizer_factor=model.optimizer_factor,
+                                    given=model.vocabulary)
     return shard_costs(costs, model.tensor, shapes=shapes, rates=model.device.kernels,
-                       batch_size=model.microbatch_size)
+                       batch_size=model.microbatch_size, vocabulary=vocabulary)
 
 
 def _calibrated(costs: CostTable, model: CostModel) -> CostTable:

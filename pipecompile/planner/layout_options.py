@@ -56,6 +56,7 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
                                                                 "fsdp"))
     tensor_parallel = given.pop("tensor_parallel")
     sequence_parallel = given.pop("sequence_parallel")
+    given.pop("vocab_parallel")  # read where the vocabulary is priced (plan.request)
     if tensor_parallel != 1 and not isinstance(devices, Cluster) and (
             tensor_parallel == AUTO or request.layout.searched):
         raise ConfigError(f"tensor_parallel={tensor_parallel!r} with a searched layout is "

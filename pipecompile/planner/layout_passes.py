@@ -15,10 +15,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .resolved import Choices
-from .block_tables import BlockTables, coarsest, enough_blocks, model_dtype
+from .block_tables import (BlockTables, coarsest, enough_blocks, given_vocabulary,
+                           model_dtype)
 from ..errors import ConfigError
 from ..ir.records import CapturedModel, LinearGraph
 from ..ir.records import Example
+from ..passes.annotate import optimizer_state_factor
 from ..passes.linearize import GRANULARITIES
 from .plan import Plan
 from ..ir.devices import DeviceSpec
@@ -27,7 +29,7 @@ from .schedule_search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, 
 from .schedule_search import search as search_plans
 from .layout import Collectives, Layout, layouts, pipeline_specs, sequence_choices, tensor_degrees
 from .block_tables import tensor_share
-from .tensor_costs import attention_heads, shard_costs
+from .tensor_costs import attention_heads, shard_costs, vocabulary_choices
 from ..passes.tensor_rules import attention_heads_of
 from ..ir.records import CostTable
 from .layout_search import StateTooLarge, search_layouts
@@ -68,6 +70,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
     sharded: dict[tuple[str, int, int, bool, int], BlockTable] = {}
     shapes = {n: tuple(p.shape) for n, p in captured.module.named_parameters(
         remove_duplicate=False)}
+    optimizer_factor = optimizer_state_factor(o.optimizer, dtype)
 
     def costs_for(layout: Layout, m: int, stages: int) -> BlockTable | None:
         size = captured.microbatch_size(m * layout.data_parallel)
@@ -92,8 +95,12 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         share = tensor_share(layout, o.cluster, devices[0])
         if share is None:
             return costs
+        vocabulary = vocabulary_choices(
+            captured.module, share, flops=plan.ready.device_model.flops,
+            optimizer_factor=optimizer_factor,
+            given=given_vocabulary(plan))
         return shard_costs(costs, share, shapes=shapes, rates=plan.ready.device_model.kernels,
-                           batch_size=size)
+                           batch_size=size, vocabulary=vocabulary)
 
     def run(layout: Layout, above: float):
         local = example.batch // layout.data_parallel
@@ -134,12 +141,17 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
     choices = Choices(best.schedule, best.microbatches, best.virtual_stages, recompute, profile,
                       layout=chosen, devices=pipeline_specs(chosen, o.cluster, devices))
     fits = sum(c.fits for c in tried)
+    share = tensor_share(chosen, o.cluster, devices[0])
+    vocabulary = "" if share is None else "".join(
+        f"; vocabulary: {p}" for p in vocabulary_choices(
+            captured.module, share, flops=plan.ready.device_model.flops,
+            optimizer_factor=optimizer_factor, given=given_vocabulary(plan)).values())
     return replace(plan, choices=choices, search=replace(found, layouts=tried)), (
         f"layout {chosen}: {best.schedule}, {best.microbatches} micro-batches of "
         f"{example.batch // chosen.data_parallel // best.microbatches} per replica, "
         f"{best.virtual_stages} virtual stage(s), recompute stages "
         f"{format_stages(best.recomputed)}: predicted step {best.step * 1e3:.3f} ms "
-        f"({len(tried)} layouts, {fits} fit)")
+        f"({len(tried)} layouts, {fits} fit){vocabulary}")
 
 
 def _tensor_degrees(plan: Plan, world: int, tables: BlockTables, example: Example

@@ -24,6 +24,7 @@ decisions those of decisions.py.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,7 @@ from ..capture.capture import capture as capture_model, seed_captured
 from ..capture.claimed_device import claimable, claiming, restore_tensors
 from ..ir.formats import format_count
 from ..ir.records import CapturedModel, Example
+from ..ir.shard_plan import VocabularyLayer
 from ..ir.tensors import local_tensor
 from ..measure.probe import efficiency, measure
 from ..measure.stages import loss_runs
@@ -56,6 +58,9 @@ from .stage_costs import (
     with_collectives,
     with_stage_costs,
 )
+
+if TYPE_CHECKING:
+    from ..passes.tensor_shard import Vocabulary
 
 __all__ = ["capture_pass", "linearize_pass", "annotate_pass", "partition_pass", "calibrate_pass",
            "refine_pass", "split_pass", "threads_pass", "simulate_pass", "agree_pass",
@@ -220,11 +225,16 @@ def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
         return None
     program = plan.ready.program
     own = o.ranks.own_stages(plan.ready.schedule)
-    tied = frozenset(n for tie in program.ties for n in tie.names)
+    # a parameter whose copies live on several stages stays whole (one stage's own tie, as
+    # GPT-2's wte/lm_head on one stage, is one table to the pass: split alike or not at all)
+    tied = frozenset(n for tie in program.ties if len({s for s, _ in tie.copies}) > 1
+                     for n in (*tie.names, *(name for _, name in tie.copies)))
     needs_grad = gradient_values(program)
+    vocabulary = _vocabulary(plan, example)
     plans = {s: choose(program.stages[s].module, o.tensor_parallel, exclude=tied,
                        constant_inputs=frozenset(n for n in program.stages[s].inputs
-                                                 if n not in needs_grad))
+                                                 if n not in needs_grad),
+                       vocabulary=vocabulary)
              for s in own}
     # fsdp=True: one (dp, pp, tp) mesh, FSDP2 shards the "tp" DTensors over its "dp" (as
     # torchtitan's 2-D parallelism: both dimensions must share their root mesh)
@@ -251,6 +261,28 @@ def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     return replace(plan, program=program), (
         f"rank {topology.rank} is {topology.tp_index} of {o.tensor_parallel} tensor-parallel "
         f"ranks; {notes}")
+
+
+def _vocabulary(plan: Plan, example: Example) -> "Vocabulary":
+    """The tensor pass's choice for each vocabulary table: priced by planner/tensor_costs.py
+    over the link between the group's ranks (compile's vocab_parallel=True/False: as given)."""
+    from .cluster import Link
+    from .tensor_costs import TensorShare, vocabulary_price
+
+    o = plan.resolved
+    model = cost_model(plan, example)
+    device = o.devices[0]
+    share = model.tensor or TensorShare(o.tensor_parallel,
+                                        Link("link", device.bandwidth, device.latency),
+                                        o.sequence_parallel, device.memory)
+
+    def choice(layer: VocabularyLayer) -> tuple[bool, str]:
+        price = vocabulary_price(layer, share, flops=model.device.flops,
+                                 optimizer_factor=model.optimizer_factor,
+                                 given=model.vocabulary)
+        return price.chosen, str(price)
+
+    return choice
 
 
 def threads_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:

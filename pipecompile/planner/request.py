@@ -87,7 +87,7 @@ class CaptureRequest:
 @dataclass(frozen=True)
 class LayoutRequest:
     """Where the model runs: `compile(devices=, data_parallel=, tensor_parallel=,
-    sequence_parallel=, fsdp=, mesh=, memory_limit=, bandwidth=, split_points=,
+    sequence_parallel=, vocab_parallel=, fsdp=, mesh=, memory_limit=, bandwidth=, split_points=,
     granularity=)`. `devices` and `data_parallel` None: not given."""
 
     devices: "int | Sequence[str | torch.device | DeviceSpec] | Cluster | None" = None
@@ -104,6 +104,9 @@ class LayoutRequest:
     # (Korthikanti et al. 2022): True, False or "auto" (searched with the layout); planned and
     # priced for a cluster, not run
     sequence_parallel: bool | str = False
+    # embeddings and the output layer split along the vocabulary over the T ranks: "auto" as
+    # the cost model prices it (planner/tensor_costs.py), True or False as given
+    vocab_parallel: bool | str = AUTO
 
     def __post_init__(self) -> None:
         if self.data_parallel not in (None, AUTO) and not _positive_int(self.data_parallel):
@@ -117,6 +120,9 @@ class LayoutRequest:
         if not isinstance(self.sequence_parallel, bool) and self.sequence_parallel != AUTO:
             raise ConfigError(f"sequence_parallel must be True, False or 'auto', got "
                               f"{self.sequence_parallel!r}")
+        if not isinstance(self.vocab_parallel, bool) and self.vocab_parallel != AUTO:
+            raise ConfigError(f"vocab_parallel must be True, False or 'auto', got "
+                              f"{self.vocab_parallel!r}")
         if self.sequence_parallel is True and self.tensor_parallel == 1:
             raise ConfigError("sequence_parallel=True splits the tokens over the ranks of a "
                               "tensor-parallel group, but tensor_parallel=1 has none; pass "
@@ -200,6 +206,7 @@ class Options(TypedDict, total=False):
     data_parallel: int | str | None
     tensor_parallel: int | str
     sequence_parallel: bool | str
+    vocab_parallel: bool | str
     timeout: float
     verbose: bool
     rng: str
@@ -216,7 +223,8 @@ _WHERE: dict[str, tuple[str, str]] = {
     "capture_budget": ("capture", "budget"), "verbose": ("capture", "verbose"),
     "rng": ("capture", "rng"), "rng_seed": ("capture", "rng_seed"),
     **{name: ("layout", name) for name in ("devices", "data_parallel", "tensor_parallel",
-                                           "sequence_parallel", "fsdp", "mesh",
+                                           "sequence_parallel", "vocab_parallel", "fsdp",
+                                           "mesh",
                                            "memory_limit", "bandwidth", "split_points",
                                            "granularity")},
     **{name: ("schedule", name) for name in ("schedule", "microbatches", "virtual_stages",

@@ -2,6 +2,25 @@
 
     shard_costs(costs, share, shapes=, rates=, batch_size=) -> the CostTable one rank of T runs
     attention_heads(costs, batch_size)               -> the query heads of each attention
+    vocabulary_price(layer, share, flops=, optimizer_factor=) -> split a vocabulary or not
+    vocabulary_choices(gm, share, ...)               -> that choice for each table of a graph
+
+**The vocabulary** (embeddings and the output layer, passes/tensor_shard.py splits them or not
+as this prices them): over the n tokens the graph records, forward and backward, replicated
+costs the output layer's whole GEMM (6 n V h FLOPs) and no collective; split costs 1/T of it
+plus the all-gather of the logits (n V elements) and the all-reduce of its input's gradient
+(n h), and for an embedding the all-reduce of the looked-up rows (n h). Split frees (1 - 1/T) of the
+table's weight, gradient and optimizer state on each rank. A table is split when that is no
+slower, or when it frees at least `MEMORY_WORTH` of the device's memory (Llama-3-70B's
+128256 x 8192 table in bf16 is 2 GiB, 8 GiB more of AdamW state): memory the plan spends on
+micro-batches, fewer stages or less recomputation. A small table stays whole. `vocabulary=`
+True or False (compile's `vocab_parallel`) overrides the price. In `shard_costs` a table
+priced whole keeps its bytes and its GEMM whole on every rank; one priced split is priced as
+Megatron-LM runs it (the GEMM 1/T, the loss over the vocabulary 1/T: its vocabulary-parallel
+cross entropy, which the published runs held against bench/ use). pipecompile's runtime
+instead all-gathers the logits and runs the user's loss whole: that all-gather (n V elements
+per micro-batch) and the whole loss are counted in the choice above but not yet in a
+layout's step time.
 
 What is sharded is estimated from the captured blocks by one rule, the rule a Megatron-style
 sharding pass follows (the runtime's pass decides per op when it runs; this prices the same
@@ -10,8 +29,8 @@ choice ahead of time):
 - a **weight matmul** (a GEMM recorded with no batch dimension: linear, mm, addmm) whose
   output width n or inner size k divides by T runs 1/T of its FLOPs on each rank: priced as
   the GEMM (m, n/T, k) (column-parallel) where T divides n and n >= k, else (m, n, k/T)
-  (row-parallel); the output layer's GEMM over the vocabulary is one of them (vocabulary-
-  parallel). A batched GEMM whose batch (batch x heads) divides by T is attention written
+  (row-parallel); the output layer's GEMM over the vocabulary is one of them when its
+  table is priced split (above), else whole. A batched GEMM whose batch (batch x heads) divides by T is attention written
   out as matmuls (QK^T, then by V: two per attention) and runs batch / T on each rank;
 - **fused attention** runs heads / T of its heads on each rank;
 - **memory-bound kernels** (norms, residual adds, softmax, elementwise, the loss) run whole on
@@ -56,17 +75,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import sympy
 
+if TYPE_CHECKING:
+    import torch
+
 from ..ir.records import CostTable, evaluate
+from ..ir.shard_plan import VocabularyLayer
 from ..passes.annotate import PricedBlockCost
 from ..passes.kernels import FLASH_BACKWARD, HardwareRates, Kernels
 from .cluster import Link
-from .collectives import Group, all_reduce
+from .collectives import Group, all_gather, all_reduce
 
-__all__ = ["TensorShare", "shard_costs", "attention_heads", "REPLICATED_ACTIVATIONS"]
+__all__ = ["TensorShare", "shard_costs", "attention_heads", "REPLICATED_ACTIVATIONS",
+           "VocabularyPrice", "vocabulary_price", "vocabulary_choices", "MEMORY_WORTH"]
 
 #: Of a transformer layer's 34 s b h activation bytes, those tensor parallelism leaves whole
 #: (the layer norms' inputs and the dropout masks; Korthikanti et al. 2022, section 4.2.2).
@@ -81,10 +105,81 @@ class TensorShare:
     degree: int
     link: Link
     sequence_parallel: bool = False
+    memory: float = math.inf  # bytes of one device (the vocabulary's price: `MEMORY_WORTH`)
 
     def all_reduce(self, nbytes: float) -> float:
         """Seconds of one all-reduce of `nbytes` over the group (one node, a ring)."""
         return all_reduce(nbytes, Group(self.degree, 1), self.link, self.link)
+
+    def all_gather(self, nbytes: float) -> float:
+        """Seconds of one all-gather of `nbytes` (the gathered size) over the group."""
+        return all_gather(nbytes, Group(self.degree, 1), self.link, self.link)
+
+
+#: A vocabulary table is split, even where splitting is slower, when that frees at least this
+#: share of a device's memory on each rank (module docstring).
+MEMORY_WORTH = 0.01
+
+
+@dataclass(frozen=True)
+class VocabularyPrice:
+    """What splitting one vocabulary table over T ranks costs and frees (module docstring):
+    seconds of forward and backward over the layer's tokens whole and split, bytes freed per
+    rank; `given`: compile's
+    `vocab_parallel` when it was True or False."""
+
+    layer: VocabularyLayer
+    degree: int
+    whole: float
+    split: float
+    freed: float
+    memory: float
+    given: bool | None = None
+
+    @property
+    def chosen(self) -> bool:
+        """Whether the table is split."""
+        if self.given is not None:
+            return self.given
+        return self.split <= self.whole or self.freed >= MEMORY_WORTH * self.memory
+
+    def __str__(self) -> str:
+        roles = " and ".join("output layer" if r == "output" else r for r in self.layer.roles)
+        why = (f"vocab_parallel={self.given}" if self.given is not None else
+               "no slower" if self.split <= self.whole else
+               f"frees >= {MEMORY_WORTH:.0%} of the device's memory" if self.chosen else
+               "cheaper whole")
+        return (f"{self.layer.name} ({roles}, {self.layer.vocab} x {self.layer.hidden}) "
+                f"{f'split over {self.degree}' if self.chosen else 'replicated'} ({why}): "
+                f"{self.split * 1e3:.3g} ms split vs {self.whole * 1e3:.3g} ms whole over "
+                f"{self.layer.tokens} tokens, {self.freed / 2**30:.3g} GiB freed per rank")
+
+
+def vocabulary_price(layer: VocabularyLayer, share: TensorShare, *, flops: float,
+                     optimizer_factor: float, given: bool | None = None) -> VocabularyPrice:
+    """The price of splitting `layer` over `share`'s ranks (module docstring), matmuls at
+    `flops` FLOP/s, `optimizer_factor` optimizer-state bytes per parameter byte."""
+    t, n, v, h, size = share.degree, layer.tokens, layer.vocab, layer.hidden, layer.itemsize
+    whole = split = 0.0
+    if "output" in layer.roles:
+        gemm = 6 * n * v * h / flops  # forward, the input's and the weight's gradients
+        whole += gemm
+        split += gemm / t + share.all_gather(n * v * size) + share.all_reduce(n * h * size)
+    if "embedding" in layer.roles:
+        split += share.all_reduce(n * h * size)
+    freed = v * h * size * (2 + optimizer_factor) * (1 - 1 / t)
+    return VocabularyPrice(layer, t, whole, split, freed, share.memory, given)
+
+
+def vocabulary_choices(gm: "torch.fx.GraphModule", share: TensorShare, *, flops: float,
+                       optimizer_factor: float, given: bool | None = None
+                       ) -> dict[str, VocabularyPrice]:
+    """Each vocabulary table of `gm` (passes/tensor_shard.py `vocabulary_layers`) priced."""
+    from ..passes.tensor_shard import vocabulary_layers
+
+    return {layer.name: vocabulary_price(layer, share, flops=flops,
+                                         optimizer_factor=optimizer_factor, given=given)
+            for layer, *_ in vocabulary_layers(gm, share.degree)}
 
 
 def _value(costs: CostTable) -> Callable[[sympy.Expr], float]:
@@ -110,8 +205,10 @@ class _Sharded:
 
 
 def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
-                   backward_flops: float, sequence: bool) -> _Sharded:
-    """One rank's share of a block's kernels (module docstring)."""
+                   backward_flops: float, sequence: bool,
+                   whole: frozenset[tuple[int, int]] = frozenset()) -> _Sharded:
+    """One rank's share of a block's kernels (module docstring); a weight GEMM whose (n, k)
+    is in `whole` (an output layer priced replicated) runs whole."""
     gemms, full, mine, itemsize, batched = [], 0.0, 0.0, 2, 0
     tokens, sides = 0.0, []
     for m, n, kk, batch, size, count in k.gemms:
@@ -120,7 +217,7 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
         full += flops
         itemsize = size
         ni, ki = int(round(nv)), int(round(kv))
-        if bv == 1 and (ni % t == 0 or ki % t == 0):  # a weight matmul (module docstring)
+        if bv == 1 and (ni, ki) not in whole and (ni % t == 0 or ki % t == 0):  # weight GEMM
             if ni % t == 0 and (ni >= ki or ki % t):
                 n = n / t
             else:
@@ -197,25 +294,31 @@ def _inner(nbytes: float, tokens: float, wide: int) -> bool:
 
 def shard_costs(costs: CostTable, share: TensorShare, *,
                 shapes: Mapping[str, Sequence[int]], rates: HardwareRates | None,
-                batch_size: int) -> CostTable:
+                batch_size: int, vocabulary: Mapping[str, VocabularyPrice] | None = None
+                ) -> CostTable:
     """The table of what one of `share.degree` ranks runs and holds per block (module
     docstring); `shapes`: each parameter's shape by the name the blocks use; `rates`: the
     kernel model of the device (None or a block not priced by kernels: its time stays whole,
-    only its bytes shard); `batch_size`: the micro-batch size `costs` is evaluated at."""
+    only its bytes shard); `batch_size`: the micro-batch size `costs` is evaluated at;
+    `vocabulary`: the priced choice of each vocabulary table (`vocabulary_choices`)."""
     t = share.degree
     if t <= 1:
         return costs
     value = _value(costs)
+    vocabulary = vocabulary or {}
+    kept = {n for n, p in vocabulary.items() if not p.chosen}
+    whole = frozenset((p.layer.vocab, p.layer.hidden) for p in vocabulary.values()
+                      if not p.chosen and "output" in p.layer.roles)
     symbolic, blocks = [], []
     for i, (c, x) in enumerate(zip(costs.symbolic, costs.blocks)):
         sizes = [math.prod(shapes[n]) for n in c.parameters if n in shapes]
-        held = sum(math.prod(shapes[n]) / t if _sharded_param(shapes[n], t)
+        held = sum(math.prod(shapes[n]) / t if _sharded_param(shapes[n], t) and n not in kept
                    else math.prod(shapes[n]) for n in c.parameters if n in shapes)
         keep = held / sum(sizes) if sum(sizes) > 0 else 1.0
         forward, backward, widest, pairs, nbytes = 1.0, 1.0, 0, 0, 0.0
         if isinstance(c, PricedBlockCost) and rates is not None:
             found = _shard_kernels(c.kernels, t, value, x.backward_flops,
-                                   share.sequence_parallel)
+                                   share.sequence_parallel, whole)
             widest = found.widest
             f0, b0 = c.kernels.times(x.backward_flops, rates, value)
             f1, b1 = found.kernels.times(found.backward_flops, rates, value)
@@ -229,7 +332,7 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
                 width = value(heads) / max(1, batch_size) * value(d)  # h = heads x d
                 nbytes = value(heads) * value(s_q) * value(d) * found.itemsize
             pairs = attentions * (2 if widest > width else 1)
-            if not attentions and (widest or keep < 1):
+            if not attentions and (widest or keep < 1):  # an MLP, an embedding, the logits
                 pairs, nbytes = 1, costs.cut_bytes[i + 1]
         elif keep < 1:  # a block held sharded that is not priced by kernels
             pairs, nbytes = 1, costs.cut_bytes[i + 1]
@@ -247,7 +350,8 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
                               static_bytes=x.static_bytes * keep,
                               activation_bytes=x.activation_bytes * act))
     note = (f"tensor parallel {t}: each rank's share of the blocks, collectives over "
-            f"{share.link.name}" + (", sequence parallel" if share.sequence_parallel else ""))
+            f"{share.link.name}" + (", sequence parallel" if share.sequence_parallel else "")
+            + "".join(f"; vocabulary: {p}" for p in vocabulary.values()))
     return replace(costs, symbolic=tuple(symbolic), blocks=tuple(blocks),
                    notes=(*costs.notes, note))
 

@@ -19,6 +19,12 @@ DTensors while the graph runs plain local ops plus two collectives:
 One all-reduce per column/row pair forward and one backward, as Megatron-LM (Shoeybi et al.
 2019). Stage boundaries stay whole (replicated): the pipeline's messages are unchanged.
 
+A vocabulary split by the pass (`vocab_collectives`): an embedding's `Shard(0)` rows are read
+by `vocab_lookup` (Megatron's VocabParallelEmbedding: indices outside this rank's rows masked,
+their rows zeroed, then the `reduce` all-reduce), an output layer's partial logits are
+all-gathered along the vocabulary (`gather`, backward this rank's slice of the gradient,
+identical on every rank since the loss after it is).
+
 With sequence parallelism (`sequence_collectives`, Korthikanti et al. 2022) each row's
 all-reduce becomes a reduce-scatter along the sequence and each column's input an all-gather
 (backward: the mirror). The reduce-scatter runs as an all-reduce keeping this rank's part
@@ -41,6 +47,7 @@ if TYPE_CHECKING:
     from .distributed import Topology
 
 __all__ = ["tensor_parallel_mesh", "collectives", "sequence_collectives", "shard_stage_tensors",
+           "vocab_lookup", "vocab_collectives",
            "placement_of", "local_slice", "to_local", "fsdp_dim", "fsdp_placement", "part_reader"]
 
 # the graph pass that lowers a stage for its plan (passes/tensor_shard.lower), handed in by
@@ -133,6 +140,33 @@ def sequence_collectives(group: Any, degree: int, rank: int) -> dict[str, Callab
             "gather_column": function(all_gather, reduce_scatter),
             "gather": function(all_gather, mine),
             "scatter": function(mine, all_gather)}
+
+
+def vocab_lookup(rank: int) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    """Rank `rank`'s part of an embedding whose table is split along its rows (each rank
+    N/T of them, this one rows [rank N/T, (rank+1) N/T)): the rows of the indices it holds,
+    zeros for the others (summed over the ranks: the whole lookup). `padding_idx` is the
+    table's (-1: none), kept where this rank holds it."""
+
+    def lookup(local: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1
+               ) -> torch.Tensor:
+        rows = local.shape[0]
+        start = rank * rows
+        outside = (indices < start) | (indices >= start + rows)
+        mine = (indices - start).masked_fill(outside, 0)
+        pad = padding_idx - start if padding_idx >= 0 and 0 <= padding_idx - start < rows \
+            else -1
+        found = torch.nn.functional.embedding(mine, local, None if pad < 0 else pad)
+        return found.masked_fill(outside.unsqueeze(-1), 0)
+
+    return lookup
+
+
+def vocab_collectives(group: Any, degree: int, rank: int) -> dict[str, Callable]:
+    """What `lower` needs for a split vocabulary (passes/tensor_shard.py): this rank's
+    `lookup` and the all-gather `gather(x, dim)` (backward: this rank's slice)."""
+    return {"lookup": vocab_lookup(rank),
+            "gather": sequence_collectives(group, degree, rank)["gather"]}
 
 
 def to_local(tensor: torch.Tensor) -> torch.Tensor:
@@ -254,7 +288,9 @@ def shard_stage_tensors(program: "StagedProgram", own: Sequence[int],
 
     T, rank = mesh.size(), mesh.get_local_rank()
     copy, reduce = collectives(mesh.get_group())
-    extra = {"sequence": sequence_collectives(mesh.get_group(), T, rank)} if sequence else {}
+    extra: dict[str, Any] = {"vocab": vocab_collectives(mesh.get_group(), T, rank)}
+    if sequence:
+        extra["sequence"] = sequence_collectives(mesh.get_group(), T, rank)
     stages = list(program.stages)
     swapped: dict[int, torch.Tensor] = {}  # id(old parameter) -> its DTensor
     for index in own:

@@ -108,7 +108,8 @@ def _checkpoint(pipe, opt, directory: str) -> dict:
 
 def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
               directory: str | None = None) -> dict:
-    """Each case (model, pipeline devices P, schedule[, "sp": sequence_parallel=True]) on
+    """Each case (model, pipeline devices P, schedule[, "sp": sequence_parallel=True][,
+    "vocab": vocab_parallel=True, else False]) on
     P x D x T ranks (D = `replicas`, each taking its 1/D of the batch's rows): one step's loss and full gradients, the local
     and whole sizes of each parameter, the clipped norm, then the user's AdamW step and the
     next step's loss. With `directory`, the first Llama case's model and optimizer after that
@@ -120,13 +121,14 @@ def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
     results = {}
     for case in cases:
         name, P, schedule = case[:3]
-        sp = len(case) > 3 and case[3] == "sp"  # sequence_parallel=True
+        sp = "sp" in case[3:]  # sequence_parallel=True
+        vocab = "vocab" in case[3:]  # vocab_parallel=True (else False: as the other cases)
         T, (model, args, kwargs, target, loss_fn) = replica_case(
             name, P, replicas, rank, dist.get_world_size())
         pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=P,
                           data_parallel=replicas, tensor_parallel=T, loss_fn=loss_fn,
                           schedule=schedule, microbatches=2, timeout=300,
-                          sequence_parallel=sp)
+                          sequence_parallel=sp, vocab_parallel=vocab)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
         comms = _comm_counts(pipe, args) if P == 1 and replicas == 1 else None
         loss = pipe.step(*args, target=target, **kwargs)
@@ -135,6 +137,7 @@ def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
         sizes = {n: (local_tensor(p).numel(), p.numel(), type(p).__name__)
                  for n, p in pipe.named_parameters()}
         values = {n: _full(p).detach().clone() for n, p in pipe.named_parameters()}
+        placements = {n: list(getattr(p, "placements", ())) for n, p in pipe.named_parameters()}
         state = {k: _full(v).detach().clone() for k, v in pipe.state_dict().items()}
         norm = pipe.clip_grad_norm_(1e9).item()
         torch_norm = (_full(torch.nn.utils.clip_grad_norm_(pipe.parameters(), 1e9)).item()
@@ -151,7 +154,7 @@ def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
             forward = loss_fn(pipe(*args, **kwargs), target).item() if replicas == 1 else None
         results[tuple(case)] = {
             "loss": loss.item(), "grads": grads, "sizes": sizes, "values": values,
-            "state": state, "norm": norm, "torch_norm": torch_norm, "comms": comms,
+            "state": state, "placements": placements, "norm": norm, "torch_norm": torch_norm, "comms": comms,
             "loss2": loss2.item(), "eval": evaluated, "forward": forward, "saved": saved,
             "explain": pipe.explain(),
             "layout": (pipe.layout.pipeline, pipe.layout.data_parallel,

@@ -104,7 +104,8 @@ def _load(pipe, path: str) -> dict:
 
 
 def run_weights(rank: int, names: list[str], paths: dict, out: str) -> dict:
-    """For each model: built on meta, compiled with tensor_parallel = world size; init_weights
+    """For each model: built on meta, compiled with tensor_parallel = world size and
+    vocab_parallel=True (embeddings and output layer split along the vocabulary); init_weights
     (the model's own `_init_weights`); load_weights from each checkpoint of `paths[name]`; one
     step; DCP save of `pipe.state_dict()` into `out`, zeroed, DCP loaded back; an AdamW
     step and `get_state_dict(pipe, opt)` through DCP and back."""
@@ -118,7 +119,7 @@ def run_weights(rank: int, names: list[str], paths: dict, out: str) -> dict:
             model, args, kwargs, target, loss_fn = MODELS[name]()
         pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=1,
                           tensor_parallel=T, loss_fn=loss_fn, schedule="gpipe",
-                          microbatches=2, timeout=300)
+                          microbatches=2, timeout=300, vocab_parallel=True)
         pipe.to_empty()
         torch.manual_seed(0)
         pipe.init_weights(model._init_weights)

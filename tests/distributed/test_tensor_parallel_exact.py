@@ -15,10 +15,15 @@ from tests.support.reference import reference_step
 
 # "sp": sequence_parallel=True, in the same jobs (one spawn each, no new one)
 TP2_SP = [("gpt", 1, "1f1b", "sp"), ("llama", 1, "gpipe", "sp")]
-TP2 = [("gpt", 1, "gpipe"), ("llama", 1, "1f1b"), ("gpt2", 1, "1f1b"), *TP2_SP]
+# "vocab": vocab_parallel=True: embeddings and the output layer split along the vocabulary
+TP2_VOCAB = [("gpt2", 1, "1f1b", "vocab"), ("llama", 1, "gpipe", "vocab"),
+             ("llama", 1, "1f1b", "sp", "vocab")]
+TP2 = [("gpt", 1, "gpipe"), ("llama", 1, "1f1b"), ("gpt2", 1, "1f1b"), *TP2_SP, *TP2_VOCAB]
 PP2_TP2_SP = [("gpt", 2, "1f1b", "sp"), ("llama", 2, "1f1b", "sp")]
+# Llama's tables on the first and last stage split; GPT-2's tied across the stages kept whole
+PP2_TP2_VOCAB = [("llama", 2, "1f1b", "vocab"), ("gpt2", 2, "gpipe", "vocab")]
 PP2_TP2 = [("gpt", 2, "gpipe"), ("gpt", 2, "1f1b"), ("llama", 2, "1f1b"), ("gpt2", 2, "gpipe"),
-           ("gpt", 2, "zb-h1"), ("gpt", 2, "interleaved-1f1b"), *PP2_TP2_SP]
+           ("gpt", 2, "zb-h1"), ("gpt", 2, "interleaved-1f1b"), *PP2_TP2_SP, *PP2_TP2_VOCAB]
 
 
 @functools.cache  # the same for every test of the case; the tests only read it
@@ -78,7 +83,7 @@ def _check(results, case, replicas=1):
         got = r[case]
         P, T = case[1], len(results) // (case[1] * replicas)
         assert got["layout"] == (P, replicas, T)  # pipe.layout reports the given T
-        assert got["sp"] == (case[3:] == ("sp",))
+        assert got["sp"] == ("sp" in case[3:])
         assert abs(got["loss"] - loss) <= 1e-10, (rank, got["loss"], loss)
         assert abs(got["loss2"] - loss2) <= 1e-9, (rank, got["loss2"], loss2)  # after AdamW
         # the same weights, forward only: eval_step and pipe(x) on every rank
@@ -211,3 +216,45 @@ def test_a_dcp_checkpoint_of_the_shards_loads_into_the_unsplit_model(fixture, re
         want = stepped[name]
         assert (tensor - want).abs().max().item() <= 1e-10 * max(want.abs().max().item(), 1)
     assert all("tensor_parallel=2 is not built yet" in s["save"] for s in saved)
+
+
+def test_vocabulary_parallel_holds_half_of_each_table_and_gathers_the_logits(tp2):
+    """vocab_parallel=True: GPT-2's table tied between wte and lm_head, and Llama's
+    embed_tokens and lm_head apart, each hold 32 of their 64 vocabulary rows per rank
+    (DTensor Shard(0)); full_tensor() and state_dict() are the model's. Llama's forward: the
+    4 pairs' all-reduces, one for the embedding's masked lookup, one all-gather of the
+    logits; explain() shows the choice."""
+    from torch.distributed.tensor import Shard
+
+    for case in TP2_VOCAB[:2]:
+        _, _, params, _, _ = _reference(case[0])
+        tables = [n for n in params if n.endswith(("wte.weight", "embed_tokens.weight",
+                                                   "lm_head.weight"))]
+        assert len(tables) == (1 if case[0] == "gpt2" else 2)
+        for r in tp2[1]:
+            got = r[case]
+            for name in tables:
+                local, whole, kind = got["sizes"][name]
+                assert (local * 2, kind) == (whole, "DTensor") and whole == 64 * 16, name
+                assert got["placements"][name] == [Shard(0)], name
+                assert torch.equal(got["values"][name], params[name])
+                assert torch.equal(got["state"][name], params[name])
+            assert "vocabulary" in got["explain"] and "vocab_parallel=True" in got["explain"]
+    comms = tp2[1][0][("llama", 1, "gpipe", "vocab")]["comms"]
+    assert comms["forward"] == {"c10d.allreduce_": 5, "c10d.allgather_": 1}, comms
+
+
+def test_pp2_vocabulary_splits_each_stage_table_and_keeps_a_tie_across_stages_whole(pp2_tp2):
+    """PP2 x TP2, vocab_parallel=True: Llama's embed_tokens (stage 0) and lm_head (stage 1)
+    each half a rank; GPT-2's wte, tied to lm_head on the other stage, stays whole (exact
+    either way: the steps above)."""
+    held = {}
+    for r in pp2_tp2[1]:
+        for case in PP2_TP2_VOCAB:
+            for name, (local, whole, _) in r[case]["sizes"].items():
+                held[case[0], name] = (local, whole)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        local, whole = held["llama", name]
+        assert local * 2 == whole == 64 * 16, name
+    local, whole = held["gpt2", "transformer.wte.weight"]
+    assert local == whole == 64 * 16

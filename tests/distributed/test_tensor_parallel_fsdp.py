@@ -22,16 +22,18 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 FSDP2 = (("data_parallel", 2), ("fsdp", True))
 SP = (("sequence_parallel", True),)
 RECOMPUTE = (("checkpoint", True),)
+VOCAB = (("vocab_parallel", True),)  # the other cases keep the vocabulary whole
 # (model, pipeline devices P, schedule, options): T = world / (P D)
 TP2_FSDP2 = [("gpt", 1, "1f1b", FSDP2), ("llama", 1, "gpipe", FSDP2), ("gpt2", 1, "1f1b", FSDP2),
-             ("gpt", 1, "gpipe", FSDP2 + SP)]
+             ("gpt", 1, "gpipe", FSDP2 + SP), ("gpt2", 1, "gpipe", FSDP2 + VOCAB)]
 PP2_TP2_RECOMPUTE = [("gpt", 2, "1f1b", RECOMPUTE), ("llama", 2, "gpipe", RECOMPUTE + SP)]
 DP2_TP2_RECOMPUTE = [("llama", 1, "1f1b", (("data_parallel", 2),) + RECOMPUTE)]
 PP2_TP2_FSDP2 = [("gpt", 2, "1f1b", FSDP2), ("llama", 2, "interleaved-1f1b", FSDP2)]
 
 
 def _id(case: tuple) -> str:
-    names = {"fsdp": "fsdp2", "sequence_parallel": "sp", "checkpoint": "recompute"}
+    names = {"fsdp": "fsdp2", "sequence_parallel": "sp", "checkpoint": "recompute",
+             "vocab_parallel": "vocab"}
     return "-".join(map(str, case[:3])) + "".join(f"-{names[k]}" for k, _ in case[3]
                                                  if k in names)
 
@@ -175,3 +177,11 @@ def test_explain_names_both_shardings(four_ranks):
 def _row(explain: str, option: str) -> str:
     """The row of `option` in explain()'s table of asked and resolved options."""
     return next(line for line in explain.splitlines() if line.startswith(option + " "))
+
+
+def test_a_vocabulary_split_over_tp_is_sharded_over_dp_too(four_ranks):
+    """GPT-2, TP2 x FSDP2, vocab_parallel=True: its tied wte/lm_head table split over "tp"
+    along the vocabulary and sharded over "dp": a quarter of the rows a rank."""
+    held = _held(four_ranks, TP2_FSDP2[4], 2)
+    quarter, _, (mesh, placements) = held["transformer.wte.weight"]
+    assert quarter and mesh == ("dp", "tp") and placements[1] == "S(0)", placements

@@ -88,8 +88,9 @@ def test_load_weights_fills_the_shards_with_the_checkpoint(job, name, kind):
 @pytest.mark.parametrize("kind", ["safetensors", "shards"])
 @pytest.mark.parametrize("name", NAMES)
 def test_each_rank_reads_only_its_slice(job, name, kind):
-    """Of every split weight a rank reads 1/2 (the c_attn weight as three pieces); the rest
-    whole; in all a little over half the file's tensor bytes."""
+    """Of every split weight a rank reads 1/2 (the c_attn weight as three pieces; the
+    embedding and output tables half their vocabulary rows); the rest whole; in all a little
+    over half the file's tensor bytes."""
     model = MODELS[name]()[0]
     whole = {k: v.nbytes for k, v in model.state_dict().items()}
     saved = set(job[2][0][name][kind]["bytes"])
@@ -99,6 +100,10 @@ def test_each_rank_reads_only_its_slice(job, name, kind):
         assert split  # something is split
         for key, read in found[kind]["bytes"].items():
             assert read == (whole[key] // 2 if key in split else whole[key]), key
+        tables = {"gpt2": ["transformer.wte.weight"],
+                  "llama": ["model.embed_tokens.weight", "lm_head.weight"]}[name]
+        for key in tables:  # vocab_parallel=True: half of the vocabulary's rows read
+            assert key in split and found[kind]["bytes"][key] == whole[key] // 2, key
         if name == "gpt2":
             shapes = found[kind]["shapes"]["transformer.h.0.attn.c_attn.weight"]
             assert shapes == [(16, 8)] * 3  # q_r, k_r, v_r: of [16, 48], 8 columns of each part

@@ -16,3 +16,14 @@ def test_a_plan_summarises_its_pairs_and_what_stayed_replicated():
     assert plan.summary() == ("1 column- and 1 row-parallel matmuls, 2 parameters split over 2; "
                               "replicated: lm_head: reaches a graph output")
     assert ShardPlan(4, {}).summary() == "nothing to shard at T=4: every parameter replicated"
+
+
+def test_a_plan_names_its_vocabulary_choices():
+    table = Placement(dim=0, parts=(64,), role="vocabulary")
+    plan = ShardPlan(2, {"lm_head.weight": table}, embeddings=("embedding",),
+                     outputs=("linear",), vocabulary=("lm_head.weight split over 2",))
+    assert repr(table) == "Placement(vocabulary, dim=0)"
+    assert plan.summary() == ("0 column- and 0 row-parallel matmuls, 1 parameters split over 2; "
+                              "vocabulary: lm_head.weight split over 2")
+    assert ShardPlan(2, {}, vocabulary=("wpe.weight replicated",)).summary() == (
+        "nothing to shard at T=2: every parameter replicated; vocabulary: wpe.weight replicated")

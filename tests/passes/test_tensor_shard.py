@@ -141,3 +141,62 @@ def test_a_given_t_that_does_not_divide_the_key_value_heads_is_refused(graphs):
     with pytest.raises(ConfigError, match="tensor_parallel=4 does not divide the 2 key/value "
                                           r"heads .*4 query heads.*use one of \[1, 2\]"):
         _check_kv_heads(plan, 4)
+
+
+def _split_all(layer):
+    return True, f"{layer.name} split"
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "gpt2"])
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "sp"])
+def test_vocabulary_parallel_ranks_compute_the_unsplit_graph(graphs, name, sequence):
+    """Embeddings and the output layer split along the vocabulary (GPT's and GPT-2's tied
+    table for both, Llama's two tables apart): each rank holds 1/T of the vocabulary's rows,
+    the outputs (whole logits) and every gradient are the unsplit graph's, with sequence
+    parallelism too."""
+    gm, args = graphs[name]
+    plan = choose(gm, 2, vocabulary=_split_all)
+    table = {"gpt": "lm_head.weight", "gpt2": "lm_head.weight",
+             "llama": "model.embed_tokens.weight"}[name]
+    assert plan.params[table].role == "vocabulary" and plan.params[table].dim == 0
+    assert plan.params["lm_head.weight"].dim == 0 and plan.embeddings and plan.outputs
+    assert not any("lm_head" in note for note in plan.notes)  # not "leaves the stage"
+    want_gm = copy.deepcopy(gm)
+    want = want_gm(*args)
+    sum(o.sum() for o in want if o.is_floating_point()).backward()
+    ranks, counts = run_lowered(gm, plan, args, sequence=sequence)
+    assert counts["gather"] >= 1  # the logits, gathered along the vocabulary
+    for outs, grads in ranks:
+        for got, ref in zip(outs, want):
+            assert got.shape == ref.shape
+            assert (got - ref).abs().max().item() <= 1e-12 * max(ref.abs().max().item(), 1)
+        vocab = gm.get_parameter(table).shape[0]
+        assert grads[table].shape[0] * 2 == vocab  # this rank's half of the rows
+    for pname, param in want_gm.named_parameters():
+        if param.grad is None:
+            continue
+        if pname in plan.params:
+            got = _unsplit([g[pname] for _, g in ranks], plan.params[pname], 2)
+        else:
+            got = ranks[0][1][pname]
+        scale = param.grad.abs().max().item() or 1.0
+        assert (got - param.grad).abs().max().item() <= 1e-10 * scale, pname
+
+
+def test_vocabulary_kept_whole_when_the_choice_says_so(graphs):
+    """The choice refused: the tables replicated, the plan's reason kept for explain()."""
+    plan = choose(graphs["gpt2"][0], 2, vocabulary=lambda layer: (False, f"{layer.name} whole"))
+    assert not any(p.role.startswith("vocabulary") for p in plan.params.values())
+    assert not plan.embeddings and not plan.outputs
+    assert "lm_head.weight whole" in plan.summary()
+
+
+def test_vocabulary_layers_find_tied_and_untied_tables(graphs):
+    from pipecompile.passes.tensor_shard import vocabulary_layers
+
+    gpt2 = {layer.name: layer for layer, *_ in vocabulary_layers(graphs["gpt2"][0], 2)}
+    assert gpt2["lm_head.weight"].roles == ("embedding", "output")  # tied with wte
+    assert (gpt2["lm_head.weight"].vocab, gpt2["lm_head.weight"].hidden) == (64, 16)
+    llama = {layer.name: layer.roles for layer, *_ in vocabulary_layers(graphs["llama"][0], 2)}
+    assert llama == {"model.embed_tokens.weight": ("embedding",), "lm_head.weight": ("output",)}
+    assert vocabulary_layers(graphs["llama"][0], 3) == []  # 64 rows: T=3 does not divide

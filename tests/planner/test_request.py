@@ -54,6 +54,7 @@ def test_an_unknown_option_is_a_type_error_naming_the_closest():
     (dict(checkpoint="yes"), "checkpoint must be True, False or 'auto', got 'yes'"),
     (dict(data_parallel=0), "data_parallel must be a positive int or 'auto', got 0"),
     (dict(fsdp="sometimes"), "fsdp must be True, False or 'auto', got 'sometimes'"),
+    (dict(vocab_parallel="rows"), "vocab_parallel must be True, False or 'auto', got 'rows'"),
     (dict(timeout=-1), "timeout must be a positive number of seconds"),
     (dict(capture_budget=0), "capture_budget must be a positive number of seconds"),
     (dict(symbolic_sizes="some"), "symbolic_sizes='some' is not supported"),

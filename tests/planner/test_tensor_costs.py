@@ -230,3 +230,64 @@ def test_a_kernel_with_its_own_backward_is_split_as_its_move():
     mine = _shard_kernels(k, 2, float, 0.0, False).kernels
     assert mine.moves == ((loss / 2, 1),)
     assert mine.ruled == ((loss / 2, loss * 20 / 32, 1),)
+
+
+def _vocabulary(vocab, hidden, roles, T, tokens=8192, given=None):
+    from pipecompile.ir.shard_plan import VocabularyLayer
+    from pipecompile.planner.tensor_costs import TensorShare, vocabulary_price
+
+    h100 = pc.preset("h100")
+    share = TensorShare(T, pc.cluster("h100", nodes=1, per_node=8).intra, memory=h100.memory)
+    return vocabulary_price(VocabularyLayer("table", vocab, hidden, roles, tokens, 2), share,
+                            flops=h100.rate("bfloat16"), optimizer_factor=2.0, given=given)
+
+
+def test_llama3_70b_splits_its_vocabulary_and_a_tiny_table_stays_whole():
+    """Llama-3-70B (128256 x 8192, bf16, AdamW, 8192 tokens, TP8 over NVLink): the output
+    layer is faster split (1/8 of its GEMM + the logits' all-gather), the embedding is slower
+    split (an all-reduce) but frees ~7 GiB a rank (weight, gradient, AdamW's two moments).
+    A 64 x 16 table (and GPT-2's, 50304 x 768, at TP2) stays whole: nothing worth it."""
+    output = _vocabulary(128256, 8192, ("output",), 8)
+    assert output.chosen and output.split < output.whole / 4
+    embedding = _vocabulary(128256, 8192, ("embedding",), 8)
+    assert embedding.chosen and embedding.split > embedding.whole
+    assert abs(embedding.freed - 128256 * 8192 * 2 * 4 * 7 / 8) < 1
+    assert "split over 8 (frees >= 1% of the device's memory)" in str(embedding)
+    for vocab, hidden in ((64, 16), (50304, 768)):
+        tied = _vocabulary(vocab, hidden, ("embedding", "output"), 2)
+        assert not tied.chosen and "replicated (cheaper whole)" in str(tied)
+
+
+def test_vocab_parallel_given_overrides_the_price():
+    assert _vocabulary(64, 16, ("embedding",), 2, given=True).chosen
+    assert not _vocabulary(128256, 8192, ("output",), 8, given=False).chosen
+    assert "vocab_parallel=True" in str(_vocabulary(64, 16, ("output",), 2, given=True))
+
+
+def test_a_table_priced_whole_keeps_its_bytes_on_every_rank():
+    """shard_costs with the vocabulary's choice: a table kept whole holds all its bytes on
+    each rank, one split holds 1/T."""
+    from types import SimpleNamespace
+
+    from pipecompile.planner.cluster import Link
+
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab=64, dim=16, layers=1, heads=2, seq=8)
+    pipe = pc.compile(model, (torch.zeros(2, 8, dtype=torch.long),), devices=["cpu"],
+                      loss_fn=zoo.lm_loss, microbatches=1, schedule="gpipe")
+    costs = pipe.plan.costs
+    shapes = {n: tuple(p.shape) for n, p in pipe.plan.captured.module.named_parameters(
+        remove_duplicate=False)}
+    share = TensorShare(2, Link("link", 1e9, 0.0))
+    held = {}
+    for chosen in (True, False):
+        price = SimpleNamespace(chosen=chosen, layer=SimpleNamespace(
+            vocab=64, hidden=16, roles=("embedding", "output")))
+        table = shard_costs(costs, share, shapes=shapes, rates=None, batch_size=2,
+                            vocabulary={"lm_head.weight": price})
+        held[chosen] = sum(c.param_bytes for c in table.symbolic)
+    whole = sum(c.param_bytes for c in costs.symbolic)
+    holders = sum("lm_head.weight" in c.parameters for c in costs.symbolic)  # both ends
+    assert holders >= 1
+    assert held[False] - held[True] == holders * 64 * 16 * 4 // 2  # half the float32 table
+    assert held[False] < whole

@@ -36,3 +36,23 @@ def test_placements_name_the_split():
     assert placement_of(Placement(1, (8,), "row")) == Shard(1)
     fused = placement_of(Placement(0, (4, 4, 4), "column"))
     assert isinstance(fused, _StridedShard) and fused.dim == 0 and fused.split_factor == 3
+
+
+def test_the_vocabulary_lookups_of_the_ranks_sum_to_the_whole_lookup():
+    """An embedding split along its rows: each rank looks up the indices it holds (zeros
+    elsewhere); their sum is the whole lookup, and each rank's table gradient is its rows'
+    slice of the whole one, padding_idx's row getting none."""
+    from pipecompile.runtime.tensor_parallel import vocab_lookup
+
+    T, V = 4, 12
+    table = torch.randn(V, 3, dtype=torch.float64)
+    ids = torch.tensor([[0, 5, 11, 3], [7, 5, 2, 9]])
+    want_table = table.clone().requires_grad_()
+    want = torch.nn.functional.embedding(ids, want_table, padding_idx=5)
+    want.pow(2).sum().backward()
+    parts = [table.chunk(T)[r].clone().requires_grad_() for r in range(T)]
+    got = sum(vocab_lookup(r)(parts[r], ids, 5) for r in range(T))
+    assert torch.equal(got, want)
+    got.pow(2).sum().backward()
+    assert torch.equal(torch.cat([p.grad for p in parts]), want_table.grad)
+    assert not want_table.grad[5].any()

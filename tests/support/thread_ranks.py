@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from pipecompile.passes.tensor_shard import lower
-from pipecompile.runtime.tensor_parallel import local_slice
+from pipecompile.runtime.tensor_parallel import local_slice, vocab_lookup
 
 
 class Group:
@@ -89,7 +89,8 @@ def run_lowered(gm, plan, inputs, *, sequence: bool = False):
         try:
             c, r, seq = collectives(group, rank)
             module = lower(copy.deepcopy(gm), plan, copy=c, reduce=r,
-                           sequence=seq if sequence else None)
+                           sequence=seq if sequence else None,
+                           vocab={"lookup": vocab_lookup(rank), "gather": seq["gather"]})
             counts[rank] = {k: sum(1 for n in module.graph.nodes if n.target is f)
                             for k, f in seq.items()}
             for name, p in list(module.named_parameters()):
