@@ -3,12 +3,15 @@ holds each parameter by them: runtime/tensor_parallel.py).
 
     Placement(dim, parts, role)   one parameter's split over T ranks
     ShardPlan(degree, params, ...) what was split in one stage graph, and what stayed whole
+
+`ShardPlan.to_json()` / `ShardPlan.from_json(entry)`: the plan as plain JSON (a saved
+tensor-parallel pipeline records each stage's, outputs/persist_tensor.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 __all__ = ["Placement", "ShardPlan"]
 
@@ -46,3 +49,19 @@ class ShardPlan:
         return (f"{len(self.columns)} column- and {pairs} row-parallel matmuls, "
                 f"{len(self.params)} parameters split over {self.degree}"
                 + (f"; replicated: {'; '.join(self.notes)}" if self.notes else ""))
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as plain JSON values (`from_json` reads it back)."""
+        return {"degree": self.degree,
+                "params": {n: [p.dim, list(p.parts), p.role] for n, p in self.params.items()},
+                "columns": list(self.columns), "rows": list(self.rows),
+                "split": dict(self.split), "notes": list(self.notes)}
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> "ShardPlan":
+        """The plan `to_json` wrote."""
+        return cls(int(entry["degree"]),
+                   {n: Placement(int(d), tuple(int(s) for s in parts), str(role))
+                    for n, (d, parts, role) in entry["params"].items()},
+                   tuple(entry["columns"]), tuple(entry["rows"]),
+                   {n: int(d) for n, d in entry["split"].items()}, tuple(entry["notes"]))

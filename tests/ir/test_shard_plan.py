@@ -16,3 +16,13 @@ def test_a_plan_summarises_its_pairs_and_what_stayed_replicated():
     assert plan.summary() == ("1 column- and 1 row-parallel matmuls, 2 parameters split over 2; "
                               "replicated: lm_head: reaches a graph output")
     assert ShardPlan(4, {}).summary() == "nothing to shard at T=4: every parameter replicated"
+
+
+def test_a_plan_round_trips_through_json():
+    import json
+
+    plan = ShardPlan(2, {"qkv.weight": Placement(0, (8, 8, 8), "column"),
+                         "proj.weight": Placement(1, (8,), "row")},
+                     columns=("addmm",), rows=("addmm_1",), split={"view": 2, "addmm": 1},
+                     notes=("lm_head: reaches a graph output",))
+    assert ShardPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
