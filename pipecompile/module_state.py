@@ -35,7 +35,7 @@ from .planner.options import require_present
 from .ir.records import StagedProgram
 from .planner.plan import Plan
 from .runtime.assemble import Runtime
-from .weights.shard_slices import as_pieces, pieces_after_optimizer_steps, runs_of
+from .weights.shard_slices import as_pieces, blocks_of, pieces_after_optimizer_steps
 from .weights.unwritten import Unwritten, refuse
 
 __all__ = ["mirror_model", "adopt", "own_state", "check_runnable", "check_written", "load_state", "to_empty",
@@ -73,8 +73,8 @@ def adopt(pipe: torch.nn.Module, plan: Plan, runtime: Runtime, model: torch.nn.M
     if any(isinstance(t, DTensor) for _, t in owned) and not pipe.__dict__.get("_dcp_pieces"):
         pipe.__dict__["_dcp_pieces"] = True  # once: a lazy pipeline adopts every plan
         pipe.register_state_dict_post_hook(_dcp_pieces)
-        if any(len(runs.runs) > 1 for _, t in owned
-               if t is not None and (runs := runs_of(t)) is not None):
+        if any(len(blocks) > 1 for _, t in owned
+               if t is not None and (blocks := blocks_of(t)) is not None):
             pieces_after_optimizer_steps()  # a fused projection's moments: DCP pieces too
 
 

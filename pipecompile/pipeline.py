@@ -348,7 +348,9 @@ class Pipeline(DeprecatedNames, torch.nn.Module):
         return export_onnx(self.program, directory)
 
     def save(self, directory: str | os.PathLike) -> str:
-        """Write the plan (code, weights, schedule, costs, pass log) for `pipecompile.load`."""
+        """Write the plan (code, weights, schedule, costs, pass log) for `pipecompile.load`.
+        With tensor_parallel=T every rank calls it with the same directory (collective: the
+        whole weights are gathered); `pipecompile.load` under the same ranks shards it again."""
         module_state.check_written(self, self.plan, "pipe.save()")
         return save_plan(self.plan, directory)
 

@@ -5,12 +5,15 @@ holds each parameter by them: runtime/tensor_parallel.py).
     ShardPlan(degree, params, ...) what was split in one stage graph, and what stayed whole
     VocabularyLayer(...)          a table the embedding and/or output layer read, which may be
                                   split along its vocabulary (the planner prices the choice)
+
+`ShardPlan.to_json()` / `ShardPlan.from_json(entry)`: the plan as plain JSON (a saved
+tensor-parallel pipeline records each stage's, outputs/persist_tensor.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 __all__ = ["Placement", "ShardPlan", "VocabularyLayer"]
 
@@ -52,6 +55,26 @@ class ShardPlan:
         return (f"{len(self.columns)} column- and {pairs} row-parallel matmuls, "
                 f"{len(self.params)} parameters split over {self.degree}" + vocab
                 + (f"; replicated: {'; '.join(self.notes)}" if self.notes else ""))
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as plain JSON values (`from_json` reads it back)."""
+        return {"degree": self.degree,
+                "params": {n: [p.dim, list(p.parts), p.role] for n, p in self.params.items()},
+                "columns": list(self.columns), "rows": list(self.rows),
+                "split": dict(self.split), "notes": list(self.notes),
+                "embeddings": list(self.embeddings), "outputs": list(self.outputs),
+                "vocabulary": list(self.vocabulary)}
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> "ShardPlan":
+        """The plan `to_json` wrote."""
+        return cls(int(entry["degree"]),
+                   {n: Placement(int(d), tuple(int(s) for s in parts), str(role))
+                    for n, (d, parts, role) in entry["params"].items()},
+                   tuple(entry["columns"]), tuple(entry["rows"]),
+                   {n: int(d) for n, d in entry["split"].items()}, tuple(entry["notes"]),
+                   tuple(entry.get("embeddings", ())), tuple(entry.get("outputs", ())),
+                   tuple(entry.get("vocabulary", ())))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@
     onnx_export.py    one ONNX file per stage plus manifest.json
     onnx_run.py       run and check an exported ONNX pipeline
     persist.py        `pipe.save(directory)` and `pipecompile.load(directory)`
+    persist_tensor.py the parts of save and load that differ for a tensor-parallel pipeline
     graph_code.py     graph modules as Python source, and back (saved pipelines)
     stage_check.py    a saved stage file checked to hold only what torch.fx writes
     treespec.py       pytree specs as text (a saved pipeline's input/output structures)

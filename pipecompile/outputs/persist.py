@@ -30,6 +30,10 @@ place, with the same leaves in the same order.
 turns into a `Pipeline`. The loaded plan has no captured model graph (`program.captured.module`
 is a stand-in holding the state tensors) and no per-block costs, so its pipeline can run, train,
 print, explain, simulate, draw, save and export, but not be re-partitioned.
+
+A tensor-parallel pipeline (tensor_parallel=T under torchrun) is saved by every rank at once:
+the unsharded stages, whole weights and each stage's sharding plan; loading it under the same
+ranks runs the tensor pass again (outputs/persist_tensor.py).
 """
 
 from __future__ import annotations
@@ -50,7 +54,10 @@ from ..errors import ConfigError
 from .graph_code import build_module, install, module_source
 from ..ir.records import Block, CapturedModel, LinearGraph, NodeRole, StageCost, ValueInfo
 from ..planner.resolved import Choices, Resolved, resolve
+from ..measure.ranks import Ranks
 from ..planner.layout import Layout
+from .persist_tensor import layout_to_json, tensor_options, written
+from ..runtime.distributed import local_device
 from ..planner.options import CompileOptions
 from ..ir.devices import DeviceSpec
 from ..ir.records import Stage, StagedProgram
@@ -71,16 +78,22 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
     """Write the finished `plan` to `directory` (created if needed); returns plan.json's path."""
     program, options, asked = plan.program, plan.resolved, plan.asked
     assert program is not None and plan.schedule is not None, "only a finished plan is saved"
-    if options.tensor_parallel > 1:
-        from ..errors import ConfigError
+    sharded = plan.unsharded is not None  # tensor_parallel=T under torchrun: persist_tensor.py
+    whole: dict[int, dict[str, torch.Tensor]] = {}
+    if sharded:
+        from .persist_tensor import full_stage_weights, writes_stage
 
-        raise ConfigError(
-            f"saving a plan with tensor_parallel={options.tensor_parallel} is not built yet; "
-            f"checkpoint the weights with torch.distributed.checkpoint (get_state_dict(pipe, "
-            f"opt), original names, DTensor shards) and compile again to resume")
+        whole = full_stage_weights(plan)  # collective over this rank's tp (and dp) group
+        program = plan.unsharded
+        assert program is not None and options.ranks.topology is not None
+    lead = not sharded or options.ranks.topology.rank == 0  # type: ignore[union-attr]
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    stages = [_write_stage(stage, program, out) for stage in program.stages]
+    stages = [_write_stage(stage, program, out, code=lead, weights=(
+        (whole[stage.index] if writes_stage(plan, stage.index) else None) if sharded
+        else _state(stage.module))) for stage in program.stages]
+    if not lead:
+        return written(out / "plan.json", sharded)
     used = {id(t) for stage in program.stages for t in _state(stage.module).values()}
     unused = {n: t for n, t in _state(program.captured.module).items() if id(t) not in used}
     if unused:
@@ -93,7 +106,7 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
         "timeout": float(asked.timeout), "vertical_sync": asked.vertical_sync,
         "compile_stages": asked.compile_stages,
         "rng": asked.rng, "rng_seed": asked.rng_seed,  # the seeded ops' streams
-        "layout": _layout_to_json(plan),
+        "layout": layout_to_json(plan),
         "schedule": "schedule.json", "bounds": list(program.bounds), "stages": stages,
         "producer": dict(program.producer),
         "consumers": {k: list(v) for k, v in program.consumers.items()},
@@ -112,11 +125,16 @@ def save_plan(plan: Plan, directory: str | os.PathLike) -> str:
         "transfers": [[*key, seconds] for key, seconds in (plan.transfers or {}).items()],
         "predicted": plan.predicted.to_dict() if plan.predicted is not None else None,
         "passes": [asdict(r) for r in plan.passes],
+        "global_batch": asked.global_batch,
     }
+    if sharded:
+        from .persist_tensor import tensor_entry
+
+        data["tensor_parallel"] = tensor_entry(plan)
     (out / "schedule.json").write_text(json.dumps(_schedule_to_json(plan.schedule), indent=1))
     path = out / "plan.json"
     path.write_text(json.dumps(data, indent=1))
-    return str(path)
+    return written(path, sharded)
 
 
 def load_plan(
@@ -143,6 +161,14 @@ def load_plan(
                           f"{VERSION} (format {data.get('format')!r}, version "
                           f"{data.get('version')!r}); save it again with this pipecompile")
     schedule = _schedule_from_json(_read_json(root / data["schedule"]))
+    tensor, ranks = data.get("tensor_parallel"), Ranks()
+    if tensor is not None:  # under torchrun: this rank's place, its stages on its device
+        from .persist_tensor import join_saved
+
+        ranks = Ranks(join_saved(data["layout"], float(data["timeout"])))
+        own = ranks.own_stages(schedule)
+        devices = [local_device() if d in own else "cpu" for d in range(schedule.num_devices)] \
+            if devices is None else devices
     stage_devices = _stage_devices(data, schedule, devices)
     stage_costs = tuple(StageCosts(**_floats(c)) for c in data.get("stage_costs", []))
     program = _program_from_json(root, data, stage_devices, stage_costs, trust_code)
@@ -159,7 +185,9 @@ def load_plan(
         compile_stages=(bool(data.get("compile_stages", False)) if compile_stages is None
                         else compile_stages),
         virtual_stages=schedule.num_stages // schedule.num_devices,
-        capture=program.captured.method, granularity=program.linear.granularity)
+        capture=program.captured.method, granularity=program.linear.granularity,
+        global_batch=bool(data.get("global_batch", False)),
+        **({} if tensor is None else tensor_options(data["layout"], ranks)))
     passes = tuple(PassRecord(**p) for p in data["passes"])
     choices = _choices_from_json(data.get("layout"), options)
     resolved = Resolved.start(options)
@@ -175,25 +203,17 @@ def load_plan(
                 predicted=Timeline.from_dict(data["predicted"]) if data["predicted"] else None,
                 split_ratio=data.get("split_ratio"),
                 search=SearchResult.from_dict(data["search"]) if data.get("search") else None)
-    record = PassRecord("load", time.perf_counter() - start,
-                        f"{program.num_stages} stages from {root}")
+    summary = f"{program.num_stages} stages from {root}"
+    if tensor is not None:  # the tensor pass again, with the saved plans
+        from .persist_tensor import lower_saved
+
+        plan, lowered = lower_saved(plan, tensor)
+        summary += f"; tensor pass: {lowered}"
+    record = PassRecord("load", time.perf_counter() - start, summary)
     return replace(plan, passes=(*passes, record))
 
 
 # -- stages ------------------------------------------------------------------------------------
-
-
-def _layout_to_json(plan: Plan) -> dict[str, Any] | None:
-    """The layout the plan was made for (P x D, FSDP, the dimension inside a node), without this
-    process's ranks (each process finds its own place again); None for a pipeline alone."""
-    chosen = plan.choices.layout if plan.choices is not None else None
-    o = plan.resolved
-    if chosen is None and o.data_parallel <= 1:
-        return None
-    layout = chosen or Layout(len(o.devices), o.data_parallel, o.fsdp)
-    return {"pipeline": layout.pipeline, "data_parallel": layout.data_parallel,
-            "fsdp": layout.fsdp, "inner": layout.inner, "tensor_parallel": layout.tensor_parallel,
-            "sequence_parallel": layout.sequence_parallel}
 
 
 def _choices_from_json(entry: dict[str, Any] | None, options: CompileOptions) -> Choices | None:
@@ -213,22 +233,24 @@ def _choices_from_json(entry: dict[str, Any] | None, options: CompileOptions) ->
                    devices=options.devices)
 
 
-def _write_stage(stage: Stage, program: StagedProgram, out: Path) -> dict[str, Any]:
-    """Write a stage's code and weights; its entry in plan.json."""
+def _write_stage(stage: Stage, program: StagedProgram, out: Path, *, code: bool = True,
+                 weights: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Write a stage's code (unless not `code`) and `weights` (if given); its plan.json entry."""
     name = f"Stage{stage.index}"
     doc = (f"Stage {stage.index} of {program.num_stages} ({stage.device}): blocks "
            f"{stage.blocks[0]}..{stage.blocks[-1]}.\n\ninputs:  {', '.join(stage.inputs)}\n"
            f"outputs: {', '.join(stage.outputs)}\n")
-    (out / f"stage{stage.index}.py").write_text(module_source(stage.module, class_name=name,
-                                                              doc=doc))
-    state = _state(stage.module)
-    _save_tensors(state, out / f"stage{stage.index}.safetensors")
+    if code:
+        (out / f"stage{stage.index}.py").write_text(module_source(stage.module, class_name=name,
+                                                                  doc=doc))
+    if weights is not None:
+        _save_tensors(weights, out / f"stage{stage.index}.safetensors")
     return {
         "index": stage.index, "code": f"stage{stage.index}.py", "class": name,
         "weights": f"stage{stage.index}.safetensors", "device": str(stage.device),
         "inputs": list(stage.inputs), "outputs": list(stage.outputs),
         "blocks": list(stage.blocks), "parameter_names": list(stage.parameter_names),
-        "attributes": list(state), "cost": _cost_to_json(stage.cost),
+        "attributes": list(_state(stage.module)), "cost": _cost_to_json(stage.cost),
     }
 
 

@@ -24,7 +24,7 @@ decisions those of decisions.py.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -60,11 +60,13 @@ from .stage_costs import (
 )
 
 if TYPE_CHECKING:
+    from ..ir.records import StagedProgram
+    from ..ir.shard_plan import ShardPlan
     from ..passes.tensor_shard import Vocabulary
 
 __all__ = ["capture_pass", "linearize_pass", "annotate_pass", "partition_pass", "calibrate_pass",
            "refine_pass", "split_pass", "threads_pass", "simulate_pass", "agree_pass",
-           "shard_pass", "tensor_pass"]
+           "shard_pass", "tensor_pass", "tensor_plans", "lower_tensor_stages"]
 
 
 def _first_sizes(symbolic_sizes: str, example: Example) -> str:
@@ -210,38 +212,57 @@ def shard_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
         f"{local:,} parameter elements held here")
 
 
-def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
-    """tensor_parallel=T: this rank's stages lowered to their local shards (one all-reduce
-    per column/row pair; with sequence_parallel=True a reduce-scatter and an all-gather, the
-    tokens between them split), parameters DTensors over the "tp" mesh dimension."""
-    from ..passes.tensor_shard import choose, lower
-    from ..runtime.tensor_parallel import (fsdp_placement, shard_stage_tensors,
-                                           tensor_parallel_mesh)
+def tensor_plans(program: "StagedProgram", stages: "Sequence[int]", degree: int,
+                 vocabulary: "Vocabulary | None" = None) -> "dict[int, ShardPlan]":
+    """What the tensor-shard pass chooses for each of `stages` of the unsharded `program` at
+    `degree` (a pure function of the stage graphs and the priced `vocabulary` choices: every
+    rank, and a saved plan, agree)."""
+    from ..passes.tensor_shard import choose
     from ..schedule.messages import gradient_values
 
-    o = plan.resolved
-    topology = o.ranks.topology
-    if o.tensor_parallel == 1 or topology is None:
-        return None
-    program = plan.ready.program
-    own = o.ranks.own_stages(plan.ready.schedule)
     # a parameter whose copies live on several stages stays whole (one stage's own tie, as
     # GPT-2's wte/lm_head on one stage, is one table to the pass: split alike or not at all)
     tied = frozenset(n for tie in program.ties if len({s for s, _ in tie.copies}) > 1
                      for n in (*tie.names, *(name for _, name in tie.copies)))
     needs_grad = gradient_values(program)
-    vocabulary = _vocabulary(plan, example)
-    plans = {s: choose(program.stages[s].module, o.tensor_parallel, exclude=tied,
-                       constant_inputs=frozenset(n for n in program.stages[s].inputs
-                                                 if n not in needs_grad),
-                       vocabulary=vocabulary)
-             for s in own}
+    return {s: choose(program.stages[s].module, degree, exclude=tied,
+                      constant_inputs=frozenset(n for n in program.stages[s].inputs
+                                                if n not in needs_grad),
+                      vocabulary=vocabulary)
+            for s in stages}
+
+
+def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
+    """tensor_parallel=T: this rank's stages lowered to their local shards (one all-reduce
+    per column/row pair; with sequence_parallel=True a reduce-scatter and an all-gather, the
+    tokens between them split), parameters DTensors over the "tp" mesh dimension."""
+    o = plan.resolved
+    if o.tensor_parallel == 1 or o.ranks.topology is None:
+        return None
+    own = o.ranks.own_stages(plan.ready.schedule)
+    return lower_tensor_stages(plan, tensor_plans(plan.ready.program, own, o.tensor_parallel,
+                                                  _vocabulary(plan, example)))
+
+
+def lower_tensor_stages(plan: Plan, plans: "Mapping[int, ShardPlan]") -> tuple[Plan, str]:
+    """The tensor pass for the given `plans` of this rank's stages (chosen now, or read from a
+    saved pipeline): the program lowered, the unsharded one kept as `plan.unsharded` (what
+    `pipe.save` writes)."""
+    from ..runtime.tensor_parallel import (fsdp_placement, shard_stage_tensors,
+                                           tensor_parallel_mesh)
+    from ..passes.tensor_shard import lower
+
+    o = plan.resolved
+    topology = o.ranks.topology
+    assert topology is not None, "tensor parallelism runs under torch.distributed"
+    unsharded = plan.ready.program
+    own = o.ranks.own_stages(plan.ready.schedule)
     # fsdp=True: one (dp, pp, tp) mesh, FSDP2 shards the "tp" DTensors over its "dp" (as
     # torchtitan's 2-D parallelism: both dimensions must share their root mesh)
     root = data_parallel_mesh(topology, local_device(), plan.asked.mesh) if o.fsdp else None
     mesh = root["tp"] if root is not None else tensor_parallel_mesh(topology, local_device())
     replicas = topology.data_parallel if o.fsdp else 1
-    program = shard_stage_tensors(program, own, plans, mesh, lower,
+    program = shard_stage_tensors(unsharded, own, plans, mesh, lower,
                                   sequence=o.sequence_parallel, replicas=replicas)
     notes = "; ".join(f"stage {s}: {p.summary()}" for s, p in plans.items())
     if root is not None:
@@ -258,7 +279,7 @@ def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
     if not any(p.params for p in plans.values()):
         notes += (f" -- nothing worth sharding: every rank of a tensor-parallel group computes "
                   f"the whole stage (use tensor_parallel=1)")
-    return replace(plan, program=program), (
+    return replace(plan, program=program, unsharded=unsharded), (
         f"rank {topology.rank} is {topology.tp_index} of {o.tensor_parallel} tensor-parallel "
         f"ranks; {notes}")
 

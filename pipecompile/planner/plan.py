@@ -96,6 +96,9 @@ class Plan:
     placement: "Partition | None" = None
     calibration: "Calibration | None" = None
     program: "StagedProgram | None" = None
+    # tensor_parallel=T: the program before the tensor pass lowered this rank's stages (what
+    # `pipe.save` writes, the sharding re-chosen from its graphs)
+    unsharded: "StagedProgram | None" = None
     measured: "Mapping[int, StageTimes] | None" = None  # profile=True: each stage's times
     stage_costs: "tuple[StageCosts, ...]" = ()
     cores: int | None = None  # compute actions the devices run at once (None: one per device)

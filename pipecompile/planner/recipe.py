@@ -74,7 +74,7 @@ PASSES: tuple[Pass, ...] = (  # the recipe: in this order, each with its contrac
     Pass("plan check", agree_pass, requires=("program", "schedule", "choices")),
     Pass("shard", shard_pass, requires=("program", "schedule", "choices"), updates=("program",)),
     Pass("tensor", tensor_pass, requires=("program", "schedule", "choices"),
-         updates=("program",)),
+         updates=("program",), produces=("unsharded",)),
 )
 
 

@@ -4,7 +4,10 @@ torch.distributed.checkpoint as the pieces it is made of.
     runs_of(tensor)              -> Runs | None   the global indices along one dim this rank
                                                    holds, as contiguous runs in local order
     read_slices(path, runs)      -> {key: local}  only those rows/columns of each tensor
-    as_pieces(tensor)            a DTensor whose DCP chunks are its runs (a fused projection)
+    blocks_of(tensor)            -> [(offsets, sizes, local starts)] | None  this rank's
+                                                   blocks over every mesh dimension
+    as_pieces(tensor)            a DTensor whose DCP chunks are its blocks (a fused projection,
+                                 with FSDP too)
     pieces_after_optimizer_steps()  the same for an optimizer's state of such a parameter
 
 A tensor split along dim d (`Shard(d)`) holds one run of d: rank r of T holds rows
@@ -37,7 +40,7 @@ from typing import Any, Mapping, cast
 
 import torch
 
-__all__ = ["Runs", "runs_of", "read_slices", "as_pieces", "slice_bytes",
+__all__ = ["Runs", "runs_of", "blocks_of", "read_slices", "as_pieces", "slice_bytes",
            "pieces_after_optimizer_steps"]
 
 
@@ -84,14 +87,7 @@ def runs_of(tensor: torch.Tensor) -> Runs | None:
         [n if d == dim else 1 for d, n in enumerate(tensor.shape)])
     pieces, _ = placement._split_tensor(index, tensor.device_mesh.size(mesh_dim),
                                         with_padding=False, contiguous=False)
-    mine = pieces[coordinate[mesh_dim]].flatten().tolist()
-    runs: list[tuple[int, int]] = []
-    for i in mine:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    found = Runs(dim, tuple(runs))
+    found = Runs(dim, tuple(_runs(pieces[coordinate[mesh_dim]].flatten().tolist())))
     if found.local_shape(tuple(tensor.shape)) != tuple(tensor.to_local().shape):
         return None  # padded or otherwise unlike the split: read whole
     return found
@@ -191,12 +187,67 @@ def _PiecesPlanner(pieces: Mapping[str, list[tuple[tuple[int, ...], torch.Tensor
     return _pieces_planner()(pieces)
 
 
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Contiguous runs [start, stop) of `indices`, in their order."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+Block = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # offsets, sizes, local starts
+
+
+def blocks_of(tensor: torch.Tensor) -> list[Block] | None:
+    """This rank's local tensor as blocks of the global one: (global offsets, sizes, local
+    starts) of each, for a DTensor whose mesh dimensions split distinct tensor dims (`Shard`,
+    `_StridedShard`; TP's fused `_StridedShard(1)` with FSDP's `Shard(0)` too): the product of
+    each dim's runs. None for a plain tensor, or two mesh dimensions on one tensor dim (torch's
+    own chunk is right there)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(tensor, DTensor):
+        return None
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    shape = tuple(tensor.shape)
+    per_dim: dict[int, list[tuple[int, int]]] = {}
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, (Shard, _StridedShard)) or placement.dim in per_dim:
+            return None
+        dim = placement.dim
+        index = torch.arange(shape[dim]).view([n if d == dim else 1 for d, n in enumerate(shape)])
+        pieces, _ = cast(Any, placement)._split_tensor(
+            index, tensor.device_mesh.size(mesh_dim), with_padding=False, contiguous=False)
+        per_dim[dim] = _runs(pieces[coordinate[mesh_dim]].flatten().tolist())
+    runs = [per_dim.get(d, [(0, n)]) for d, n in enumerate(shape)]
+    if tuple(sum(b - a for a, b in r) for r in runs) != tuple(tensor.to_local().shape):
+        return None  # padded or otherwise unlike the split
+    blocks: list[Block] = [((), (), ())]
+    for dim_runs in runs:
+        grown = []
+        for offsets, sizes, starts in blocks:
+            local = 0
+            for a, b in dim_runs:
+                grown.append(((*offsets, a), (*sizes, b - a), (*starts, local)))
+                local += b - a
+        blocks = grown
+    return blocks
+
+
 def as_pieces(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` (a DTensor of more than one run, else returned as it is) shown to DCP as its
-    runs: one chunk each at its global offset, read and written through views of the local
-    tensor. The value is the same object, still a DTensor."""
-    runs = runs_of(tensor)
-    if runs is None or len(runs.runs) == 1:
+    """`tensor` (a DTensor of more than one block, else returned as it is) shown to DCP as its
+    blocks (`blocks_of`): one chunk each at its global offset, read and written through views
+    of the local tensor. The value is the same object, still a DTensor."""
+    chunks = blocks_of(tensor)
+    if chunks is None or len(chunks) == 1:
         return tensor
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                        TensorProperties)
@@ -204,7 +255,6 @@ def as_pieces(tensor: torch.Tensor) -> torch.Tensor:
 
     shape = tuple(tensor.shape)
     local = cast(Any, tensor).to_local()
-    chunks = runs.chunks(shape)
 
     def create_chunk_list() -> list[Any]:
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
@@ -220,9 +270,12 @@ def as_pieces(tensor: torch.Tensor) -> torch.Tensor:
                 for o, s, _ in chunks]
 
     def get_tensor_shard(index: Any) -> torch.Tensor:
-        for o, s, start in chunks:
+        for o, s, starts in chunks:
             if index.offset is not None and tuple(index.offset) == o:
-                return local.narrow(runs.dim, start, s[runs.dim])
+                view = local
+                for d, (start, size) in enumerate(zip(starts, s)):
+                    view = view.narrow(d, start, size)
+                return view
         raise ValueError(f"{index.fqn}: no piece at offset {index.offset}")
 
     tensor.__dict__["__create_chunk_list__"] = create_chunk_list
@@ -247,8 +300,8 @@ def pieces_after_optimizer_steps() -> None:
 
     def show(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for param, values in optimizer.state.items():
-            if not isinstance(param, DTensor) or len(param.placements) != 1 or type(
-                    param.placements[0]).__name__ != "_StridedShard":
+            if not isinstance(param, DTensor) or not any(
+                    type(p).__name__ == "_StridedShard" for p in param.placements):
                 continue
             for value in values.values():
                 if isinstance(value, DTensor) and "__create_chunk_list__" not in value.__dict__:

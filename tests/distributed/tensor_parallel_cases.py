@@ -85,25 +85,31 @@ def _comm_counts(pipe, args) -> dict:
             "both": {str(k): v for k, v in both.get_comm_counts().items()}}
 
 
-def _checkpoint(pipe, opt, directory: str) -> dict:
-    """DCP checkpoint of model and optimizer (DTensor shards, original keys); what
-    `pipe.save` says."""
+def _checkpoint(pipe, opt, directory: str, case: tuple) -> dict:
+    """DCP checkpoint of model and optimizer (DTensor shards, original keys); then
+    `pipe.save` (every rank) and `pc.load` under the same ranks: the loaded pipeline's
+    weights and placements, and one step of it on `case`'s batch (loss, full gradients)."""
     import os
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from pipecompile.errors import ConfigError
     from tests.distributed.checkpoint_cases import OPTIONS
 
     model_sd, optim_sd = get_state_dict(pipe, opt, options=OPTIONS)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
-    try:
-        pipe.save(os.path.join(directory, "plan"))
-        refused = None
-    except ConfigError as exc:
-        refused = str(exc)
-    return {"keys": sorted(model_sd), "save": refused}
+    args, kwargs, target, loss_fn = case
+    path = pipe.save(os.path.join(directory, "plan"))
+    loaded = pc.load(path, loss_fn=loss_fn)
+    same = {n: str(p.placements) for n, p in loaded.named_parameters()} == \
+        {n: str(p.placements) for n, p in pipe.named_parameters()}
+    state = {k: _full(v).detach().clone() for k, v in loaded.state_dict().items()}
+    loss = loaded.step(*args, target=target, **kwargs).item()
+    grads = {n: _full(p.grad).detach().clone() for n, p in loaded.named_parameters()
+             if p.grad is not None}
+    return {"keys": sorted(model_sd), "loaded": {"state": state, "loss": loss, "grads": grads,
+                                                 "placements": same,
+                                                 "layout": str(loaded.layout)}}
 
 
 def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
@@ -113,8 +119,8 @@ def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
     P x D x T ranks (D = `replicas`, each taking its 1/D of the batch's rows): one step's loss and full gradients, the local
     and whole sizes of each parameter, the clipped norm, then the user's AdamW step and the
     next step's loss. With `directory`, the first Llama case's model and optimizer after that
-    step go to a torch.distributed.checkpoint there, and `pipe.save` is tried (a fused
-    projection's `_StridedShard` is refused by DCP's planner: "overlapping chunks")."""
+    step go to a torch.distributed.checkpoint there, and the pipeline to `pipe.save`, loaded
+    back with `pc.load` and stepped (`_checkpoint`)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -147,8 +153,11 @@ def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
         saved = None
         if directory is not None and name == "llama" and not any(
                 r["saved"] for r in results.values()):
-            saved = _checkpoint(pipe, opt, directory)
+            saved = _checkpoint(pipe, opt, directory, (args, kwargs, target, loss_fn))
         loss2 = pipe.step(*args, target=target, **kwargs)
+        if saved is not None:  # the step the loaded pipeline took, in the original
+            saved["grads2"] = {n: _full(p.grad).detach().clone()
+                               for n, p in pipe.named_parameters() if p.grad is not None}
         evaluated = pipe.eval_step(*args, target=target, **kwargs).item()
         with torch.no_grad():  # this replica's rows: the global loss with one replica only
             forward = loss_fn(pipe(*args, **kwargs), target).item() if replicas == 1 else None

@@ -24,12 +24,49 @@ def _placements(tensor: torch.Tensor) -> tuple:
     return tuple(mesh.mesh_dim_names), tuple(str(p) for p in tensor.placements)  # type: ignore
 
 
-def run_cases(rank: int, cases: list[tuple]) -> dict:
+def _zero(pipe) -> None:
+    with torch.no_grad():
+        for p in pipe.parameters():
+            local_tensor(p).zero_()
+
+
+def _saved(pipe, directory: str, case: tuple, batch: tuple) -> dict:
+    """After the AdamW step: `dcp.save(pipe.state_dict())`; `pipe.save` (every rank) and
+    `pc.load` under the same ranks, the loaded pipeline's placements and one step of it on
+    `batch`; then its weights zeroed and the DCP checkpoint loaded into it (TP2 x FSDP2 again):
+    the largest difference from the saved weights."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    args, kwargs, target, loss_fn = batch
+    name = "-".join(map(str, case[:3]))
+    before = {k: _full(v).detach().clone() for k, v in pipe.state_dict().items()}
+    dcp.save(pipe.state_dict(), checkpoint_id=os.path.join(directory, f"{name}-dcp"))
+    loaded = pc.load(pipe.save(os.path.join(directory, f"{name}-plan")), loss_fn=loss_fn)
+    placements = {n: _placements(p) for n, p in loaded.named_parameters()} == \
+        {n: _placements(p) for n, p in pipe.named_parameters()}
+    loss = loaded.step(*args, target=target, **kwargs).item()
+    grads = {n: _full(p.grad).detach().clone() for n, p in loaded.named_parameters()
+             if p.grad is not None}
+    _zero(loaded)
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=os.path.join(directory, f"{name}-dcp"))
+    worst = max((_full(v) - before[k]).abs().max().item()
+                for k, v in loaded.state_dict().items())
+    return {"placements": placements, "loss": loss, "grads": grads, "dcp_worst": worst,
+            "keys": sorted(before), "layout": str(loaded.layout)}
+
+
+def run_cases(rank: int, cases: list[tuple], directory: str | None = None,
+              saved: tuple = ()) -> dict:
     """Each case (model, pipeline devices P, schedule, options: (key, value) pairs given to
     compile, e.g. data_parallel=D, fsdp=True, checkpoint=True) on P x D x T ranks (each
     replica taking its 1/D of the global batch): one step's loss and full gradients, each
     parameter's local and whole size and placements, the clipped norm, the user's AdamW step,
-    the next step's loss, eval_step after it, and state_dict()'s values (full_tensor())."""
+    the next step's loss, eval_step after it, and state_dict()'s values (full_tensor()).
+    Cases in `saved` are also saved and loaded after the AdamW step (`_saved`, into
+    `directory`), the next step's gradients kept beside."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -53,12 +90,18 @@ def run_cases(rank: int, cases: list[tuple]) -> dict:
         norm = pipe.clip_grad_norm_(1e9).item()
         opt.step()
         opt.zero_grad()
+        stored = (_saved(pipe, directory, case, (args, kwargs, target, loss_fn))
+                  if directory is not None and tuple(case) in saved else None)
         loss2 = pipe.step(*args, target=target, **kwargs)
+        if stored is not None:  # the step the loaded pipeline took, in the original
+            stored["grads2"] = {n: _full(p.grad).detach().clone()
+                                for n, p in pipe.named_parameters() if p.grad is not None}
         evaluated = pipe.eval_step(*args, target=target, **kwargs).item()
         state = {k: _full(v).detach().clone() for k, v in pipe.state_dict().items()}
         results[tuple(case)] = {
             "loss": loss.item(), "grads": grads, "sizes": sizes, "values": values,
             "norm": norm, "loss2": loss2.item(), "eval": evaluated, "state": state,
+            "saved": stored,
             "explain": pipe.explain(),
             "layout": (pipe.layout.pipeline, pipe.layout.data_parallel,
                        pipe.layout.tensor_parallel, pipe.layout.fsdp),

@@ -103,12 +103,69 @@ def _load(pipe, path: str) -> dict:
             "shapes": dict(recorder.shapes)}
 
 
-def run_weights(rank: int, names: list[str], paths: dict, out: str) -> dict:
+def family_case(name: str) -> tuple[tuple, dict, object, object]:
+    """The real-model sweep's batch of family `name` (tests/support/real_models.py) with a
+    float64 loss: a causal LM's `labels=` loss is computed by transformers in float32 (its
+    `ForCausalLMLoss` upcasts the logits with `.float()`, here a cast down), so the labels
+    become the target of the same shifted cross-entropy in float64; the rest keep their own
+    loss. (args, kwargs, target, loss_fn)."""
+    from tests.support.real_models import FAMILIES, own_loss
+
+    args, kwargs = FAMILIES[name].batch()
+    if name not in CAUSAL:
+        return args, kwargs, None, own_loss
+    kwargs = dict(kwargs)
+    return args, kwargs, kwargs.pop("labels"), _shifted_loss
+
+
+CAUSAL = ("gpt2", "llama", "qwen2")
+
+
+def _shifted_loss(out, labels: torch.Tensor) -> torch.Tensor:
+    logits = out.logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             labels[:, 1:].reshape(-1))
+
+
+def run_families(families: dict) -> dict:
+    """The real-model sweep's families at tensor_parallel = world size, the sweep's way: a
+    language model built on meta and loaded (`load_weights`) from its `save_pretrained`
+    shards (`families[name]`), any other seeded as the sweep seeds it; one 1f1b step of 2
+    micro-batches: loss, full gradients, the parameters split."""
+    import torch.distributed as dist
+
+    from tests.support.real_models import FAMILIES
+
+    results = {}
+    for name, checkpoint in families.items():
+        torch.manual_seed(0)
+        with torch.device("meta" if FAMILIES[name].meta else "cpu"):
+            model = FAMILIES[name].build().double()
+        args, kwargs, target, loss_fn = family_case(name)
+        pipe = pc.compile(model, args, kwargs, devices=1, tensor_parallel=dist.get_world_size(),
+                          microbatches=2, schedule="1f1b", loss_fn=loss_fn, timeout=300)
+        if FAMILIES[name].meta:
+            pipe.to_empty()
+            pipe.load_weights(checkpoint)
+        loss = pipe.step(*args, target=target, **kwargs)
+        results[name] = {
+            "loss": loss.item(),
+            "grads": {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()
+                      if p.grad is not None},
+            "split": sorted(n for n, p in pipe.named_parameters()
+                            if _local(p).numel() < p.numel()),
+            "explain": pipe.explain()}
+    return results
+
+
+def run_weights(rank: int, names: list[str], paths: dict, out: str,
+                families: dict | None = None) -> dict:
     """For each model: built on meta, compiled with tensor_parallel = world size and
     vocab_parallel=True (embeddings and output layer split along the vocabulary); init_weights
     (the model's own `_init_weights`); load_weights from each checkpoint of `paths[name]`; one
     step; DCP save of `pipe.state_dict()` into `out`, zeroed, DCP loaded back; an AdamW
-    step and `get_state_dict(pipe, opt)` through DCP and back."""
+    step and `get_state_dict(pipe, opt)` through DCP and back. Then the real-model sweep's
+    `families` (`run_families`), under "families"."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -141,6 +198,7 @@ def run_weights(rank: int, names: list[str], paths: dict, out: str) -> dict:
         found["from_own_dcp"] = _load(pipe, saved)
         found["optim"] = _optimizer_round_trip(pipe, os.path.join(out, f"{name}-optim"))
         results[name] = found
+    results["families"] = run_families(families or {})
     return results
 
 

@@ -200,7 +200,7 @@ def test_explain_names_the_tensor_parallel_pass(tp2):
 def test_a_dcp_checkpoint_of_the_shards_loads_into_the_unsplit_model(fixture, request):
     """Llama: get_state_dict(pipe, opt) after one AdamW step, DTensor shards under the
     original names, saved with torch.distributed.checkpoint, loads into the unsplit model (one
-    process) as the unsplit model's own state after that step. pipe.save refuses, saying so."""
+    process) as the unsplit model's own state after that step."""
     import torch.distributed.checkpoint as dcp
 
     directory, results = request.getfixturevalue(fixture)
@@ -215,7 +215,6 @@ def test_a_dcp_checkpoint_of_the_shards_loads_into_the_unsplit_model(fixture, re
     for name, tensor in fresh.state_dict().items():
         want = stepped[name]
         assert (tensor - want).abs().max().item() <= 1e-10 * max(want.abs().max().item(), 1)
-    assert all("tensor_parallel=2 is not built yet" in s["save"] for s in saved)
 
 
 def test_vocabulary_parallel_holds_half_of_each_table_and_gathers_the_logits(tp2):
@@ -258,3 +257,28 @@ def test_pp2_vocabulary_splits_each_stage_table_and_keeps_a_tie_across_stages_wh
         assert local * 2 == whole == 64 * 16, name
     local, whole = held["gpt2", "transformer.wte.weight"]
     assert local == whole == 64 * 16
+
+
+@pytest.mark.parametrize("fixture", ["tp2", "pp2_tp2"])
+def test_a_saved_tensor_parallel_pipeline_loads_sharded_and_steps_the_same(fixture, request):
+    """Llama after one AdamW step: pipe.save on every rank, pc.load under the same ranks
+    gives the same layout (T kept), the same DTensor placements and weights, and its next
+    step equals the original's next step bit for bit (and the unsplit model's to 1e-10)."""
+    _, results = request.getfixturevalue(fixture)
+    *_, loss2, stepped = _reference("llama")
+    P = 2 if fixture == "pp2_tp2" else 1
+    for r in results:
+        case = next(c for k, c in r.items() if c["saved"])
+        loaded = case["saved"]["loaded"]
+        assert loaded["layout"].startswith(f"{P} x 1 x TP2"), loaded["layout"]
+        assert loaded["placements"]
+        assert loaded["state"] and set(loaded["state"]) <= set(stepped)  # this rank's stages
+        for name, tensor in loaded["state"].items():
+            want = stepped[name]
+            assert (tensor - want).abs().max().item() <= 1e-10 * max(want.abs().max().item(), 1)
+        assert loaded["loss"] == case["loss2"]
+        assert abs(loaded["loss"] - loss2) <= 1e-10 * abs(loss2)
+        grads2 = case["saved"]["grads2"]
+        assert sorted(loaded["grads"]) == sorted(grads2) and grads2
+        for name, grad in grads2.items():
+            assert torch.equal(loaded["grads"][name], grad), name

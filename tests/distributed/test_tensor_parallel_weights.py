@@ -15,7 +15,7 @@ import torch
 import pipecompile as pc
 from tests.distributed.ranks import run_ranks
 from tests.distributed.tensor_parallel_cases import MODELS
-from tests.distributed.tensor_parallel_weights_cases import run_weights, state
+from tests.distributed.tensor_parallel_weights_cases import family_case, run_weights, state
 from tests.support.reference import reference_step
 
 NAMES = ["gpt2", "llama"]  # a fused qkv (Conv1D) and GQA
@@ -48,16 +48,37 @@ def _init_at_one(name: str) -> dict:
     return state(pipe)
 
 
+# the real-model sweep's families (tests/integration/test_real_models.py) at T = 2, in this job
+FAMILIES = ["gpt2", "llama", "bert_mlm", "vit"]
+
+
+def _family(name: str, root) -> tuple:
+    """Family `name` seeded as the sweep seeds it, a language model saved in shards as the
+    sweep saves it; its checkpoint, and the reference step (loss, gradients)."""
+    from tests.support.real_models import FAMILIES as BUILT
+
+    torch.manual_seed(0)
+    model = BUILT[name].build().double()
+    checkpoint = root / f"family-{name}"
+    if BUILT[name].meta:
+        model.save_pretrained(checkpoint, max_shard_size="20KB")
+    args, kwargs, target, loss_fn = family_case(name)
+    loss, grads = reference_step(model, args, kwargs, target, loss_fn, 2)
+    return str(checkpoint), loss.item(), {n: g.clone() for n, g in grads.items()}
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_weights")
     paths = {name: _checkpoints(name, root) for name in NAMES}
+    families = {name: _family(name, root) for name in FAMILIES}
     out = root / "saved"
     out.mkdir()
-    results = run_ranks(run_weights, 2, NAMES, paths, str(out), timeout=900)
+    results = run_ranks(run_weights, 2, NAMES, paths, str(out),
+                        {n: f[0] for n, f in families.items()}, timeout=900)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r.get("trace", r))
-    return paths, str(out), results
+    return paths, str(out), results, families
 
 
 def _close(got: dict, want: dict, tol: float = 0.0) -> float:
@@ -163,3 +184,29 @@ def test_the_optimizer_state_of_the_shards_round_trips_through_dcp(job, name):
     assert len(saved) == len(grads)
     _close({n: saved[f"optim.state.{n}.exp_avg"] for n in grads},
            {n: 0.1 * g for n, g in grads.items()}, tol=1e-9)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_real_model_family_at_t2_equals_the_unsplit_model(job, name):
+    """The real-model sweep's family at tensor_parallel=2 (a language model built on meta and
+    loaded from its shards): loss to 1e-10, every gradient to 1e-9 of its scale, something
+    split. A key bias's gradient is zero in exact arithmetic (softmax ignores a constant over
+    the keys): its rounding noise, up to 2e-19 of the largest gradient, depends on the order
+    the row's all-reduce sums in, so no gradient is held closer than 1e-15 of the largest (a
+    few float64 ulps of it): its scale is at least 1e-6 of the largest."""
+    _, want_loss, want = job[3][name]
+    largest = max(g.abs().max().item() for g in want.values())
+    worst = 0.0
+    for rank in job[2]:
+        got = rank["families"][name]
+        assert abs(got["loss"] - want_loss) <= 1e-10 * abs(want_loss), (got["loss"], want_loss)
+        assert sorted(got["grads"]) == sorted(want)
+        for key, grad in want.items():
+            scale = max(grad.abs().max().item(), 1e-6 * largest)  # tol / 1e-9
+            err = (got["grads"][key] - grad).abs().max().item() / scale
+            assert err <= 1e-9, key
+            worst = max(worst, err)
+        assert got["split"], got["explain"]
+    loss = max(abs(r["families"][name]["loss"] - want_loss) / abs(want_loss) for r in job[2])
+    print(f"{name}: {len(got['split'])} parameters split; loss {loss:.1e}, gradients "
+          f"{worst:.1e} relative")  # -s

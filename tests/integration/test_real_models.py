@@ -14,6 +14,11 @@ opaque: a `.data` write), JetMoE (data-dependent split sizes, priced by estimate
 Parakeet-CTC (its CTC loss in loss_fn) run at 2 stages. PhiMoE, whose opaque routers draw
 random numbers, cannot equal an eager run: its test compares 1, 2 and 4 stages under
 rng="per-microbatch".
+
+Tensor parallelism needs ranks, not device threads: GPT-2, Llama, BERT-MLM and ViT of this
+sweep also run at tensor_parallel=2 (built and loaded the same way, loss to 1e-10, gradients
+to 1e-9) inside the 2-rank gloo job of tests/distributed/test_tensor_parallel_weights.py
+(`test_real_model_family_at_t2_equals_the_unsplit_model`, one test id per family).
 """
 
 from __future__ import annotations

@@ -27,3 +27,13 @@ def test_a_plan_names_its_vocabulary_choices():
                               "vocabulary: lm_head.weight split over 2")
     assert ShardPlan(2, {}, vocabulary=("wpe.weight replicated",)).summary() == (
         "nothing to shard at T=2: every parameter replicated; vocabulary: wpe.weight replicated")
+
+
+def test_a_plan_round_trips_through_json():
+    import json
+
+    plan = ShardPlan(2, {"qkv.weight": Placement(0, (8, 8, 8), "column"),
+                         "proj.weight": Placement(1, (8,), "row")},
+                     columns=("addmm",), rows=("addmm_1",), split={"view": 2, "addmm": 1},
+                     notes=("lm_head: reaches a graph output",))
+    assert ShardPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan

@@ -66,3 +66,33 @@ def test_a_dcp_slice_is_read_as_chunks(tmp_path):
     dcp.save({"w": W}, checkpoint_id=str(tmp_path), no_dist=True)
     got = read_slices(str(tmp_path), {"w": Runs(1, ((0, 1), (2, 3), (4, 5)))})
     assert torch.equal(got["w"], W[:, [0, 2, 4]])
+
+
+def test_blocks_over_two_mesh_dims_are_the_product_of_each_dims_runs():
+    """FSDP's Shard(0) over "dp" with TP's fused _StridedShard(1) over "tp" (rank 3 of a fake
+    2 x 2 mesh: second rows, second column of each part): 3 blocks at their global offsets,
+    local starts along the local tensor; two mesh dims on one tensor dim: None (torch's own
+    chunks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pipecompile.weights.shard_slices import blocks_of
+
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+        def of(placements, local):
+            return blocks_of(DTensor.from_local(local, mesh, placements, run_check=False,
+                                                shape=W.shape, stride=W.stride()))
+
+        fused = [Shard(0), _StridedShard(1, split_factor=3)]
+        assert of(fused, W[2:, [1, 3, 5]]) == [((2, 1), (2, 1), (0, 0)), ((2, 3), (2, 1), (0, 1)),
+                                               ((2, 5), (2, 1), (0, 2))]
+        assert of([Replicate(), Shard(1)], W[:, 3:]) == [((0, 3), (4, 3), (0, 0))]
+        assert of([Shard(0), Shard(0)], W[3:]) is None
+        assert blocks_of(W) is None
+    finally:
+        dist.destroy_process_group()
