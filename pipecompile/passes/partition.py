@@ -52,6 +52,7 @@ from itertools import accumulate
 from pipecompile.errors import ConfigError, PartitionError, PartitionMemoryError
 from pipecompile.ir.devices import DeviceSpec
 from pipecompile.ir.formats import format_bytes
+from pipecompile.passes.chain_arrays import min_max_then_even
 
 __all__ = [
     "DeviceSpec",
@@ -327,7 +328,9 @@ def partition(problem: PartitionProblem, *,
     """
     n, p = problem.num_blocks, problem.num_stages
     _check_fill(n, p)
-    bounds = _min_max_then_even(n, p, *_time_costs(problem))
+    bounds = min_max_then_even(problem, _REL_TOL)  # the DP below on arrays, the same bits
+    if bounds is NotImplemented:
+        bounds = _min_max_then_even(n, p, *_time_costs(problem))
     if bounds is not None:
         return evaluate(problem, bounds)
     needed = _memory_needed(problem)
