@@ -59,7 +59,8 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
     sequence_parallel = given.pop("sequence_parallel")
     if tensor_parallel != 1 and not isinstance(devices, Cluster) and (
             tensor_parallel == AUTO or request.layout.searched):
-        raise ConfigError(f"tensor_parallel={tensor_parallel!r} with a searched layout is "
+        what = "with a searched layout" if request.layout.searched else "(T searched)"
+        raise ConfigError(f"tensor_parallel={tensor_parallel!r} {what} is "
                           f"planned for a cluster of devices that are not here: pass "
                           f"devices=pipecompile.cluster(...); under torchrun give the layout "
                           f"(devices=P, data_parallel=D, tensor_parallel=T)")
