@@ -8,6 +8,7 @@
     kernel_prices.py  one kernel's seconds from its shape and a chip's published figures
     calibrate.py  block costs corrected by the stages' measured times
     partition.py  the chain cut into pipeline stages: the placement policy
+    chain_arrays.py  partition's placement DP on numpy arrays (the same bits, faster)
     split.py      one fx.GraphModule per stage, with named inputs and outputs
     eval_mode.py  the inference version of a graph captured in training mode
     tensor_shard.py  tensor parallelism: column/row pairs chosen from a stage graph, lowered

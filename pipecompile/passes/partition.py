@@ -52,6 +52,7 @@ from itertools import accumulate
 from pipecompile.errors import ConfigError, PartitionError, PartitionMemoryError
 from pipecompile.ir.devices import DeviceSpec
 from pipecompile.ir.formats import format_bytes
+from pipecompile.passes.chain_arrays import min_max_then_even
 
 __all__ = [
     "DeviceSpec",
@@ -150,11 +151,19 @@ def stage_memory(problem: PartitionProblem, j: int, a: int, b: int) -> float:
     return _stage(problem, j, a, b)[1]
 
 
-def _stage(problem: PartitionProblem, j: int, a: int, b: int) -> tuple[float, float, bool]:
+def _sums(problem: PartitionProblem) -> tuple[list[float], ...]:
+    """The prefix sums `_stage` reads: block times, static and activation bytes, forwards."""
+    return tuple(_prefix(x) for x in (problem.block_times, problem.static_bytes,
+                                      problem.activation_bytes,
+                                      problem.forward_times or (0.0,) * problem.num_blocks))
+
+
+def _stage(problem: PartitionProblem, j: int, a: int, b: int,
+           sums: tuple[list[float], ...] | None = None) -> tuple[float, float, bool]:
     """(time, memory, recomputes) of stage j holding [a, b): without recomputation where that is
-    allowed and fits, else with it where allowed (memory over the limit if neither fits)."""
-    t, s, act = (_prefix(x) for x in (problem.block_times, problem.static_bytes,
-                                      problem.activation_bytes))
+    allowed and fits, else with it where allowed (memory over the limit if neither fits).
+    `sums`: `_sums(problem)`, computed once for every stage of a placement."""
+    t, s, act, f = sums or _sums(problem)
     d, cut, k = problem.devices[j], problem.cut_bytes, problem.inflight[j]
     send = d.send_time(cut[a]) + d.send_time(cut[b])
     time = (t[b] - t[a]) / d.speed + send
@@ -163,7 +172,6 @@ def _stage(problem: PartitionProblem, j: int, a: int, b: int) -> tuple[float, fl
     if problem.recompute is None or mode is False or (mode is None and memory <= d.memory):
         return time, memory, False
     assert problem.forward_times is not None, "checked in PartitionProblem"
-    f = _prefix(problem.forward_times)
     return (((t[b] - t[a]) + (f[b] - f[a])) / d.speed + send,
             (s[b] - s[a]) + k * cut[a] + (act[b] - act[a]), True)
 
@@ -327,7 +335,9 @@ def partition(problem: PartitionProblem, *,
     """
     n, p = problem.num_blocks, problem.num_stages
     _check_fill(n, p)
-    bounds = _min_max_then_even(n, p, *_time_costs(problem))
+    bounds = min_max_then_even(problem, _REL_TOL)  # the DP below on arrays, the same bits
+    if bounds is NotImplemented:
+        bounds = _min_max_then_even(n, p, *_time_costs(problem))
     if bounds is not None:
         return evaluate(problem, bounds)
     needed = _memory_needed(problem)
@@ -358,7 +368,8 @@ def evaluate(problem: PartitionProblem, bounds: Sequence[int]) -> Partition:
             or any(a >= b for a, b in zip(bounds, bounds[1:]))):
         raise ConfigError(f"bounds {bounds} must be {p + 1} strictly increasing cut positions "
                           f"from 0 to {n}; see uniform_bounds({n}, {p}) for an example")
-    stages = [_stage(problem, j, a, b) for j, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    sums = _sums(problem)
+    stages = [_stage(problem, j, a, b, sums) for j, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return Partition(bounds=bounds, stage_times=tuple(t for t, _, _ in stages),
                      stage_memory=tuple(m for _, m, _ in stages),
                      recompute=tuple(r for _, _, r in stages) if problem.recompute else ())

@@ -18,6 +18,7 @@ one node). Megatron-LM's rule is to keep the highest-volume traffic inside a nod
 prices both and keeps the faster.
 
     layouts(world, ...)                  every (P, D, T, SP, fsdp, inner) to search
+    check_tensor_degree(T, per_node, world, D)  the rule a given T must meet (ConfigError)
     sequence_choices(asked)              the sequence-parallel settings a T > 1 is searched with
     pipeline_specs(layout, cluster)      each position's spec, sending over the link it uses
     data_group(layout, cluster)          the shape (per node x nodes) of a replica group
@@ -52,8 +53,8 @@ from .cluster import Cluster, Link
 from .collectives import Group, all_gather, all_reduce, reduce_scatter
 
 __all__ = ["Layout", "layouts", "pipeline_specs", "data_group", "tensor_group", "Collectives",
-           "layout_static", "describe_placement", "tensor_degrees", "sequence_choices",
-           "LayoutCandidate"]
+           "layout_static", "describe_placement", "tensor_degrees", "check_tensor_degree",
+           "sequence_choices", "LayoutCandidate"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,26 @@ def tensor_degrees(per_node: int, tensor_parallel: int | None) -> tuple[int, ...
     if tensor_parallel is not None:
         return (tensor_parallel,)
     return tuple(t for t in range(per_node, 0, -1) if per_node % t == 0)
+
+
+def check_tensor_degree(tensor_parallel: int, per_node: int, world: int,
+                        data_parallel: int | None = None) -> None:
+    """The rule for a given T, written once: a tensor-parallel group is T consecutive devices
+    of one node, so T must divide the `per_node` devices of a node (and so the `world`), and
+    with D given, D x T must divide the world (P = world / (D T)); else a `ConfigError`
+    naming both."""
+    t = tensor_parallel
+    if per_node % t or world % t:
+        divisors = [d for d in range(1, per_node + 1) if per_node % d == 0]
+        raise ConfigError(
+            f"tensor_parallel={t} does not divide the {per_node} GPUs per node of the cluster "
+            f"({world} GPUs): a tensor-parallel group is {t} consecutive GPUs of one node; "
+            f"use one of {divisors} or 'auto'")
+    if data_parallel is not None and world % (data_parallel * t):
+        raise ConfigError(
+            f"data_parallel={data_parallel} x tensor_parallel={t} does not divide the {world} "
+            f"GPUs (P = {world} / (D x T) pipeline stages); use degrees whose product divides "
+            f"{world}")
 
 
 def sequence_choices(asked: bool | str) -> tuple[bool, ...]:

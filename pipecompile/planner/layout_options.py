@@ -39,6 +39,7 @@ from ..ir.records import Example
 from ..ir.devices import DeviceSpec
 from ..schedule.schedules import ASYNC_SCHEDULE_NAMES
 from .cluster import Cluster
+from .layout import check_tensor_degree
 from ..runtime.distributed import rank_device, world_size
 
 __all__ = ["job_options", "layout_options", "ranks_options", "layout_resolved"]
@@ -59,7 +60,8 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
     given.pop("vocab_parallel")  # read where the vocabulary is priced (plan.request)
     if tensor_parallel != 1 and not isinstance(devices, Cluster) and (
             tensor_parallel == AUTO or request.layout.searched):
-        raise ConfigError(f"tensor_parallel={tensor_parallel!r} with a searched layout is "
+        what = "with a searched layout" if request.layout.searched else "(T searched)"
+        raise ConfigError(f"tensor_parallel={tensor_parallel!r} {what} is "
                           f"planned for a cluster of devices that are not here: pass "
                           f"devices=pipecompile.cluster(...); under torchrun give the layout "
                           f"(devices=P, data_parallel=D, tensor_parallel=T)")
@@ -97,23 +99,10 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
 
 
 def _check_tensor(devices: Any, data_parallel: int | None, tensor_parallel: Any) -> None:
-    """A given T must divide the devices per node of the cluster (a group is T consecutive
-    devices of one node) and, with D given, the devices / D: else a `ConfigError` naming
-    both."""
+    """A given T on a cluster meets `layout.check_tensor_degree` (the rule, written there)."""
     if tensor_parallel in (1, AUTO) or not isinstance(devices, Cluster):
         return
-    t, per_node, world = int(tensor_parallel), devices.per_node, len(devices)
-    if per_node % t:
-        divisors = [d for d in range(1, per_node + 1) if per_node % d == 0]
-        raise ConfigError(
-            f"tensor_parallel={t} does not divide the {per_node} GPUs per node of the cluster "
-            f"({world} GPUs): a tensor-parallel group is {t} consecutive GPUs of one node; "
-            f"use one of {divisors} or 'auto'")
-    if data_parallel is not None and world % (data_parallel * t):
-        raise ConfigError(
-            f"data_parallel={data_parallel} x tensor_parallel={t} does not divide the {world} "
-            f"GPUs (P = {world} / (D x T) pipeline stages); use degrees whose product divides "
-            f"{world}")
+    check_tensor_degree(int(tensor_parallel), devices.per_node, len(devices), data_parallel)
 
 
 def ranks_options(world: int, devices: Any, fsdp: Any, example: Example | None

@@ -27,7 +27,8 @@ from ..ir.devices import DeviceSpec
 from ..ir.formats import format_bytes, format_stages
 from .schedule_search import FSDP_SCHEDULES, SYNC_SCHEDULES, BlockTable, Space, microbatch_choices
 from .schedule_search import search as search_plans
-from .layout import Collectives, Layout, layouts, pipeline_specs, sequence_choices, tensor_degrees
+from .layout import (Collectives, Layout, check_tensor_degree, layouts, pipeline_specs,
+                     sequence_choices, tensor_degrees)
 from .block_tables import tensor_share
 from .tensor_costs import attention_heads, shard_costs, vocabulary_choices
 from ..passes.tensor_rules import attention_heads_of
@@ -170,11 +171,7 @@ def _tensor_degrees(plan: Plan, world: int, tables: BlockTables, example: Exampl
     found = tables.at(1, size, 1)
     heads = attention_heads(found[1], size) if found is not None else ()
     if given is not None:
-        if per_node % given or world % given:
-            raise ConfigError(
-                f"tensor_parallel={given} does not divide the {per_node} devices per node "
-                f"(of {world}); a tensor-parallel group is {given} consecutive devices of one "
-                f"node: use a divisor of {per_node}")
+        check_tensor_degree(given, per_node, world)
         bad = [h for h in heads if h % given]
         if bad:
             raise ConfigError(

@@ -21,11 +21,12 @@ The planning search skips simulating a candidate whose floor is already over a p
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 from pipecompile.schedule.actions import Kind, Schedule
 from pipecompile.schedule.messages import Dataflow
-from pipecompile.schedule.simulate import StageCosts, _duration, _ends
+from pipecompile.schedule.simulate import StageCosts, _ends
 
 __all__ = ["makespan_floor", "fill_floor"]
 
@@ -40,8 +41,8 @@ def makespan_floor(schedule: Schedule, costs: Sequence[StageCosts], *,
     None); see the module docstring."""
     flow = dataflow or Dataflow.infer(schedule)
     n = schedule.num_stages
+    split, rows = _shape(schedule)
     forward = [c.forward + overhead for c in costs]
-    split = {a.stage for row in schedule.actions for a in row if a.kind is Kind.I}
     backward = [(c.input_time if s in split else c.backward) + overhead  # I or B: what it runs
                 for s, c in enumerate(costs)]
     sources: list[list[int]] = [[] for _ in range(n)]
@@ -52,21 +53,65 @@ def makespan_floor(schedule: Schedule, costs: Sequence[StageCosts], *,
             graded[link.dst].append(link.src)
     head = _longest(sources, forward)
     tail = _longest(graded, backward)
-    ends = _ends(schedule)
+    seconds: dict[tuple[int, Kind, bool, bool], float] = {}  # simulate's `_duration`, once each
     floor = 0.0
+    for work, last in rows:
+        for key in work:
+            if key not in seconds:
+                seconds[key] = _seconds(key, costs[key[0]], step_time, overhead)
+        durations = [seconds[key] for key in work]
+        busy = sum(durations)
+        start = head[work[0][0]] if work[0][1] is Kind.F else 0.0
+        # the last backward, and what the device still runs after it (its STEP)
+        after = sum(durations[last + 1:])
+        stage, kind = work[last][0], work[last][1]
+        wait = tail[stage] if kind in (Kind.B, Kind.I) else 0.0
+        floor = max(floor, start + busy + max(0.0, wait - after))
+    return floor
+
+
+_Key = tuple[int, Kind, bool, bool]  # (stage, kind, its stage's first forward, its last action)
+
+#: The last schedules' shapes (what `makespan_floor` reads of a schedule whatever its costs),
+#: by identity: a search bounds many placements of each schedule it builds.
+_SHAPES: OrderedDict[int, tuple[Schedule, tuple[set[int], list[tuple[list[_Key], int]]]]] = (
+    OrderedDict())
+_SHAPES_KEPT = 64
+
+
+def _shape(schedule: Schedule) -> tuple[set[int], list[tuple[list[_Key], int]]]:
+    """The stages that split their backward, and per device with compute, its compute actions
+    as keys and the index of its last one before its STEP."""
+    found = _SHAPES.get(id(schedule))
+    if found is not None and found[0] is schedule:
+        _SHAPES.move_to_end(id(schedule))
+        return found[1]
+    split = {a.stage for row in schedule.actions for a in row if a.kind is Kind.I}
+    first, last = _ends(schedule)
+    rows = []
     for row in schedule.actions:
         work = [a for a in row if a.kind in _COMPUTE]
         if not work:
             continue
-        durations = [_duration(a, costs[a.stage], step_time, overhead, ends) for a in work]
-        busy = sum(durations)
-        start = head[work[0].stage] if work[0].kind is Kind.F else 0.0
-        # the last backward, and what the device still runs after it (its STEP)
         k = max((k for k, a in enumerate(work) if a.kind is not Kind.STEP), default=0)
-        after = sum(durations[k + 1:])
-        wait = tail[work[k].stage] if work[k].kind in (Kind.B, Kind.I) else 0.0
-        floor = max(floor, start + busy + max(0.0, wait - after))
-    return floor
+        rows.append(([(a.stage, a.kind, a in first, a in last) for a in work], k))
+    _SHAPES[id(schedule)] = (schedule, (split, rows))
+    while len(_SHAPES) > _SHAPES_KEPT:
+        _SHAPES.popitem(last=False)
+    return split, rows
+
+
+def _seconds(key: _Key, cost: StageCosts, step_time: float, overhead: float) -> float:
+    """simulate's `_duration` of an action with this key (the same expression)."""
+    _, kind, first, last = key
+    extra = 0.0
+    if cost.setup or cost.teardown:
+        extra = (cost.setup if first else 0.0) + (cost.teardown if last else 0.0)
+    if kind is Kind.STEP:
+        return extra + step_time
+    work = {Kind.F: cost.forward, Kind.B: cost.backward, Kind.I: cost.input_time,
+            Kind.W: cost.weight_time}[kind]
+    return extra + (work + overhead)
 
 
 def _longest(before: list[list[int]], seconds: Sequence[float]) -> list[float]:

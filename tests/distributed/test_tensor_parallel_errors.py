@@ -59,3 +59,23 @@ def test_a_searched_layout_with_tensor_parallelism_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="with a searched layout is planned for a cluster "
                                           "of devices that are not here"):
         pc.compile(model, example_inputs=(x,), tensor_parallel="auto", loss_fn=zoo.lm_loss)
+
+
+@pytest.mark.parametrize("world, options", [
+    (4, dict(devices=2)),  # the pipeline given, T searched
+    (4, dict(devices=2, data_parallel=2)),  # P and D given, T searched
+    (1, dict(devices=["cpu", "cpu"])),  # one process: device threads
+])
+def test_a_searched_t_without_a_cluster_is_refused_saying_what_to_give(monkeypatch, world,
+                                                                      options):
+    """tensor_parallel="auto" is searched for a cluster of absent devices only: under
+    torchrun (or in one process) the error says to give the layout, T included."""
+    if world > 1:
+        _torchrun(monkeypatch, world)
+    model, x = _gpt()
+    with pytest.raises(ConfigError, match=r"tensor_parallel='auto' .*planned for a cluster of "
+                                          r"devices that are not here.*under torchrun give the "
+                                          r"layout \(devices=P, data_parallel=D, "
+                                          r"tensor_parallel=T\)"):
+        pc.compile(model, example_inputs=(x,), tensor_parallel="auto", loss_fn=zoo.lm_loss,
+                   **options)

@@ -156,3 +156,21 @@ def test_the_optimizer_step_is_priced_by_the_kernels_torch_runs_for_the_factory(
     # 1e9 bf16 parameters, fp32 master and moments (12 bytes each), at 1 TB/s: 52 bytes each
     assert optimizer_seconds(1e12, 2e9, 2e9, 12e9, passes=master) == pytest.approx(
         mixed_precision_bytes(loss_scale=False) * 1e9 / 1e12) == pytest.approx(52e-3)
+
+
+def test_a_given_tensor_degree_meets_one_rule():
+    """The rule a given T meets, written once (layout_options and the search pass both call
+    it): it divides the devices per node, and with D given, D x T divides the devices."""
+    from pipecompile.planner.layout import check_tensor_degree
+
+    for t in (1, 2, 4, 8):
+        check_tensor_degree(t, 8, 64)
+    check_tensor_degree(4, 8, 64, data_parallel=2)
+    with pytest.raises(ConfigError, match=r"tensor_parallel=3 does not divide the 8 GPUs per "
+                                          r"node.*use one of \[1, 2, 4, 8\]"):
+        check_tensor_degree(3, 8, 64)
+    with pytest.raises(ConfigError, match=r"tensor_parallel=16 does not divide the 8 GPUs"):
+        check_tensor_degree(16, 8, 64)
+    with pytest.raises(ConfigError, match=r"data_parallel=3 x tensor_parallel=4 does not "
+                                          r"divide the 64 GPUs"):
+        check_tensor_degree(4, 8, 64, data_parallel=3)

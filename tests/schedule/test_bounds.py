@@ -85,3 +85,56 @@ def test_the_fill_floor_of_uniform_stages():
     assert 8 * c * (1 + 3 / 16) * 0.99 < fill_floor("1f1b", 4, 8, 1, 4 * c) < (8 + 3) * c
     assert fill_floor("zb-h1", 4, 8, 1, 4 * c) == 0.0
     assert fill_floor("interleaved-1f1b", 4, 8, 2, 4 * c) == 0.0
+
+
+def _reference_floor(schedule, costs, overhead=0.0, step_time=0.0):
+    """makespan_floor as first written (every action's duration from simulate's `_duration`,
+    the schedule's shape read again each call): the kept shapes must give the same bits."""
+    from pipecompile.schedule.actions import Kind
+    from pipecompile.schedule.bounds import _COMPUTE, _longest
+    from pipecompile.schedule.simulate import _duration, _ends
+
+    flow = Dataflow.infer(schedule)
+    n = schedule.num_stages
+    forward = [c.forward + overhead for c in costs]
+    split = {a.stage for row in schedule.actions for a in row if a.kind is Kind.I}
+    backward = [(c.input_time if s in split else c.backward) + overhead
+                for s, c in enumerate(costs)]
+    sources, graded = [[] for _ in range(n)], [[] for _ in range(n)]
+    for link in flow.links:
+        sources[link.dst].append(link.src)
+        if link.grads:
+            graded[link.dst].append(link.src)
+    head, tail = _longest(sources, forward), _longest(graded, backward)
+    ends = _ends(schedule)
+    floor = 0.0
+    for row in schedule.actions:
+        work = [a for a in row if a.kind in _COMPUTE]
+        if not work:
+            continue
+        durations = [_duration(a, costs[a.stage], step_time, overhead, ends) for a in work]
+        busy = sum(durations)
+        start = head[work[0].stage] if work[0].kind is Kind.F else 0.0
+        k = max((k for k, a in enumerate(work) if a.kind is not Kind.STEP), default=0)
+        after = sum(durations[k + 1:])
+        wait = tail[work[k].stage] if work[k].kind in (Kind.B, Kind.I) else 0.0
+        floor = max(floor, start + busy + max(0.0, wait - after))
+    return floor
+
+
+@settings(max_examples=80, deadline=None)
+@given(name=st.sampled_from(sorted(SCHEDULES)), p=st.integers(1, 4), m=st.integers(1, 8),
+       data=st.data(), overhead=st.floats(0.0, 0.5), step_time=st.floats(0.0, 2.0))
+def test_the_kept_shapes_give_the_floor_bit_for_bit(name, p, m, data, overhead, step_time):
+    schedule = _schedule(name, p, m)
+    if schedule is None:
+        return
+    for _ in range(2):  # the second: the shape kept from the first
+        costs = []
+        for _ in range(schedule.num_stages):
+            f, i, w, setup, teardown = (data.draw(_SECONDS) for _ in range(5))
+            costs.append(StageCosts(f, i + w, backward_input=i, backward_weight=w,
+                                    setup=setup if data.draw(st.booleans()) else 0.0,
+                                    teardown=teardown))
+        want = _reference_floor(schedule, costs, overhead, step_time)
+        assert makespan_floor(schedule, costs, overhead=overhead, step_time=step_time) == want
