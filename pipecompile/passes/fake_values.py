@@ -180,7 +180,8 @@ def _linear(first: Any, second: Any, batch: sympy.Symbol, b1: int, b2: int) -> A
         return sympy.expand(sympy.sympify(first) + slope * (batch - b1))
     if isinstance(first, tuple) and isinstance(second, tuple) and len(first) == len(second):
         return tuple(_linear(a, b, batch, b1, b2) for a, b in zip(first, second))
-    if dataclasses.is_dataclass(first) and type(first) is type(second):
+    if (dataclasses.is_dataclass(first) and not isinstance(first, type)
+            and type(first) is type(second)):
         return dataclasses.replace(first, **{
             f.name: _linear(getattr(first, f.name), getattr(second, f.name), batch, b1, b2)
             for f in dataclasses.fields(first) if f.init})
