@@ -90,7 +90,10 @@ def test_every_layout_is_listed_and_a_pruned_one_says_why(searched):
             assert ("its compute alone takes" in mine.reason
                     or "not searched in full: its plans take at least" in mine.reason)
         elif mine in partly:  # plans bounded over the best not simulated: the best of the rest
-            assert c.fits and mine.step >= c.step > best * (1 + 1e-3)
+            # (a near tie, within schedule_search.TIE, goes to the least memory: the full
+            # search may keep a plan up to TIE slower that the partial one did not simulate)
+            assert c.fits and mine.step * (1 + schedule_search.TIE) >= c.step
+            assert c.step > best * (1 + 1e-3)
         else:  # searched: the same result as the search of every layout
             assert (mine.step == c.step) or (not mine.fits and not c.fits)
     assert not any(schedule_search.NOT_SIMULATED in x.reason
