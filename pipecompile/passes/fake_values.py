@@ -155,11 +155,10 @@ def run_on_fakes(run: Callable[[FakeValues], T], fakes: FakeValues, *,
 
 
 def _unguarded(mode: Any) -> contextlib.AbstractContextManager:
-    """The capture's shape environment with guards suppressed: a kernel's size check (CUDA's
-    attention picks its backend by comparing sizes) takes the example's branch without
-    recording the guard, which would replace the batch symbol by the example's batch for the
-    rest of the compile (every later cost then a constant at the example's batch, 4x the
-    activations of a micro-batch of a quarter of it)."""
+    """The capture's shape environment with guards suppressed: a kernel that reads a size as
+    an int (a backend chosen by comparing sizes) takes the example's branch without recording
+    the guard, which would replace the batch symbol by the example's batch for the rest of
+    the compile (every later cost then a constant at the example's batch)."""
     env = getattr(mode, "shape_env", None)
     return env.suppress_guards() if env is not None else contextlib.nullcontext()
 
@@ -171,9 +170,7 @@ def _linear(first: Any, second: Any, batch: sympy.Symbol, b1: int, b2: int) -> A
     its GEMM shapes and bytes) field by field; an equal value (a count, a flag) as it is."""
     if isinstance(first, bool) or first is None:
         return first
-    if isinstance(first, (int, float, sympy.Basic)) and not isinstance(first, sympy.Symbol):
-        if isinstance(first, sympy.Basic) and not first.is_number:
-            return first
+    if isinstance(first, (int, float)) or (isinstance(first, sympy.Basic) and first.is_number):
         if first == second:
             return first
         slope = (sympy.sympify(second) - sympy.sympify(first)) / (b2 - b1)

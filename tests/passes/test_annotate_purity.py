@@ -212,9 +212,8 @@ def _at(value, batch, b):
 @pytest.mark.parametrize("fused", [False, True])
 def test_costs_fitted_through_two_concrete_batches_equal_the_symbolic_ones(monkeypatch, fused):
     """A block whose fake run fails with a symbolic batch is costed at two concrete batch sizes
-    and fitted linearly: its saved bytes (a plain int at concrete sizes) and its kernels (the
-    GEMM shapes and bytes a chip prices) too, not only its FLOPs. They had stayed at the
-    example's batch: a CUDA plan predicted 4x the activations of 4 micro-batches of 4."""
+    and fitted linearly: its kernels (the GEMM shapes and bytes a chip prices, fused=True)
+    too, not only its FLOPs and saved bytes; they had stayed at the example's batch."""
     torch.manual_seed(0)
     linear = linearize(capture(_Attention(), (torch.randn(4, 8, 16),), {}))
     batch = linear.captured.batch_symbol
@@ -234,10 +233,10 @@ def test_costs_fitted_through_two_concrete_batches_equal_the_symbolic_ones(monke
 
 
 def test_a_size_check_while_costing_leaves_the_batch_symbolic(monkeypatch):
-    """A kernel that reads a size as an int while the block is costed (CUDA's attention picks
-    its backend so) guards on the example's batch; the guard must not replace the batch
-    symbol, or every later block is costed at the example's batch (a CUDA plan predicted 4x
-    the activations). The costs equal those of a run without the check, at every batch."""
+    """A kernel that reads a size as an int while the block is costed (a backend chosen by
+    comparing sizes) guards on the example's batch; the guard must not replace the batch
+    symbol, or every later block is costed at the example's batch. The costs equal those of a
+    run without the check, at every batch."""
     torch.manual_seed(0)
     linear = linearize(capture(_Attention(), (torch.randn(4, 8, 16),), {}))
     batch = linear.captured.batch_symbol
