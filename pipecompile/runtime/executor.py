@@ -92,6 +92,9 @@ class Executor:
             for s, w in self.workers.items()}
         # generated code per schedule and mode, by the schedule's identity and by its value
         self._programs: dict[tuple, _Program] = {}
+        # each device row's CUDA stream, made once: the caching allocator pools blocks per
+        # stream, so a new stream every step would cudaMalloc every step
+        self._streams: dict[tuple[int, torch.device], Any] = {}
 
     def code(self, schedule: Schedule, device: int, *, forward_only: bool = False) -> str:
         """The generated source of device row `device` running `schedule`."""
@@ -133,8 +136,11 @@ class Executor:
         if stepwise:
             self._interleave(program, args, transport, errors, entered)
         elif len(program.rows) > 1:
+            streams = [self._stream(code.device, program.devices[r])
+                       for r, code in enumerate(program.rows)]
             pool = [threading.Thread(target=self._row, args=(code, program.devices[r], args[r],
-                                                             transport, finish, errors, entered),
+                                                             transport, finish, errors, entered,
+                                                             streams[r]),
                                      daemon=True, name=f"pipecompile-device{code.device}")
                     for r, code in enumerate(program.rows)]
             for t in pool:
@@ -142,8 +148,9 @@ class Executor:
             for t in pool:
                 t.join()
         else:
+            # one row, in the caller's thread: its current stream (nothing runs beside it)
             self._row(program.rows[0], program.devices[0], args[0], transport, finish, errors,
-                      entered)
+                      entered, None)
         if not errors:
             try:
                 transport.finish()
@@ -181,11 +188,13 @@ class Executor:
 
     def _row(self, code: DeviceCode, device: torch.device, args: tuple, transport: Transport,
              finish: StepRound | None, errors: list[BaseException],
-             entered: Callable[[], Any]) -> None:
-        """Run one row's generated function in this thread; a failure aborts the others (their
-        receives, and a STEP waiting for this row's stages)."""
+             entered: Callable[[], Any], stream: Any) -> None:
+        """Run one row's generated function in this thread (on `stream`, None: the thread's
+        current one); a failure aborts the others (their receives, and a STEP waiting for
+        this row's stages)."""
+        on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         try:  # a failure inside a no-grad region must not leave this thread without grad
-            with kept_thread_state((device.type,)), _device_stream(device), entered():
+            with kept_thread_state((device.type,)), on_stream, entered():
                 code.fn(*args)
         except Aborted:
             return
@@ -225,6 +234,16 @@ class Executor:
                         f"{blocked}"))
                     return
 
+    def _stream(self, row: int, device: torch.device) -> Any:
+        """On a CUDA device, the stream device row `row` issues its kernels on (its own, so the
+        devices of one process compute concurrently; the same one every step); else None."""
+        if device.type != "cuda":
+            return None
+        key = (row, device)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]
+
     def _row_device(self, code: DeviceCode) -> torch.device:
         stages = sorted({a.stage for a in code.actions})
         return self.wiring.devices[stages[0]] if stages else torch.device("cpu")
@@ -261,10 +280,3 @@ def _comm(actions: Sequence[Action]) -> list[Action]:
     """The send and receive actions, in order: the i-th has the generated code's i-th message."""
     return [a for a in actions if a.kind in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)]
 
-
-def _device_stream(device: torch.device):
-    """On a CUDA device each worker thread issues its kernels on a stream of its own, so the
-    devices of one process compute concurrently; elsewhere nothing changes."""
-    if device.type == "cuda":
-        return torch.cuda.stream(torch.cuda.Stream(device))
-    return contextlib.nullcontext()
