@@ -140,14 +140,17 @@ def _calibrated(costs: CostTable, model: CostModel) -> CostTable:
     return calibrate_blocks(costs, model.calibration.at(model.microbatch_size))
 
 
-def place(linear: LinearGraph, costs: CostTable, target: Target) -> Partition:
-    """The optimal cuts for `target`, or the user's `split_points` evaluated."""
+def place(linear: LinearGraph, costs: CostTable, target: Target, *,
+          advise: bool = True) -> Partition:
+    """The optimal cuts for `target`, or the user's `split_points` evaluated. Where nothing
+    fits, the error advises how many devices would (`advise`; it tries every device count, so
+    a caller that drops the error passes False)."""
     problem = _problem(costs, target)
     if target.split_points is not None:
         return evaluate(problem, bounds_from_split_points(linear, target.split_points,
                                                           target.num_stages))
     advice = functools.partial(inflight_for, target.schedule, microbatches=target.microbatches,
-                               virtual_stages=target.virtual_stages)
+                               virtual_stages=target.virtual_stages) if advise else None
     return fit_devices(problem, target.stage_to_device,
                        lambda placed: partition(placed, inflight_for=advice))
 
@@ -171,7 +174,8 @@ def refine(captured: CapturedModel, current: Choice, *, model: CostModel, target
             continue
         finer_costs = cost(finer, model, example, ranks)
         try:
-            candidate = Choice(finer, finer_costs, place(finer, finer_costs, target))
+            candidate = Choice(finer, finer_costs,
+                               place(finer, finer_costs, target, advise=False))
         except PartitionMemoryError:  # the stages' recomputation was chosen for coarser blocks
             break
         if candidate.placement.bottleneck > 0.9 * current.placement.bottleneck:

@@ -14,6 +14,7 @@ A stage costs the sum of its blocks at its device's speed (measured per stage wi
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Protocol, Sequence
@@ -30,7 +31,7 @@ from .layout import Collectives, Layout, layout_static
 from ..measure.ranks import Ranks
 from ..schedule.actions import Schedule
 from ..schedule.messages import Dataflow, MessageKey, gradient_values, link_bytes, transfer_seconds
-from ..schedule.schedules import make_schedule
+from ..schedule.schedules import SCHEDULES, make_schedule
 from ..schedule.simulate import StageCosts, Timeline, inflight, simulate
 
 __all__ = ["SPLIT_BACKWARD_RATIO", "BlockTable", "backward_ratio", "placement_ratio",
@@ -197,13 +198,28 @@ def partition_problem(table: BlockTable, specs: Sequence[DeviceSpec], inflight: 
         forward_times=None if modes is None else table.forward, recompute=modes)
 
 
+@functools.lru_cache(maxsize=4096)
 def inflight_for(schedule: str, stages: int, *, microbatches: int,
                  virtual_stages: int) -> tuple[int, ...]:
     """In-flight micro-batches per stage if the pipeline had `stages` stages (the partitioner's
     advice on how many devices would fit); where `schedule` cannot run on that many (e.g.
-    interleaving constraints), the worst case: every micro-batch on every stage."""
+    interleaving constraints), the worst case: every micro-batch on every stage.
+
+    A built-in generator's schedule is read unvalidated and without its messages (its tests
+    validate every generator; in-flight counts read only F, B and W): the advice tries every
+    stage count up to the block count, and validating 80-stage schedules took minutes."""
+    devices = stages // virtual_stages
+    if virtual_stages == 1 and schedule == "gpipe":  # every forward before any backward
+        return (microbatches,) * stages
+    if virtual_stages == 1 and schedule == "1f1b":  # stage s warms up with p - s forwards
+        return tuple(max(1, min(microbatches, stages - s)) for s in range(stages))
     try:
-        return inflight(make_schedule(schedule, stages // virtual_stages, microbatches,
+        if schedule in SCHEDULES:
+            if devices * virtual_stages != stages:
+                raise PipecompileError(f"{stages} stages are not {virtual_stages} per device")
+            return inflight(SCHEDULES[schedule](devices, microbatches,
+                                                virtual_stages=virtual_stages))
+        return inflight(make_schedule(schedule, devices, microbatches,
                                       virtual_stages=virtual_stages))
     except PipecompileError:
         return (microbatches,) * stages

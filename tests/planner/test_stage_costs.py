@@ -87,3 +87,21 @@ def test_inflight_for_another_stage_count_or_the_worst_case():
     assert inflight_for("1f1b", 4, microbatches=8, virtual_stages=1) == (4, 3, 2, 1)
     # interleaving needs the micro-batches to be a multiple of the devices: assume the worst
     assert inflight_for("interleaved-1f1b", 6, microbatches=4, virtual_stages=2) == (4,) * 6
+
+
+@pytest.mark.parametrize("name,stages,m,v", [
+    ("gpipe", 5, 7, 1), ("gpipe", 4, 1, 1), ("1f1b", 6, 12, 1), ("1f1b", 9, 3, 1),
+    ("1f1b", 1, 5, 1), ("zb-h1", 4, 8, 1),
+    ("interleaved-1f1b", 8, 8, 2), ("interleaved-1f1b", 12, 12, 3),
+    ("zb-v", 8, 8, 2), ("interleaved-zb", 8, 8, 2)])
+def test_inflight_for_reads_the_validated_schedules_counts(name, stages, m, v):
+    """Read unvalidated and without messages (fast), the counts are the validated schedule's."""
+    from pipecompile.schedule.schedules import make_schedule
+    from pipecompile.schedule.simulate import inflight
+
+    want = inflight(make_schedule(name, stages // v, m, virtual_stages=v))
+    assert inflight_for(name, stages, microbatches=m, virtual_stages=v) == want
+
+
+def test_inflight_for_a_stage_count_the_devices_cannot_hold_is_the_worst_case():
+    assert inflight_for("interleaved-1f1b", 7, microbatches=4, virtual_stages=2) == (4,) * 7
