@@ -39,6 +39,7 @@ from _gpu_common import llama, own_loss, token_ids  # noqa: E402
 
 import pipecompile as pc  # noqa: E402
 import pipecompile.passes.annotate as annotate  # noqa: E402
+import pipecompile.passes.fake_values as fake_values  # noqa: E402
 from pipecompile.capture.capture import capture  # noqa: E402
 from pipecompile.passes.linearize import linearize  # noqa: E402
 
@@ -53,7 +54,8 @@ def _env_of(captured: Any) -> Any:
 
 @contextlib.contextmanager
 def _spy(envs: list, found: list) -> Iterator[None]:
-    """Record every replacement of a symbol by a number made in one of `envs`."""
+    """Record every replacement of a symbol by a number made in one of `envs`, and (last in
+    `found`) how many times a guard's suppression was checked, by thread and outcome."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     original = ShapeEnv._set_replacement
@@ -69,17 +71,31 @@ def _spy(envs: list, found: list) -> Iterator[None]:
                               stack="".join(frames)))
         return original(self, a, tgt, msg)
 
+    suppressed = ShapeEnv._suppress_guards_tls
+    checks: dict[str, int] = {}
+
+    def counted() -> bool:
+        held = suppressed()
+        key = (f"{'main' if threading.current_thread() is threading.main_thread() else 'other'}"
+               f" thread, {'suppressed' if held else 'recorded'}")
+        checks[key] = checks.get(key, 0) + 1
+        return held
+
     ShapeEnv._set_replacement = spy  # type: ignore[method-assign]
+    ShapeEnv._suppress_guards_tls = staticmethod(counted)  # type: ignore[method-assign]
     try:
         yield
     finally:
         ShapeEnv._set_replacement = original  # type: ignore[method-assign]
+        ShapeEnv._suppress_guards_tls = staticmethod(suppressed)  # type: ignore[method-assign]
+        found.append(dict(guard_checks=checks))
 
 
 @contextlib.contextmanager
 def _threaded_backward() -> Iterator[None]:
-    """The cost pass before the fix: guards suppressed on this thread only."""
-    fixed = annotate.unguarded
+    """The cost pass before the fix: guards suppressed on this thread only (both users of
+    `unguarded`: `run_on_fakes` and the block's run)."""
+    fixed = fake_values.unguarded
 
     @contextlib.contextmanager
     def old(mode: Any) -> Iterator[None]:
@@ -87,11 +103,11 @@ def _threaded_backward() -> Iterator[None]:
         with env.suppress_guards() if env is not None else contextlib.nullcontext():
             yield
 
-    annotate.unguarded = old  # type: ignore[assignment]
+    annotate.unguarded = fake_values.unguarded = old  # type: ignore[assignment]
     try:
         yield
     finally:
-        annotate.unguarded = fixed  # type: ignore[assignment]
+        annotate.unguarded = fake_values.unguarded = fixed  # type: ignore[assignment]
 
 
 def _costing(model: torch.nn.Module, ids: torch.Tensor, threaded: bool) -> dict[str, Any]:
