@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import sympy
@@ -131,7 +132,30 @@ def run_on_fakes(run: Callable[[FakeValues], T], fakes: FakeValues, *,
                  name: str) -> T:
     """`run(stand-ins)` with every size symbolic, else with only the batch symbolic, else fitted
     through two concrete batch sizes (see the module docstring); the last failure is raised.
-    `name` names the block in the log."""
+    `name` names the block in the log, and in a warning if its run fixed the batch symbol
+    anyway (a guard recorded where `unguarded` does not reach: every later cost a constant)."""
+    before = _pinned(fakes.mode, batch)
+    result = _fewer_symbols(run, fakes, example_sizes, batch, name)
+    after = _pinned(fakes.mode, batch)
+    if before is None and after is not None:
+        warnings.warn(
+            f"pipecompile: costing block {name} on fake tensors fixed the batch size at "
+            f"{after} (a guard on it was recorded); the costs of every later block are "
+            f"constants at that batch, so time and memory are predicted for it, not for the "
+            f"micro-batch: report this with the model", RuntimeWarning, stacklevel=2)
+    return result
+
+
+def _pinned(mode: Any, batch: sympy.Symbol | None) -> sympy.Expr | None:
+    """The number the capture's shape environment replaced `batch` by, if any."""
+    env = getattr(mode, "shape_env", None)
+    value = env.replacements.get(batch) if env is not None and batch is not None else None
+    return value if value is not None and value.is_number else None
+
+
+def _fewer_symbols(run: Callable[[FakeValues], T], fakes: FakeValues,
+                   example_sizes: Mapping[sympy.Symbol, int], batch: sympy.Symbol | None,
+                   name: str) -> T:
     others = {s: v for s, v in example_sizes.items() if s != batch}
     try:
         with unguarded(fakes.mode):

@@ -14,6 +14,7 @@ import sys
 import warnings
 
 import pytest
+import sympy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -254,6 +255,29 @@ def test_a_size_check_while_costing_leaves_the_batch_symbolic(monkeypatch):
     for b in (1, 3, 4):
         assert _at(checked, batch, b) == _at(unchecked, batch, b)
 
+
+
+def test_a_guard_recorded_on_another_thread_while_costing_is_a_warning(monkeypatch):
+    """A guard recorded where the suppression does not reach (another thread, as autograd's
+    device thread was on CUDA) fixes the batch for every later block: a warning names the
+    block and the batch, instead of costs silently constant."""
+    import threading
+
+    torch.manual_seed(0)
+    linear = linearize(capture(_Attention(), (torch.randn(4, 8, 16),), {}))
+    real = annotate_module._run_block_fake
+    placeholder = next(iter(linear.captured.module.graph.find_nodes(op="placeholder")))
+
+    def guarded_elsewhere(*args, **kwargs):
+        other = threading.Thread(target=lambda: int(placeholder.meta["val"].shape[0]))
+        other.start()
+        other.join()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(annotate_module, "_run_block_fake", guarded_elsewhere)
+    with pytest.warns(RuntimeWarning, match=r"costing block \S+ .*fixed the batch size at 4"):
+        costs = symbolic_block_costs(linear)
+    assert all(not sympy.sympify(c.forward_flops).free_symbols for c in costs)
 
 # A model whose backward guards on the batch (col2im's, the backward of `nn.Unfold`), captured
 # on CPU and as a meta model claiming an accelerator: a stand-in registered in the child process
