@@ -15,7 +15,8 @@ fake tensors (`passes.annotate.symbolic_block_costs`), each on a fresh capture:
 
 Every replacement of a size symbol by a number made in the capture's shape environment is
 recorded with the thread it was made on, the autograd node running (the backward op), and the
-stack's last frames; then a full `pc.compile` (m=4, 1f1b, AdamW) reports its shape
+stack's last frames, with the cost pass's fallbacks (a block that failed with symbolic sizes,
+and why); then a full `pc.compile` (m=4, 1f1b, AdamW) reports its shape
 environment's replacements and the layer's FLOPs. Writes JSON to OUT (default stdout).
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import sys
 import threading
 import time
@@ -47,6 +49,17 @@ FULL = dict(hidden=768, layers=2, heads=12, kv=12, ffn=2048, vocab=32000, seq=51
 TINY = dict(hidden=64, layers=2, heads=4, kv=4, ffn=128, vocab=256, seq=32, batch=16)
 
 
+class _Kept(logging.Handler):
+    """Keeps the messages logged to it (the first 2,000 characters of each)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage()[:2000])
+
+
 def _env_of(captured: Any) -> Any:
     node = next(iter(captured.module.graph.find_nodes(op="placeholder")))
     return node.meta["val"].fake_mode.shape_env
@@ -55,7 +68,8 @@ def _env_of(captured: Any) -> Any:
 @contextlib.contextmanager
 def _spy(envs: list, found: list) -> Iterator[None]:
     """Record every replacement of a symbol by a number made in one of `envs`, and (last in
-    `found`) how many times a guard's suppression was checked, by thread and outcome."""
+    `found`) how many times a guard's suppression was checked, by thread and outcome (each
+    `suppress_guards()` entered reads it once, unsuppressed: the block's runs, a few)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     original = ShapeEnv._set_replacement
@@ -77,7 +91,7 @@ def _spy(envs: list, found: list) -> Iterator[None]:
     def counted() -> bool:
         held = suppressed()
         key = (f"{'main' if threading.current_thread() is threading.main_thread() else 'other'}"
-               f" thread, {'suppressed' if held else 'recorded'}")
+               f" thread, {'suppressed' if held else 'unsuppressed'}")
         checks[key] = checks.get(key, 0) + 1
         return held
 
@@ -117,14 +131,24 @@ def _costing(model: torch.nn.Module, ids: torch.Tensor, threaded: bool) -> dict[
     after_capture = {str(k): str(v) for k, v in env.replacements.items()}
     linear = linearize(captured)
     found: list[dict[str, Any]] = []
-    with _spy([env], found), (_threaded_backward() if threaded else contextlib.nullcontext()):
-        costs = annotate.symbolic_block_costs(linear)
+    logged = _Kept()  # the cost pass's fallbacks: a block that failed with symbolic sizes
+    loggers = [logging.getLogger(n) for n in (annotate.__name__, fake_values.__name__)]
+    for logger in loggers:
+        logger.addHandler(logged)
+        logger.setLevel(logging.INFO)
+    try:
+        with _spy([env], found), (_threaded_backward() if threaded
+                                  else contextlib.nullcontext()):
+            costs = annotate.symbolic_block_costs(linear)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(logged)
     batch = captured.batch_symbol
     return dict(
         seconds=round(time.perf_counter() - t0, 1), batch_symbol=str(batch),
         replacements_after_capture=after_capture,
         replacements_after_costing={str(k): str(v) for k, v in env.replacements.items()},
-        made=found,
+        made=found, fallbacks=logged.messages,
         attention_ops=sorted({str(n.target) for n in captured.module.graph.nodes
                               if n.op == "call_function" and "attention" in str(n.target)}),
         blocks=[dict(name=b.name, forward_flops=str(c.forward_flops),
