@@ -26,7 +26,6 @@ and optimizer-state bytes are static. The analytic time of a block on a device i
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from dataclasses import dataclass, replace
@@ -40,7 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir.compile_cache import CompileCache, digest
 from ..ir.records import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
-from .fake_values import FakeValues, fake_mode_of, run_on_fakes
+from .fake_values import FakeValues, fake_mode_of, run_on_fakes, unguarded
 from .kernel_prices import Chip
 from .kernels import (
     ATTENTION_OPS,
@@ -398,12 +397,8 @@ def _run_block_fake(block_nodes, nodes, roles, gm, fakes: FakeValues, fused: boo
 
     prev = fake_mode.allow_non_fake_inputs
     fake_mode.allow_non_fake_inputs = True
-    # Ops such as interpolate would otherwise add guards that pin the symbolic batch size in the
-    # capture's shared shape environment, turning every later cost into a constant.
-    shape_env = getattr(fake_mode, "shape_env", None)
-    no_guards = shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
-    try:
-        with no_guards, fake_mode, FlopCounterMode(display=False) as counter:
+    try:  # no guards, backward on this thread (`unguarded`): the batch stays symbolic
+        with unguarded(fake_mode), fake_mode, FlopCounterMode(display=False) as counter:
             for name in block_nodes:
                 node = nodes[name]
                 if node.op == "call_module":  # fx capture: the module holds its parameters

@@ -26,6 +26,9 @@ reads two kinds of outside values, and `FakeValues` makes a stand-in for each:
        pad's on a permuted input, fails even with the batch alone symbolic). FLOPs and bytes
        of every op pipecompile prices are linear in the batch (each sample computed alike).
 
+Every run is `unguarded`: no guard is recorded in the capture's shape environment, on this
+thread or in autograd's backward, so the batch stays symbolic for the rest of the compile.
+
 `FakeValues` is made per costing (a pure function of the graph and the device): it keeps no
 state between compiles.
 """
@@ -35,13 +38,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Mapping, TypeVar
+import warnings
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import sympy
 import torch
 import torch.fx as fx
 
-__all__ = ["FakeValues", "fake_mode_of", "run_on_fakes"]
+__all__ = ["FakeValues", "fake_mode_of", "run_on_fakes", "unguarded"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,10 +132,33 @@ def run_on_fakes(run: Callable[[FakeValues], T], fakes: FakeValues, *,
                  name: str) -> T:
     """`run(stand-ins)` with every size symbolic, else with only the batch symbolic, else fitted
     through two concrete batch sizes (see the module docstring); the last failure is raised.
-    `name` names the block in the log."""
+    `name` names the block in the log, and in a warning if its run fixed the batch symbol
+    anyway (a guard recorded where `unguarded` does not reach: every later cost a constant)."""
+    before = _pinned(fakes.mode, batch)
+    result = _fewer_symbols(run, fakes, example_sizes, batch, name)
+    after = _pinned(fakes.mode, batch)
+    if before is None and after is not None:
+        warnings.warn(
+            f"pipecompile: costing block {name} on fake tensors fixed the batch size at "
+            f"{after} (a guard on it was recorded); the costs of every later block are "
+            f"constants at that batch, so time and memory are predicted for it, not for the "
+            f"micro-batch: report this with the model", RuntimeWarning, stacklevel=2)
+    return result
+
+
+def _pinned(mode: Any, batch: sympy.Symbol | None) -> sympy.Expr | None:
+    """The number the capture's shape environment replaced `batch` by, if any."""
+    env = getattr(mode, "shape_env", None)
+    value = env.replacements.get(batch) if env is not None and batch is not None else None
+    return value if value is not None and value.is_number else None
+
+
+def _fewer_symbols(run: Callable[[FakeValues], T], fakes: FakeValues,
+                   example_sizes: Mapping[sympy.Symbol, int], batch: sympy.Symbol | None,
+                   name: str) -> T:
     others = {s: v for s, v in example_sizes.items() if s != batch}
     try:
-        with _unguarded(fakes.mode):
+        with unguarded(fakes.mode):
             return run(fakes)
     except Exception as exc:  # noqa: BLE001 - tried again with fewer symbols below
         failure = exc
@@ -139,7 +166,7 @@ def run_on_fakes(run: Callable[[FakeValues], T], fakes: FakeValues, *,
         log.info("pipecompile: block %s could not run on fake tensors with every size symbolic "
                  "(%s); costing it with only the batch symbolic", name, failure)
         try:
-            with _unguarded(fakes.mode):
+            with unguarded(fakes.mode):
                 return run(fakes.specialized(others, example_sizes))
         except Exception as exc:  # noqa: BLE001
             failure = exc
@@ -154,13 +181,19 @@ def run_on_fakes(run: Callable[[FakeValues], T], fakes: FakeValues, *,
     return _linear(first, second, batch, b1, b2)
 
 
-def _unguarded(mode: Any) -> contextlib.AbstractContextManager:
-    """The capture's shape environment with guards suppressed: a kernel that reads a size as
-    an int (a backend chosen by comparing sizes) takes the example's branch without recording
-    the guard, which would replace the batch symbol by the example's batch for the rest of
-    the compile (every later cost then a constant at the example's batch)."""
+@contextlib.contextmanager
+def unguarded(mode: Any) -> Iterator[None]:
+    """Costing on `mode`'s fakes without guards: a kernel that reads a size as an int (a
+    backend chosen by comparing sizes, col2im's backward for `F.unfold`) takes the example's
+    branch without recording a guard, which would replace the batch symbol by the example's
+    batch in the capture's shape environment (every later cost a constant at that batch).
+    The suppression is thread-local, so autograd's backward is kept on this thread too: on an
+    accelerator (CUDA) the engine runs a backward on its device thread, where the backward
+    kernels' guards were recorded (a compile on CUDA had every cost a constant)."""
     env = getattr(mode, "shape_env", None)
-    return env.suppress_guards() if env is not None else contextlib.nullcontext()
+    with (env.suppress_guards() if env is not None else contextlib.nullcontext()), \
+            torch.autograd.set_multithreading_enabled(False):
+        yield
 
 
 def _linear(first: Any, second: Any, batch: sympy.Symbol, b1: int, b2: int) -> Any:

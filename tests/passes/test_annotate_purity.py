@@ -14,6 +14,7 @@ import sys
 import warnings
 
 import pytest
+import sympy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -253,3 +254,83 @@ def test_a_size_check_while_costing_leaves_the_batch_symbolic(monkeypatch):
     assert any(batch in c.forward_flops.free_symbols for c in checked)
     for b in (1, 3, 4):
         assert _at(checked, batch, b) == _at(unchecked, batch, b)
+
+
+
+def test_a_guard_recorded_on_another_thread_while_costing_is_a_warning(monkeypatch):
+    """A guard recorded where the suppression does not reach (another thread, as autograd's
+    device thread was on CUDA) fixes the batch for every later block: a warning names the
+    block and the batch, instead of costs silently constant."""
+    import threading
+
+    torch.manual_seed(0)
+    linear = linearize(capture(_Attention(), (torch.randn(4, 8, 16),), {}))
+    real = annotate_module._run_block_fake
+    placeholder = next(iter(linear.captured.module.graph.find_nodes(op="placeholder")))
+
+    def guarded_elsewhere(*args, **kwargs):
+        other = threading.Thread(target=lambda: int(placeholder.meta["val"].shape[0]))
+        other.start()
+        other.join()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(annotate_module, "_run_block_fake", guarded_elsewhere)
+    with pytest.warns(RuntimeWarning, match=r"costing block \S+ .*fixed the batch size at 4"):
+        costs = symbolic_block_costs(linear)
+    assert all(not sympy.sympify(c.forward_flops).free_symbols for c in costs)
+
+# A model whose backward guards on the batch (col2im's, the backward of `nn.Unfold`), captured
+# on CPU and as a meta model claiming an accelerator: a stand-in registered in the child process
+# as the PrivateUse1 backend ("fakegpu"). A fake CUDA tensor cannot run autograd in a CPU-only
+# torch (the engine aborts the process: no CUDA device guard), but the stand-in's backward runs
+# as CUDA's does, on the autograd engine's device thread.
+_ACCELERATOR_SCRIPT = """
+import json, sympy, torch, torch.nn as nn
+torch.utils.backend_registration._setup_privateuseone_for_python_backend(rename="fakegpu")
+from pipecompile.capture.capture import capture
+from pipecompile.capture.claimed_device import claiming, restore_tensors
+from pipecompile.passes.annotate import symbolic_block_costs
+from pipecompile.passes.linearize import linearize
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(4, 4, 1), nn.Unfold(2), nn.Flatten(), nn.Linear(16 * 49, 8),
+                         nn.ReLU(), nn.Linear(8, 8))
+
+def costs(linear):
+    batch = {linear.captured.batch_symbol: sympy.Symbol("B")}
+    return [[str(sympy.sympify(e).xreplace(batch)) for e in (c.forward_flops,
+             c.backward_input_flops, c.backward_weight_flops, c.activation_bytes)]
+            for c in symbolic_block_costs(linear)]
+
+x = torch.randn(6, 4, 8, 8)
+with torch.device("meta"):
+    model = make()
+device = torch.device("fakegpu:0")
+with claiming(model, ((x.to("meta"),), {}), device) as ((args, kwargs), originals):
+    captured = restore_tensors(capture(model, args, kwargs), model, originals, device)
+env = next(iter(captured.module.graph.find_nodes(op="placeholder"))).meta["val"].fake_mode
+print(json.dumps({"device": str(next(iter(captured.module.graph.find_nodes(
+                      op="placeholder"))).meta["val"].device),
+                  "accelerator": costs(linearize(captured)),
+                  "replacements": {str(k): str(v) for k, v in env.shape_env.replacements.items()},
+                  "cpu": costs(linearize(capture(make(), (x,), {})))}))
+"""
+
+
+def test_a_backward_on_an_accelerator_thread_leaves_the_batch_symbolic():
+    """On CUDA autograd runs a backward on its device thread, where the shape environment's
+    guard suppression (thread-local) did not hold: col2im's guard replaced the batch by the
+    example's, and every cost after it was a constant (on an H200, a Llama's costs at the full
+    batch instead of the micro-batch). Costed with the backward kept on the caller's thread,
+    the accelerator's costs are the CPU's, expressions of the batch."""
+    done = subprocess.run([sys.executable, "-c", _ACCELERATOR_SCRIPT], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["device"] == "fakegpu:0"
+    assert result["replacements"] == {}
+    assert result["accelerator"] == result["cpu"]
+    flops = [f for f, *_ in result["cpu"]]
+    assert flops == ["2048*B", "0", "0", "12544*B", "0", "128*B"]  # conv, unfold, ..., linears
+    assert all("B" in bytes_ for *_, bytes_ in result["cpu"] if bytes_ != "0")
