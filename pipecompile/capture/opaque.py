@@ -66,10 +66,10 @@ class OpaqueModule:
 def record(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any],
            paths: Sequence[str], reason: str, batch: int) -> dict[str, OpaqueModule]:
     """Run `model` once eagerly and record each module at `paths` (shapes, FLOPs)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    from ..passes.flops import flop_counter
 
     seen: dict[str, tuple] = {}
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     draws = _Draws()
     start: dict[str, tuple[int, int]] = {}
 

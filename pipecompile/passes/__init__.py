@@ -4,6 +4,7 @@
     linearize.py  the captured graph as a chain of blocks, with the values crossing each cut
     annotate.py   the cost of every block and cut, symbolic in the batch (and other) sizes
     kernels.py    each op priced as a GPU runs it (the kernel model of absent devices)
+    flops.py      torch's FLOP counter, with rules for the CPU's fused attention
     fake_values.py  the fake stand-ins a block is costed on, and fewer symbols where it fails
     kernel_prices.py  one kernel's seconds from its shape and a chip's published figures
     calibrate.py  block costs corrected by the stages' measured times

@@ -3,7 +3,7 @@
 Input: a `LinearGraph`. Output: a `CostTable`.
 
 Each block is run once on *fake* tensors (no memory, no compute) carrying the captured symbolic
-shapes, under `torch.utils.flop_counter.FlopCounterMode` and a saved-tensors hook:
+shapes, under torch's `FlopCounterMode` (passes/flops.py: with the CPU's attention) and a saved-tensors hook:
 
     forward FLOPs          counted while the block's ops run
     backward-input FLOPs   counted during autograd.grad(outputs, block inputs)      (zero-bubble I)
@@ -35,11 +35,11 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir.compile_cache import CompileCache, digest
 from ..ir.records import BlockCost, CostTable, LinearGraph, NodeRole, NumericBlockCost, evaluate
 from .fake_values import FakeValues, fake_mode_of, run_on_fakes, unguarded
+from .flops import flop_counter
 from .kernel_prices import Chip
 from .kernels import (
     ATTENTION_OPS,
@@ -398,7 +398,7 @@ def _run_block_fake(block_nodes, nodes, roles, gm, fakes: FakeValues, fused: boo
     prev = fake_mode.allow_non_fake_inputs
     fake_mode.allow_non_fake_inputs = True
     try:  # no guards, backward on this thread (`unguarded`): the batch stays symbolic
-        with unguarded(fake_mode), fake_mode, FlopCounterMode(display=False) as counter:
+        with unguarded(fake_mode), fake_mode, flop_counter() as counter:
             for name in block_nodes:
                 node = nodes[name]
                 if node.op == "call_module":  # fx capture: the module holds its parameters
