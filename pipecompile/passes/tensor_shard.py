@@ -50,6 +50,7 @@ __all__ = ["choose", "lower", "vocabulary_layers", "Vocabulary"]
 from ..ir.shard_plan import Placement, ShardPlan, VocabularyLayer
 from .sequence_shard import shard_sequence
 from .tensor_rules import SPLITS, VIEWS, State, node_args, rule, shape_of
+from .vocab_loss import Readers, logits_readers, lower_reader, whole
 
 aten = torch.ops.aten
 
@@ -201,6 +202,13 @@ def _leaves(node: fx.Node) -> bool:
     return False
 
 
+def _read_as_logits(node: fx.Node, vocab: int) -> bool:
+    """Whether an output layer's product is the stage's logits: it leaves the stage (reshaped
+    or cast at most) and/or is read by a cross entropy (passes/vocab_loss.py), nothing else."""
+    found = logits_readers(node, vocab)
+    return _leaves(node) or (found is not None and bool(found.losses or found.outputs))
+
+
 def _count(shape: tuple | None) -> int:
     """Elements of a recorded shape (a symbolic size by its hint, else 1)."""
     total = 1
@@ -241,7 +249,8 @@ def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] 
                 tokens = max(tokens, _count(shape_of(args[1])))
                 continue
             found_mm = _matmul(user, params)
-            if found_mm is None or found_mm[1] != name or not _leaves(user):
+            if found_mm is None or found_mm[1] != name or not _read_as_logits(
+                    user, int(p.shape[found_mm[2]])):
                 break
             x, _, out, bias = found_mm
             if bias is not None and (bias in taken or len(readers.get(bias, ())) != 1
@@ -329,12 +338,17 @@ def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callab
     copied: dict[fx.Node, fx.Node] = {}
     params = dict(gm.named_parameters(remove_duplicate=False))
     split = plan.split
+    readers: dict[fx.Node, Readers] = {}  # each split output layer's readers
+    mine: dict[fx.Node, fx.Node] = {}  # its logits and their reshapes, this rank's slices
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in params and local is not None:
             got = graph.get_attr(node.target)
             got.meta = dict(node.meta)
             env[node] = graph.call_function(local, (got,))
             env[node].meta = dict(node.meta)
+            continue
+        if any(lower_reader(graph, node, r, mine, env, T, vocab)
+               for r in readers.values() if vocab is not None):
             continue
         args = fx.map_arg(node_args(node), lambda n: env[n])
         kwargs = fx.map_arg(node.kwargs, lambda n: env[n])
@@ -354,6 +368,11 @@ def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callab
         if node.name in plan.outputs and vocab is not None:
             part = graph.node_copy(node, lambda n: env[n])
             part.args, part.kwargs = args, kwargs
+            found = logits_readers(node, int((shape_of(node) or (0,))[-1]))
+            if found is not None and "output" in vocab:  # read in place, never gathered
+                readers[node], mine[node] = found, part
+                whole(graph, node, found, mine, env, vocab)
+                continue
             env[node] = graph.call_function(vocab["gather"],
                                             (part, len(shape_of(node) or (0,)) - 1))
             env[node].meta = dict(node.meta)

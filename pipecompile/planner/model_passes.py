@@ -251,6 +251,7 @@ def lower_tensor_stages(plan: Plan, plans: "Mapping[int, ShardPlan]") -> tuple[P
     from ..runtime.tensor_parallel import (fsdp_placement, shard_stage_tensors,
                                            tensor_parallel_mesh)
     from ..passes.tensor_shard import lower
+    from ..passes.vocab_loss import lower_loss
 
     o = plan.resolved
     topology = o.ranks.topology
@@ -263,7 +264,8 @@ def lower_tensor_stages(plan: Plan, plans: "Mapping[int, ShardPlan]") -> tuple[P
     mesh = root["tp"] if root is not None else tensor_parallel_mesh(topology, local_device())
     replicas = topology.data_parallel if o.fsdp else 1
     program = shard_stage_tensors(unsharded, own, plans, mesh, lower,
-                                  sequence=o.sequence_parallel, replicas=replicas)
+                                  sequence=o.sequence_parallel, replicas=replicas,
+                                  lower_loss=lower_loss)
     notes = "; ".join(f"stage {s}: {p.summary()}" for s, p in plans.items())
     if root is not None:
         program = shard_stages(program, own, root, fsdp_placement(replicas))
