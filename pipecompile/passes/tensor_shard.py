@@ -114,11 +114,13 @@ def _carries_grad(gm: fx.GraphModule, params: Mapping[str, Any],
 
 def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozenset(),
            constant_inputs: frozenset[str] = frozenset(),
-           vocabulary: Vocabulary | None = None) -> ShardPlan:
+           vocabulary: Vocabulary | None = None,
+           loss_reads: Mapping[int, str] | None = None) -> ShardPlan:
     """The placements of `gm`'s parameters over `degree` ranks (module docstring); parameters
     in `exclude` (tied to another stage's copy) stay whole; `constant_inputs` are stage inputs
     that need no gradient (a floating-point input otherwise counts as carrying one);
-    `vocabulary` chooses for each vocabulary table whether it is split (None: none is)."""
+    `vocabulary` chooses for each vocabulary table whether it is split (None: none is),
+    priced with `loss_reads` (`vocabulary_layers`)."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     reads: dict[str, int] = {}
     for node in gm.graph.nodes:
@@ -168,7 +170,8 @@ def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozens
     outputs: list[str] = []
     chosen: list[str] = []
     for layer, dim, embeds, outs, biases in (vocabulary_layers(
-            gm, degree, taken=frozenset(placements) | exclude) if vocabulary else ()):
+            gm, degree, taken=frozenset(placements) | exclude, loss_reads=loss_reads)
+            if vocabulary else ()):
         split_it, why = vocabulary(layer) if vocabulary else (False, "")
         chosen.append(why)
         if split_it:
@@ -209,6 +212,21 @@ def _read_as_logits(node: fx.Node, vocab: int) -> bool:
     return _leaves(node) or (found is not None and bool(found.losses or found.outputs))
 
 
+def _parallel_loss(gm: fx.GraphModule, node: fx.Node, vocab: int,
+                   loss_reads: Mapping[int, str] | None) -> bool:
+    """Whether the logits `node` are never gathered in a training step split: each reader a
+    cross entropy lowered in place, and each stage output they reach read by the pipeline's
+    loss only through a cross entropy, or not at all (`loss_reads`)."""
+    found = logits_readers(node, vocab)
+    if found is None:
+        return False
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    reads = loss_reads or {}
+    return all(reads.get(i, "other") in ("cross entropy", "none")
+               for i, a in enumerate(flat) if a in found.outputs)
+
+
 def _count(shape: tuple | None) -> int:
     """Elements of a recorded shape (a symbolic size by its hint, else 1)."""
     total = 1
@@ -221,11 +239,14 @@ def _count(shape: tuple | None) -> int:
     return total
 
 
-def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] = frozenset()
+def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] = frozenset(),
+                      loss_reads: Mapping[int, str] | None = None
                       ) -> list[tuple[VocabularyLayer, int, list[str], list[str], list[str]]]:
     """Each table of `gm` that could be split along its vocabulary over `degree` ranks (module
     docstring), not one of `taken`: (the layer, its vocabulary dim, the embedding nodes and the
-    output-layer nodes that read it, the output layers' biases)."""
+    output-layer nodes that read it, the output layers' biases). `loss_reads`: how the
+    pipeline's loss reads each flat output of `gm` ("cross entropy", "none", else "other";
+    None: unknown, every output "other"), for the layer's `loss` (passes/vocab_loss.py)."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     readers: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -240,6 +261,7 @@ def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] 
         if name in taken or p.dim() != 2 or ids[id(p)] != 1 or not users:
             continue
         embeds, outs, biases, dims, tokens, roles = [], [], [], set(), 0, []
+        parallel = True
         for user in users:
             args = node_args(user)
             if user.op == "call_function" and user.target is aten.embedding.default and \
@@ -257,6 +279,7 @@ def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] 
                                      or ids[id(params[bias])] != 1):
                 break
             outs.append(user.name)
+            parallel = parallel and _parallel_loss(gm, user, int(p.shape[out]), loss_reads)
             biases += [bias] if bias is not None else []
             dims.add(out)
             tokens = max(tokens, _count((shape_of(x) or (1,))[:-1]))
@@ -269,7 +292,9 @@ def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] 
                 continue
             roles = (["embedding"] if embeds else []) + (["output"] if outs else [])
             found.append((VocabularyLayer(name, vocab, hidden, tuple(roles), tokens,
-                                          p.element_size()), dim, embeds, outs, biases))
+                                          p.element_size(),
+                                          "parallel" if parallel else "gathered"),
+                          dim, embeds, outs, biases))
     return found
 
 

@@ -23,7 +23,7 @@ the caller keeps today's gather.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -61,8 +61,9 @@ def _cross_entropy(node: fx.Node, source: fx.Node) -> bool:
     if node.op != "call_function" or node.target is not aten.cross_entropy_loss.default:
         return False
     args = list(node_args(node)) + [None] * 6
-    weight = node.kwargs.get("weight", args[2])
-    smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
+    kwargs: dict[str, Any] = dict(node.kwargs)
+    weight = kwargs.get("weight", args[2])
+    smoothing = kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
     shape = shape_of(source)
     return (args[0] is source and args[1] is not source and weight is None
             and float(smoothing) == 0.0 and shape is not None and len(shape) == 2)
@@ -122,15 +123,17 @@ def lower_reader(graph: fx.Graph, n: fx.Node, readers: Readers, mine: dict[fx.No
             sizes = list(args[1])
             sizes[-1] = sizes[-1] // degree if sizes[-1] != -1 else -1
             args[1] = sizes
-        new = graph.call_function(n.target, (mine[args[0]], *args[1:]), dict(n.kwargs))
+        target: Any = n.target
+        new = graph.call_function(target, (mine[args[0]], *args[1:]), dict(n.kwargs))
         new.meta = dict(n.meta)
         mine[n] = new
         whole(graph, n, readers, mine, env, vocab)
         return True
     if n in readers.losses:
         args = list(node_args(n)) + [None] * 6
-        reduction = int(n.kwargs.get("reduction", args[3] if args[3] is not None else 1))
-        ignore = int(n.kwargs.get("ignore_index", args[4] if args[4] is not None else -100))
+        given: dict[str, Any] = dict(n.kwargs)
+        reduction = int(given.get("reduction", args[3] if args[3] is not None else 1))
+        ignore = int(given.get("ignore_index", args[4] if args[4] is not None else -100))
         env[n] = graph.call_function(vocab["cross_entropy"],
                                      (mine[args[0]], env[args[1]], reduction, ignore))
         env[n].meta = dict(n.meta)

@@ -164,22 +164,36 @@ def vocabulary_price(layer: VocabularyLayer, share: TensorShare, *, flops: float
     if "output" in layer.roles:
         gemm = 6 * n * v * h / flops  # forward, the input's and the weight's gradients
         whole += gemm
-        split += gemm / t + share.all_gather(n * v * size) + share.all_reduce(n * h * size)
+        split += gemm / t + share.all_reduce(n * h * size) + _logits_collectives(
+            share, n, v, size, layer.loss)
     if "embedding" in layer.roles:
         split += share.all_reduce(n * h * size)
     freed = v * h * size * (2 + optimizer_factor) * (1 - 1 / t)
     return VocabularyPrice(layer, t, whole, split, freed, share.memory, given)
 
 
+def _logits_collectives(share: TensorShare, tokens: float, vocab: int, itemsize: int,
+                        loss: str) -> float:
+    """Seconds of the collectives over split logits in forward: their all-gather (n V
+    elements; backward: a slice) when "gathered", else the vocabulary-parallel cross
+    entropy's two all-reduces (the max, n elements; the target's logit and the sum of
+    exponentials, 2 n; backward: none)."""
+    if loss == "gathered":
+        return share.all_gather(tokens * vocab * itemsize)
+    return share.all_reduce(tokens * itemsize) + share.all_reduce(2 * tokens * itemsize)
+
+
 def vocabulary_choices(gm: "torch.fx.GraphModule", share: TensorShare, *, flops: float,
-                       optimizer_factor: float, given: bool | None = None
+                       optimizer_factor: float, given: bool | None = None,
+                       loss_reads: Mapping[int, str] | None = None
                        ) -> dict[str, VocabularyPrice]:
-    """Each vocabulary table of `gm` (passes/tensor_shard.py `vocabulary_layers`) priced."""
+    """Each vocabulary table of `gm` (passes/tensor_shard.py `vocabulary_layers`, the
+    pipeline's loss reading `gm`'s outputs as `loss_reads` says) priced."""
     from ..passes.tensor_shard import vocabulary_layers
 
     return {layer.name: vocabulary_price(layer, share, flops=flops,
                                          optimizer_factor=optimizer_factor, given=given)
-            for layer, *_ in vocabulary_layers(gm, share.degree)}
+            for layer, *_ in vocabulary_layers(gm, share.degree, loss_reads=loss_reads)}
 
 
 def _value(costs: CostTable) -> Callable[[sympy.Expr], float]:
@@ -202,15 +216,22 @@ class _Sharded:
     tokens: float  # rows of the weight matmuls (b s)
     itemsize: int
     unfused: int  # attentions written as two batched GEMMs each (QK^T, then by V)
+    logits: tuple[tuple[float, int, int, str], ...] = ()  # split output layers: (rows,
+    # vocabulary, bytes per element, "parallel" or "gathered")
 
 
 def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
                    backward_flops: float, sequence: bool,
-                   whole: frozenset[tuple[int, int]] = frozenset()) -> _Sharded:
+                   whole: frozenset[tuple[int, int]] = frozenset(),
+                   outputs: Mapping[tuple[int, int], str] | None = None) -> _Sharded:
     """One rank's share of a block's kernels (module docstring); a weight GEMM whose (n, k)
-    is in `whole` (an output layer priced replicated) runs whole."""
+    is in `whole` (an output layer priced replicated) runs whole; one in `outputs` (an
+    output layer priced split: how its logits are read) runs 1/T, and the loss over its
+    logits 1/T only when "parallel" (gathered logits: the loss whole on every rank)."""
     gemms, full, mine, itemsize, batched = [], 0.0, 0.0, 2, 0
     tokens, sides = 0.0, []
+    logits: list[tuple[float, int, int, str]] = []
+    outputs = outputs or {}
     for m, n, kk, batch, size, count in k.gemms:
         mv, nv, kv, bv = (value(x) for x in (m, n, kk, batch))
         flops = 2 * mv * nv * kv * bv * count
@@ -224,7 +245,10 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
                 kk = kk / t
             mine += flops / t
             tokens = max(tokens, mv)
-            sides += [ni, ki]
+            read = outputs.get((ni, ki))
+            if read is not None:
+                logits.append((mv * count, ni, size, read))
+            sides += [ni, ki] if read != "gathered" else []
         elif bv > 1 and int(round(bv)) % t == 0:  # batch x heads: attention by heads
             batch = batch / t
             mine += flops / t
@@ -262,7 +286,7 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
         moves=tuple(moves), ruled=tuple(ruled),
         loss=tuple(x for f in k.loss for x in (f / t, f)))  # the loss, split or whole
     return _Sharded(sharded, backward, max(sides, default=0), min(sides, default=0), tokens,
-                    itemsize, batched // 2)
+                    itemsize, batched // 2, tuple(logits))
 
 
 def _on_heads(k: Kernels, t: int, value: Callable[[sympy.Expr], float], tokens: float
@@ -309,17 +333,22 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
     kept = {n for n, p in vocabulary.items() if not p.chosen}
     whole = frozenset((p.layer.vocab, p.layer.hidden) for p in vocabulary.values()
                       if not p.chosen and "output" in p.layer.roles)
+    outputs = {(p.layer.vocab, p.layer.hidden): getattr(p.layer, "loss", "gathered")
+               for p in vocabulary.values()
+               if p.chosen and "output" in p.layer.roles}
     symbolic, blocks = [], []
     for i, (c, x) in enumerate(zip(costs.symbolic, costs.blocks)):
         sizes = [math.prod(shapes[n]) for n in c.parameters if n in shapes]
         held = sum(math.prod(shapes[n]) / t if _sharded_param(shapes[n], t) and n not in kept
                    else math.prod(shapes[n]) for n in c.parameters if n in shapes)
         keep = held / sum(sizes) if sum(sizes) > 0 else 1.0
-        forward, backward, widest, pairs, nbytes = 1.0, 1.0, 0, 0, 0.0
+        forward, backward, widest, pairs, nbytes, logits = 1.0, 1.0, 0, 0, 0.0, 0.0
         if isinstance(c, PricedBlockCost) and rates is not None:
             found = _shard_kernels(c.kernels, t, value, x.backward_flops,
-                                   share.sequence_parallel, whole)
+                                   share.sequence_parallel, whole, outputs)
             widest = found.widest
+            logits = sum(_logits_collectives(share, rows, v, size, read)
+                         for rows, v, size, read in found.logits)
             f0, b0 = c.kernels.times(x.backward_flops, rates, value)
             f1, b1 = found.kernels.times(found.backward_flops, rates, value)
             forward = f1 / f0 if f0 > 0 else 1.0
@@ -344,7 +373,7 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
                                 grad_bytes=int(round(c.grad_bytes * keep)),
                                 optimizer_bytes=int(round(c.optimizer_bytes * keep)),
                                 activation_bytes=c.activation_bytes * act))
-        blocks.append(replace(x, forward_time=x.forward_time * forward + collective,
+        blocks.append(replace(x, forward_time=x.forward_time * forward + collective + logits,
                               backward_input_time=x.backward_input_time * backward + collective,
                               backward_weight_time=x.backward_weight_time * backward,
                               static_bytes=x.static_bytes * keep,

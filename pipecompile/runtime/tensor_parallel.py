@@ -180,7 +180,7 @@ def _vocab_loss(module: torch.fx.GraphModule, vocab: Mapping[str, Callable],
     positions and dims), None when it has none."""
     (out,) = [n for n in module.graph.nodes if n.op == "output"]
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    split = {i: int(a.args[1]) for i, a in enumerate(flat)
+    split = {i: int(a.args[1]) for i, a in enumerate(flat)  # type: ignore[arg-type]
              if isinstance(a, torch.fx.Node) and a.target is vocab["output"]}
     if not split or lower_loss is None:
         return None
@@ -336,7 +336,7 @@ def shard_stage_tensors(program: "StagedProgram", own: Sequence[int],
             setattr(module.get_submodule(owner) if owner else module, attr, swapped[id(param)])
         if readers:
             _read_parts(module, readers)
-        module.vocab_loss = _vocab_loss(module, extra["vocab"], lower_loss, T)
+        setattr(module, "vocab_loss", _vocab_loss(module, extra["vocab"], lower_loss, T))
         stages[index] = replace(stage, module=module)
     tensors = {name: tuple((s, swapped.get(id(t), t)) for s, t in copies)
                for name, copies in program.tensors.items()}

@@ -147,7 +147,7 @@ class VocabLoss:
     def _form(self, outputs: tuple, target: Any, loss_fn: Callable[..., torch.Tensor],
               unflatten: Callable[[list], Any]) -> tuple[str, Any]:
         key = (tuple((tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None
-                     for o in outputs), _shapes(target))
+                     for o in outputs), _shapes(target), id(loss_fn))
         if key not in self._forms:
             self._forms[key] = self._trace(outputs, target, loss_fn, unflatten)
         return self._forms[key]
