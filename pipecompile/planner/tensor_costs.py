@@ -152,7 +152,10 @@ class VocabularyPrice:
         return (f"{self.layer.name} ({roles}, {self.layer.vocab} x {self.layer.hidden}) "
                 f"{f'split over {self.degree}' if self.chosen else 'replicated'} ({why}): "
                 f"{self.split * 1e3:.3g} ms split vs {self.whole * 1e3:.3g} ms whole over "
-                f"{self.layer.tokens} tokens, {self.freed / 2**30:.3g} GiB freed per rank")
+                f"{self.layer.tokens} tokens, {self.freed / 2**30:.3g} GiB freed per rank"
+                + ("" if not self.chosen or "output" not in self.layer.roles else
+                   "; its logits never gathered (cross entropy vocabulary-parallel)"
+                   if self.layer.loss == "parallel" else "; its logits all-gathered"))
 
 
 def vocabulary_price(layer: VocabularyLayer, share: TensorShare, *, flops: float,
