@@ -32,9 +32,10 @@ it is, is the caller's `vocabulary` choice (the planner prices it: planner/tenso
 GPT-2's tied table is one choice for both of its readers, so both split alike or neither.
 Lowered as Megatron's VocabParallelEmbedding: `lookup` (indices outside this rank's rows
 masked to row 0, looked up, their rows zeroed) then `reduce`; and the output layer as a
-column (its input through `copy`) whose partial logits are all-gathered along the vocabulary
-(`gather`: backward this rank's slice) before anything reads them: the user's loss sees the
-whole logits. Both exact. With sequence parallelism the lookup's `reduce` becomes a
+column (its input through `copy`) whose partial logits are read in place by a cross entropy
+(vocabulary-parallel) and reach the stage's outputs through `output` (all-gathered, or this
+rank's slice for the last stage's loss: passes/vocab_loss.py); logits read otherwise are
+all-gathered (`gather`: backward this rank's slice). Both exact. With sequence parallelism the lookup's `reduce` becomes a
 reduce-scatter along the tokens like a row's (passes/sequence_shard.py).
 """
 

@@ -8,19 +8,23 @@
 **The vocabulary** (embeddings and the output layer, passes/tensor_shard.py splits them or not
 as this prices them): over the n tokens the graph records, forward and backward, replicated
 costs the output layer's whole GEMM (6 n V h FLOPs) and no collective; split costs 1/T of it
-plus the all-gather of the logits (n V elements) and the all-reduce of its input's gradient
-(n h), and for an embedding the all-reduce of the looked-up rows (n h). Split frees (1 - 1/T) of the
+plus the all-reduce of its input's gradient (n h) and the collectives over its logits as
+they run (the layer's `loss`, passes/tensor_shard.py from how the logits are read and
+planner/logits_loss.py from the pipeline's `loss_fn`): "parallel" (only a cross entropy reads
+them, vocabulary-parallel: its two all-reduces of n and 2 n elements, no gather) or
+"gathered" (their all-gather, n V elements), and for an embedding the all-reduce of the
+looked-up rows (n h). Split frees (1 - 1/T) of the
 table's weight, gradient and optimizer state on each rank. A table is split when that is no
 slower, or when it frees at least `MEMORY_WORTH` of the device's memory (Llama-3-70B's
 128256 x 8192 table in bf16 is 2 GiB, 8 GiB more of AdamW state): memory the plan spends on
 micro-batches, fewer stages or less recomputation. A small table stays whole. `vocabulary=`
 True or False (compile's `vocab_parallel`) overrides the price. In `shard_costs` a table
-priced whole keeps its bytes and its GEMM whole on every rank; one priced split is priced as
-Megatron-LM runs it (the GEMM 1/T, the loss over the vocabulary 1/T: its vocabulary-parallel
-cross entropy, which the published runs held against bench/ use). pipecompile's runtime
-instead all-gathers the logits and runs the user's loss whole: that all-gather (n V elements
-per micro-batch) and the whole loss are counted in the choice above but not yet in a
-layout's step time.
+priced whole keeps its bytes and its GEMM whole on every rank; one priced split runs its
+GEMM 1/T, and with "parallel" logits the loss over the vocabulary 1/T plus the cross
+entropy's all-reduces in forward (as Megatron-LM runs it, and the published runs held against
+bench/ ran), with "gathered" ones the all-gather in forward and the loss whole on every rank
+(as pipecompile's runtime then runs it). The choice above leaves the loss's own time out
+(alike whole and gathered; 1/T of it is saved with "parallel", not counted there).
 
 What is sharded is estimated from the captured blocks by one rule, the rule a Megatron-style
 sharding pass follows (the runtime's pass decides per op when it runs; this prices the same

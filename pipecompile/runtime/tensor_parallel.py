@@ -22,8 +22,9 @@ One all-reduce per column/row pair forward and one backward, as Megatron-LM (Sho
 A vocabulary split by the pass (`vocab_collectives`): an embedding's `Shard(0)` rows are read
 by `vocab_lookup` (Megatron's VocabParallelEmbedding: indices outside this rank's rows masked,
 their rows zeroed, then the `reduce` all-reduce), an output layer's partial logits are
-all-gathered along the vocabulary (`gather`, backward this rank's slice of the gradient,
-identical on every rank since the loss after it is).
+read by the vocabulary-parallel cross entropy or all-gathered along the vocabulary (`gather`,
+backward this rank's slice of the gradient, identical on every rank since the loss after it
+is); runtime/vocab_loss.py. A stage with split logits outputs carries a `VocabLoss`.
 
 With sequence parallelism (`sequence_collectives`, Korthikanti et al. 2022) each row's
 all-reduce becomes a reduce-scatter along the sequence and each column's input an all-gather
