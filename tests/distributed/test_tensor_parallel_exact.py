@@ -292,19 +292,21 @@ def test_a_saved_tensor_parallel_pipeline_loads_sharded_and_steps_the_same(fixtu
 
 
 def test_a_cross_entropy_over_split_logits_never_gathers_them(tp2, pp2_tp2):
-    """vocab_parallel=True: the pipeline's cross entropy (GPT, Llama: `loss_fn` traced and
-    lowered) and Llama's own from labels= (in its graph; the logits it returns are not read
+    """vocab_parallel=True: the pipeline's cross entropy (GPT, GPT-2, Llama, Llama with SP:
+    `loss_fn` traced and lowered) and Llama's own from labels= (in its graph; the logits it returns are not read
     by the loss) run vocabulary-parallel: a step runs no all-gather at all (TP2); a loss
     that also reads the logits otherwise (GPT's plus their squares) gathers them, once per
     micro-batch. Exact either way (the steps above)."""
     forms = {("gpt", 1, "1f1b", "vocab"): ("lowered",), ("llama", 1, "gpipe", "vocab"):
-             ("lowered",), ("llama_labels", 1, "gpipe", "vocab"): ("unread", "in graph"),
+             ("lowered",), ("gpt2", 1, "1f1b", "vocab"): ("lowered",),
+             ("llama", 1, "1f1b", "sp", "vocab"): ("lowered",), ("llama_labels", 1, "gpipe", "vocab"): ("unread", "in graph"),
              ("gpt_square", 1, "gpipe", "vocab"): ("gathered",)}
     for r in tp2[1]:
         for case, form in forms.items():
             assert r[case]["vocab_loss"] == form, (case, r[case]["vocab_loss"])
             gathers = r[case]["step_comms"]["all_gather"]
-            assert gathers == (2 if form == ("gathered",) else 0), (case, gathers)
+            if "sp" not in case:  # (SP all-gathers its tokens before each column)
+                assert gathers == (2 if form == ("gathered",) else 0), (case, gathers)
     last = [r[("llama_labels", 2, "1f1b", "vocab")]["vocab_loss"] for r in pp2_tp2[1]]
     assert sorted(last) == [(), (), ("unread", "in graph"), ("unread", "in graph")]
     last = [r[("llama", 2, "1f1b", "vocab")]["vocab_loss"] for r in pp2_tp2[1]]
