@@ -90,3 +90,7 @@ class VocabularyLayer:
     roles: tuple[str, ...]  # "embedding", "output"
     tokens: int
     itemsize: int
+    # split, what reads the output layer's logits: "parallel" (only a cross entropy, lowered
+    # vocabulary-parallel, or nothing: never gathered) or "gathered" (all-gathered first,
+    # the loss then whole on every rank)
+    loss: str = "gathered"

@@ -14,6 +14,7 @@
     eval_mode.py  the inference version of a graph captured in training mode
     tensor_shard.py  tensor parallelism: column/row pairs chosen from a stage graph, lowered
                   to local shards plus Megatron's copy/reduce (per-op rules: tensor_rules.py)
+    vocab_loss.py  split logits read only by a cross entropy: it lowered vocabulary-parallel
     sequence_shard.py  sequence parallelism: a lowered graph's tokens between each row and
                   the next column split over the T ranks (reduce-scatter / all-gather)
 """

@@ -32,9 +32,10 @@ it is, is the caller's `vocabulary` choice (the planner prices it: planner/tenso
 GPT-2's tied table is one choice for both of its readers, so both split alike or neither.
 Lowered as Megatron's VocabParallelEmbedding: `lookup` (indices outside this rank's rows
 masked to row 0, looked up, their rows zeroed) then `reduce`; and the output layer as a
-column (its input through `copy`) whose partial logits are all-gathered along the vocabulary
-(`gather`: backward this rank's slice) before anything reads them: the user's loss sees the
-whole logits. Both exact. With sequence parallelism the lookup's `reduce` becomes a
+column (its input through `copy`) whose partial logits are read in place by a cross entropy
+(vocabulary-parallel) and reach the stage's outputs through `output` (all-gathered, or this
+rank's slice for the last stage's loss: passes/vocab_loss.py); logits read otherwise are
+all-gathered (`gather`: backward this rank's slice). Both exact. With sequence parallelism the lookup's `reduce` becomes a
 reduce-scatter along the tokens like a row's (passes/sequence_shard.py).
 """
 
@@ -50,6 +51,7 @@ __all__ = ["choose", "lower", "vocabulary_layers", "Vocabulary"]
 from ..ir.shard_plan import Placement, ShardPlan, VocabularyLayer
 from .sequence_shard import shard_sequence
 from .tensor_rules import SPLITS, VIEWS, State, node_args, rule, shape_of
+from .vocab_loss import Readers, logits_readers, lower_reader, whole
 
 aten = torch.ops.aten
 
@@ -113,11 +115,13 @@ def _carries_grad(gm: fx.GraphModule, params: Mapping[str, Any],
 
 def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozenset(),
            constant_inputs: frozenset[str] = frozenset(),
-           vocabulary: Vocabulary | None = None) -> ShardPlan:
+           vocabulary: Vocabulary | None = None,
+           loss_reads: Mapping[int, str] | None = None) -> ShardPlan:
     """The placements of `gm`'s parameters over `degree` ranks (module docstring); parameters
     in `exclude` (tied to another stage's copy) stay whole; `constant_inputs` are stage inputs
     that need no gradient (a floating-point input otherwise counts as carrying one);
-    `vocabulary` chooses for each vocabulary table whether it is split (None: none is)."""
+    `vocabulary` chooses for each vocabulary table whether it is split (None: none is),
+    priced with `loss_reads` (`vocabulary_layers`)."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     reads: dict[str, int] = {}
     for node in gm.graph.nodes:
@@ -167,7 +171,8 @@ def choose(gm: fx.GraphModule, degree: int, *, exclude: frozenset[str] = frozens
     outputs: list[str] = []
     chosen: list[str] = []
     for layer, dim, embeds, outs, biases in (vocabulary_layers(
-            gm, degree, taken=frozenset(placements) | exclude) if vocabulary else ()):
+            gm, degree, taken=frozenset(placements) | exclude, loss_reads=loss_reads)
+            if vocabulary else ()):
         split_it, why = vocabulary(layer) if vocabulary else (False, "")
         chosen.append(why)
         if split_it:
@@ -201,6 +206,28 @@ def _leaves(node: fx.Node) -> bool:
     return False
 
 
+def _read_as_logits(node: fx.Node, vocab: int) -> bool:
+    """Whether an output layer's product is the stage's logits: it leaves the stage (reshaped
+    or cast at most) and/or is read by a cross entropy (passes/vocab_loss.py), nothing else."""
+    found = logits_readers(node, vocab)
+    return _leaves(node) or (found is not None and bool(found.losses or found.outputs))
+
+
+def _parallel_loss(gm: fx.GraphModule, node: fx.Node, vocab: int,
+                   loss_reads: Mapping[int, str] | None) -> bool:
+    """Whether the logits `node` are never gathered in a training step split: each reader a
+    cross entropy lowered in place, and each stage output they reach read by the pipeline's
+    loss only through a cross entropy, or not at all (`loss_reads`)."""
+    found = logits_readers(node, vocab)
+    if found is None:
+        return False
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    reads = loss_reads or {}
+    return all(reads.get(i, "other") in ("cross entropy", "none")
+               for i, a in enumerate(flat) if a in found.outputs)
+
+
 def _count(shape: tuple | None) -> int:
     """Elements of a recorded shape (a symbolic size by its hint, else 1)."""
     total = 1
@@ -213,11 +240,14 @@ def _count(shape: tuple | None) -> int:
     return total
 
 
-def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] = frozenset()
+def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] = frozenset(),
+                      loss_reads: Mapping[int, str] | None = None
                       ) -> list[tuple[VocabularyLayer, int, list[str], list[str], list[str]]]:
     """Each table of `gm` that could be split along its vocabulary over `degree` ranks (module
     docstring), not one of `taken`: (the layer, its vocabulary dim, the embedding nodes and the
-    output-layer nodes that read it, the output layers' biases)."""
+    output-layer nodes that read it, the output layers' biases). `loss_reads`: how the
+    pipeline's loss reads each flat output of `gm` ("cross entropy", "none", else "other";
+    None: unknown, every output "other"), for the layer's `loss` (passes/vocab_loss.py)."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     readers: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -232,6 +262,7 @@ def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] 
         if name in taken or p.dim() != 2 or ids[id(p)] != 1 or not users:
             continue
         embeds, outs, biases, dims, tokens, roles = [], [], [], set(), 0, []
+        parallel = True
         for user in users:
             args = node_args(user)
             if user.op == "call_function" and user.target is aten.embedding.default and \
@@ -241,13 +272,15 @@ def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] 
                 tokens = max(tokens, _count(shape_of(args[1])))
                 continue
             found_mm = _matmul(user, params)
-            if found_mm is None or found_mm[1] != name or not _leaves(user):
+            if found_mm is None or found_mm[1] != name or not _read_as_logits(
+                    user, int(p.shape[found_mm[2]])):
                 break
             x, _, out, bias = found_mm
             if bias is not None and (bias in taken or len(readers.get(bias, ())) != 1
                                      or ids[id(params[bias])] != 1):
                 break
             outs.append(user.name)
+            parallel = parallel and _parallel_loss(gm, user, int(p.shape[out]), loss_reads)
             biases += [bias] if bias is not None else []
             dims.add(out)
             tokens = max(tokens, _count((shape_of(x) or (1,))[:-1]))
@@ -260,7 +293,9 @@ def vocabulary_layers(gm: fx.GraphModule, degree: int, *, taken: frozenset[str] 
                 continue
             roles = (["embedding"] if embeds else []) + (["output"] if outs else [])
             found.append((VocabularyLayer(name, vocab, hidden, tuple(roles), tokens,
-                                          p.element_size()), dim, embeds, outs, biases))
+                                          p.element_size(),
+                                          "parallel" if parallel else "gathered"),
+                          dim, embeds, outs, biases))
     return found
 
 
@@ -329,12 +364,17 @@ def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callab
     copied: dict[fx.Node, fx.Node] = {}
     params = dict(gm.named_parameters(remove_duplicate=False))
     split = plan.split
+    readers: dict[fx.Node, Readers] = {}  # each split output layer's readers
+    mine: dict[fx.Node, fx.Node] = {}  # its logits and their reshapes, this rank's slices
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in params and local is not None:
             got = graph.get_attr(node.target)
             got.meta = dict(node.meta)
             env[node] = graph.call_function(local, (got,))
             env[node].meta = dict(node.meta)
+            continue
+        if any(lower_reader(graph, node, r, mine, env, T, vocab)
+               for r in readers.values() if vocab is not None):
             continue
         args = fx.map_arg(node_args(node), lambda n: env[n])
         kwargs = fx.map_arg(node.kwargs, lambda n: env[n])
@@ -354,6 +394,11 @@ def lower(gm: fx.GraphModule, plan: ShardPlan, *, copy: Callable, reduce: Callab
         if node.name in plan.outputs and vocab is not None:
             part = graph.node_copy(node, lambda n: env[n])
             part.args, part.kwargs = args, kwargs
+            found = logits_readers(node, int((shape_of(node) or (0,))[-1]))
+            if found is not None and "output" in vocab:  # read in place, never gathered
+                readers[node], mine[node] = found, part
+                whole(graph, node, found, mine, env, vocab)
+                continue
             env[node] = graph.call_function(vocab["gather"],
                                             (part, len(shape_of(node) or (0,)) - 1))
             env[node].meta = dict(node.meta)

@@ -22,6 +22,7 @@
     layout.py          a layout (P x D x T, FSDP, which dimension stays inside a node), its costs
                        and what the search found of it (`LayoutCandidate`)
     tensor_costs.py    one rank's share of the block costs under tensor parallelism
+    logits_loss.py     how the pipeline's loss reads the outputs (split logits gathered or not)
     block_tables.py    the block costs a search prices candidates with, each made once
     device_share.py    virtual stages placed so that together they fit their device
     stage_costs.py     block costs -> what the simulator needs (one path for search and split)

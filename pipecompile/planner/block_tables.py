@@ -69,6 +69,17 @@ def tensor_share(layout: Layout | None, cluster: Cluster | None, device: DeviceS
     return TensorShare(layout.tensor_parallel, link, layout.sequence_parallel, device.memory)
 
 
+def pipeline_loss_reads(plan: Plan, example: Example) -> dict[int, str]:
+    """How the pipeline's loss reads each flat output of the captured model (the price of a
+    split output layer: planner/logits_loss.py); {} before capture."""
+    from .logits_loss import loss_reads
+
+    captured = plan.captured
+    if captured is None:
+        return {}
+    return dict(loss_reads(captured, plan.asked.loss_fn, example.target))
+
+
 def given_vocabulary(plan: Plan) -> bool | None:
     """compile's `vocab_parallel` when True or False; None: "auto", priced
     (planner/tensor_costs.py)."""
@@ -82,14 +93,16 @@ def cost_model(plan: Plan, example: Example) -> CostModel:
     one rank's share under its tensor parallelism."""
     o, asked = plan.resolved, plan.asked
     chosen = plan.choices.layout if plan.choices is not None else None
+    share = tensor_share(chosen, plan.asked.cluster, o.devices[0])
     return CostModel(device=plan.ready.device_model,
                      microbatch_size=example_microbatch_size(example, asked, o),
                      microbatches=o.microbatches,
                      optimizer_factor=optimizer_state_factor(asked.optimizer, model_dtype(plan)),
                      profile=o.profile,
                      calibration=plan.calibration, cache=asked.cache,
-                     tensor=tensor_share(chosen, plan.asked.cluster, o.devices[0]),
-                     vocabulary=given_vocabulary(plan))
+                     tensor=share, vocabulary=given_vocabulary(plan),
+                     loss_reads=tuple(sorted(pipeline_loss_reads(plan, example).items()))
+                     if share is not None else ())
 
 
 class BlockTables:

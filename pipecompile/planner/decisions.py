@@ -67,6 +67,9 @@ class CostModel:
     cache: CompileCache | None = None  # keeps the symbolic block costs (None: derived afresh)
     tensor: TensorShare | None = None  # one rank's share under tensor parallelism (None: all)
     vocabulary: bool | None = None  # compile's vocab_parallel (None: "auto", priced)
+    # how the pipeline's loss reads each flat model output: (index, "cross entropy" | "none"
+    # | "other"), the price of a split output layer (planner/logits_loss.py)
+    loss_reads: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,8 @@ def _sharded(linear: LinearGraph, costs: CostTable, model: CostModel) -> CostTab
     shapes = {n: tuple(p.shape) for n, p in gm.named_parameters(remove_duplicate=False)}
     vocabulary = vocabulary_choices(gm, model.tensor, flops=model.device.flops,
                                     optimizer_factor=model.optimizer_factor,
-                                    given=model.vocabulary)
+                                    given=model.vocabulary,
+                                    loss_reads=dict(model.loss_reads))
     return shard_costs(costs, model.tensor, shapes=shapes, rates=model.device.kernels,
                        batch_size=model.microbatch_size, vocabulary=vocabulary)
 

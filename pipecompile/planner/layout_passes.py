@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from .resolved import Choices
 from .block_tables import (BlockTables, coarsest, enough_blocks, given_vocabulary,
+                           pipeline_loss_reads,
                            model_dtype)
 from ..errors import ConfigError
 from ..ir.records import CapturedModel, LinearGraph
@@ -99,7 +100,8 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         vocabulary = vocabulary_choices(
             captured.module, share, flops=plan.ready.device_model.flops,
             optimizer_factor=optimizer_factor,
-            given=given_vocabulary(plan))
+            given=given_vocabulary(plan),
+            loss_reads=pipeline_loss_reads(plan, example))
         return shard_costs(costs, share, shapes=shapes, rates=plan.ready.device_model.kernels,
                            batch_size=size, vocabulary=vocabulary)
 
@@ -146,7 +148,8 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
     vocabulary = "" if share is None else "".join(
         f"; vocabulary: {p}" for p in vocabulary_choices(
             captured.module, share, flops=plan.ready.device_model.flops,
-            optimizer_factor=optimizer_factor, given=given_vocabulary(plan)).values())
+            optimizer_factor=optimizer_factor, given=given_vocabulary(plan),
+            loss_reads=pipeline_loss_reads(plan, example)).values())
     return replace(plan, choices=choices, search=replace(found, layouts=tried)), (
         f"layout {chosen}: {best.schedule}, {best.microbatches} micro-batches of "
         f"{example.batch // chosen.data_parallel // best.microbatches} per replica, "

@@ -43,7 +43,7 @@ from ..runtime.distributed import local_device
 from ..schedule.lowering import relower
 from ..schedule.messages import Dataflow
 from ..weights.materialize import is_meta_model, on_meta
-from .block_tables import coarsest, cost_model, enough_blocks
+from .block_tables import coarsest, cost_model, enough_blocks, pipeline_loss_reads
 from .decisions import Choice, cost, place, refine
 from .options import check_async_ties, device_present
 from .resolved import example_microbatch_size
@@ -213,10 +213,12 @@ def shard_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
 
 
 def tensor_plans(program: "StagedProgram", stages: "Sequence[int]", degree: int,
-                 vocabulary: "Vocabulary | None" = None) -> "dict[int, ShardPlan]":
+                 vocabulary: "Vocabulary | None" = None,
+                 loss_reads: "Mapping[int, str] | None" = None) -> "dict[int, ShardPlan]":
     """What the tensor-shard pass chooses for each of `stages` of the unsharded `program` at
     `degree` (a pure function of the stage graphs and the priced `vocabulary` choices: every
-    rank, and a saved plan, agree)."""
+    rank, and a saved plan, agree); `loss_reads`: how the loss reads the last stage's
+    outputs (the price of its output layer's split: planner/logits_loss.py)."""
     from ..passes.tensor_shard import choose
     from ..schedule.messages import gradient_values
 
@@ -228,7 +230,8 @@ def tensor_plans(program: "StagedProgram", stages: "Sequence[int]", degree: int,
     return {s: choose(program.stages[s].module, degree, exclude=tied,
                       constant_inputs=frozenset(n for n in program.stages[s].inputs
                                                 if n not in needs_grad),
-                      vocabulary=vocabulary)
+                      vocabulary=vocabulary,
+                      loss_reads=loss_reads if s == program.num_stages - 1 else None)
             for s in stages}
 
 
@@ -241,7 +244,8 @@ def tensor_pass(plan: Plan, example: Example) -> tuple[Plan, str] | None:
         return None
     own = o.ranks.own_stages(plan.ready.schedule)
     return lower_tensor_stages(plan, tensor_plans(plan.ready.program, own, o.tensor_parallel,
-                                                  _vocabulary(plan, example)))
+                                                  _vocabulary(plan, example),
+                                                  pipeline_loss_reads(plan, example)))
 
 
 def lower_tensor_stages(plan: Plan, plans: "Mapping[int, ShardPlan]") -> tuple[Plan, str]:
@@ -251,6 +255,7 @@ def lower_tensor_stages(plan: Plan, plans: "Mapping[int, ShardPlan]") -> tuple[P
     from ..runtime.tensor_parallel import (fsdp_placement, shard_stage_tensors,
                                            tensor_parallel_mesh)
     from ..passes.tensor_shard import lower
+    from ..passes.vocab_loss import lower_loss
 
     o = plan.resolved
     topology = o.ranks.topology
@@ -263,7 +268,8 @@ def lower_tensor_stages(plan: Plan, plans: "Mapping[int, ShardPlan]") -> tuple[P
     mesh = root["tp"] if root is not None else tensor_parallel_mesh(topology, local_device())
     replicas = topology.data_parallel if o.fsdp else 1
     program = shard_stage_tensors(unsharded, own, plans, mesh, lower,
-                                  sequence=o.sequence_parallel, replicas=replicas)
+                                  sequence=o.sequence_parallel, replicas=replicas,
+                                  lower_loss=lower_loss)
     notes = "; ".join(f"stage {s}: {p.summary()}" for s, p in plans.items())
     if root is not None:
         program = shard_stages(program, own, root, fsdp_placement(replicas))

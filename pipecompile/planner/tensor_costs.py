@@ -8,19 +8,23 @@
 **The vocabulary** (embeddings and the output layer, passes/tensor_shard.py splits them or not
 as this prices them): over the n tokens the graph records, forward and backward, replicated
 costs the output layer's whole GEMM (6 n V h FLOPs) and no collective; split costs 1/T of it
-plus the all-gather of the logits (n V elements) and the all-reduce of its input's gradient
-(n h), and for an embedding the all-reduce of the looked-up rows (n h). Split frees (1 - 1/T) of the
+plus the all-reduce of its input's gradient (n h) and the collectives over its logits as
+they run (the layer's `loss`, passes/tensor_shard.py from how the logits are read and
+planner/logits_loss.py from the pipeline's `loss_fn`): "parallel" (only a cross entropy reads
+them, vocabulary-parallel: its two all-reduces of n and 2 n elements, no gather) or
+"gathered" (their all-gather, n V elements), and for an embedding the all-reduce of the
+looked-up rows (n h). Split frees (1 - 1/T) of the
 table's weight, gradient and optimizer state on each rank. A table is split when that is no
 slower, or when it frees at least `MEMORY_WORTH` of the device's memory (Llama-3-70B's
 128256 x 8192 table in bf16 is 2 GiB, 8 GiB more of AdamW state): memory the plan spends on
 micro-batches, fewer stages or less recomputation. A small table stays whole. `vocabulary=`
 True or False (compile's `vocab_parallel`) overrides the price. In `shard_costs` a table
-priced whole keeps its bytes and its GEMM whole on every rank; one priced split is priced as
-Megatron-LM runs it (the GEMM 1/T, the loss over the vocabulary 1/T: its vocabulary-parallel
-cross entropy, which the published runs held against bench/ use). pipecompile's runtime
-instead all-gathers the logits and runs the user's loss whole: that all-gather (n V elements
-per micro-batch) and the whole loss are counted in the choice above but not yet in a
-layout's step time.
+priced whole keeps its bytes and its GEMM whole on every rank; one priced split runs its
+GEMM 1/T, and with "parallel" logits the loss over the vocabulary 1/T plus the cross
+entropy's all-reduces in forward (as Megatron-LM runs it, and the published runs held against
+bench/ ran), with "gathered" ones the all-gather in forward and the loss whole on every rank
+(as pipecompile's runtime then runs it). The choice above leaves the loss's own time out
+(alike whole and gathered; 1/T of it is saved with "parallel", not counted there).
 
 What is sharded is estimated from the captured blocks by one rule, the rule a Megatron-style
 sharding pass follows (the runtime's pass decides per op when it runs; this prices the same
@@ -152,7 +156,10 @@ class VocabularyPrice:
         return (f"{self.layer.name} ({roles}, {self.layer.vocab} x {self.layer.hidden}) "
                 f"{f'split over {self.degree}' if self.chosen else 'replicated'} ({why}): "
                 f"{self.split * 1e3:.3g} ms split vs {self.whole * 1e3:.3g} ms whole over "
-                f"{self.layer.tokens} tokens, {self.freed / 2**30:.3g} GiB freed per rank")
+                f"{self.layer.tokens} tokens, {self.freed / 2**30:.3g} GiB freed per rank"
+                + ("" if not self.chosen or "output" not in self.layer.roles else
+                   "; its logits never gathered (cross entropy vocabulary-parallel)"
+                   if self.layer.loss == "parallel" else "; its logits all-gathered"))
 
 
 def vocabulary_price(layer: VocabularyLayer, share: TensorShare, *, flops: float,
@@ -164,22 +171,36 @@ def vocabulary_price(layer: VocabularyLayer, share: TensorShare, *, flops: float
     if "output" in layer.roles:
         gemm = 6 * n * v * h / flops  # forward, the input's and the weight's gradients
         whole += gemm
-        split += gemm / t + share.all_gather(n * v * size) + share.all_reduce(n * h * size)
+        split += gemm / t + share.all_reduce(n * h * size) + _logits_collectives(
+            share, n, v, size, layer.loss)
     if "embedding" in layer.roles:
         split += share.all_reduce(n * h * size)
     freed = v * h * size * (2 + optimizer_factor) * (1 - 1 / t)
     return VocabularyPrice(layer, t, whole, split, freed, share.memory, given)
 
 
+def _logits_collectives(share: TensorShare, tokens: float, vocab: int, itemsize: int,
+                        loss: str) -> float:
+    """Seconds of the collectives over split logits in forward: their all-gather (n V
+    elements; backward: a slice) when "gathered", else the vocabulary-parallel cross
+    entropy's two all-reduces (the max, n elements; the target's logit and the sum of
+    exponentials, 2 n; backward: none)."""
+    if loss == "gathered":
+        return share.all_gather(tokens * vocab * itemsize)
+    return share.all_reduce(tokens * itemsize) + share.all_reduce(2 * tokens * itemsize)
+
+
 def vocabulary_choices(gm: "torch.fx.GraphModule", share: TensorShare, *, flops: float,
-                       optimizer_factor: float, given: bool | None = None
+                       optimizer_factor: float, given: bool | None = None,
+                       loss_reads: Mapping[int, str] | None = None
                        ) -> dict[str, VocabularyPrice]:
-    """Each vocabulary table of `gm` (passes/tensor_shard.py `vocabulary_layers`) priced."""
+    """Each vocabulary table of `gm` (passes/tensor_shard.py `vocabulary_layers`, the
+    pipeline's loss reading `gm`'s outputs as `loss_reads` says) priced."""
     from ..passes.tensor_shard import vocabulary_layers
 
     return {layer.name: vocabulary_price(layer, share, flops=flops,
                                          optimizer_factor=optimizer_factor, given=given)
-            for layer, *_ in vocabulary_layers(gm, share.degree)}
+            for layer, *_ in vocabulary_layers(gm, share.degree, loss_reads=loss_reads)}
 
 
 def _value(costs: CostTable) -> Callable[[sympy.Expr], float]:
@@ -202,15 +223,22 @@ class _Sharded:
     tokens: float  # rows of the weight matmuls (b s)
     itemsize: int
     unfused: int  # attentions written as two batched GEMMs each (QK^T, then by V)
+    logits: tuple[tuple[float, int, int, str], ...] = ()  # split output layers: (rows,
+    # vocabulary, bytes per element, "parallel" or "gathered")
 
 
 def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
                    backward_flops: float, sequence: bool,
-                   whole: frozenset[tuple[int, int]] = frozenset()) -> _Sharded:
+                   whole: frozenset[tuple[int, int]] = frozenset(),
+                   outputs: Mapping[tuple[int, int], str] | None = None) -> _Sharded:
     """One rank's share of a block's kernels (module docstring); a weight GEMM whose (n, k)
-    is in `whole` (an output layer priced replicated) runs whole."""
+    is in `whole` (an output layer priced replicated) runs whole; one in `outputs` (an
+    output layer priced split: how its logits are read) runs 1/T, and the loss over its
+    logits 1/T only when "parallel" (gathered logits: the loss whole on every rank)."""
     gemms, full, mine, itemsize, batched = [], 0.0, 0.0, 2, 0
     tokens, sides = 0.0, []
+    logits: list[tuple[float, int, int, str]] = []
+    outputs = outputs or {}
     for m, n, kk, batch, size, count in k.gemms:
         mv, nv, kv, bv = (value(x) for x in (m, n, kk, batch))
         flops = 2 * mv * nv * kv * bv * count
@@ -224,7 +252,10 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
                 kk = kk / t
             mine += flops / t
             tokens = max(tokens, mv)
-            sides += [ni, ki]
+            read = outputs.get((ni, ki))
+            if read is not None:
+                logits.append((mv * count, ni, size, read))
+            sides += [ni, ki] if read != "gathered" else []
         elif bv > 1 and int(round(bv)) % t == 0:  # batch x heads: attention by heads
             batch = batch / t
             mine += flops / t
@@ -262,7 +293,7 @@ def _shard_kernels(k: Kernels, t: int, value: Callable[[sympy.Expr], float],
         moves=tuple(moves), ruled=tuple(ruled),
         loss=tuple(x for f in k.loss for x in (f / t, f)))  # the loss, split or whole
     return _Sharded(sharded, backward, max(sides, default=0), min(sides, default=0), tokens,
-                    itemsize, batched // 2)
+                    itemsize, batched // 2, tuple(logits))
 
 
 def _on_heads(k: Kernels, t: int, value: Callable[[sympy.Expr], float], tokens: float
@@ -309,17 +340,22 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
     kept = {n for n, p in vocabulary.items() if not p.chosen}
     whole = frozenset((p.layer.vocab, p.layer.hidden) for p in vocabulary.values()
                       if not p.chosen and "output" in p.layer.roles)
+    outputs = {(p.layer.vocab, p.layer.hidden): getattr(p.layer, "loss", "gathered")
+               for p in vocabulary.values()
+               if p.chosen and "output" in p.layer.roles}
     symbolic, blocks = [], []
     for i, (c, x) in enumerate(zip(costs.symbolic, costs.blocks)):
         sizes = [math.prod(shapes[n]) for n in c.parameters if n in shapes]
         held = sum(math.prod(shapes[n]) / t if _sharded_param(shapes[n], t) and n not in kept
                    else math.prod(shapes[n]) for n in c.parameters if n in shapes)
         keep = held / sum(sizes) if sum(sizes) > 0 else 1.0
-        forward, backward, widest, pairs, nbytes = 1.0, 1.0, 0, 0, 0.0
+        forward, backward, widest, pairs, nbytes, logits = 1.0, 1.0, 0, 0, 0.0, 0.0
         if isinstance(c, PricedBlockCost) and rates is not None:
             found = _shard_kernels(c.kernels, t, value, x.backward_flops,
-                                   share.sequence_parallel, whole)
+                                   share.sequence_parallel, whole, outputs)
             widest = found.widest
+            logits = sum(_logits_collectives(share, rows, v, size, read)
+                         for rows, v, size, read in found.logits)
             f0, b0 = c.kernels.times(x.backward_flops, rates, value)
             f1, b1 = found.kernels.times(found.backward_flops, rates, value)
             forward = f1 / f0 if f0 > 0 else 1.0
@@ -344,7 +380,7 @@ def shard_costs(costs: CostTable, share: TensorShare, *,
                                 grad_bytes=int(round(c.grad_bytes * keep)),
                                 optimizer_bytes=int(round(c.optimizer_bytes * keep)),
                                 activation_bytes=c.activation_bytes * act))
-        blocks.append(replace(x, forward_time=x.forward_time * forward + collective,
+        blocks.append(replace(x, forward_time=x.forward_time * forward + collective + logits,
                               backward_input_time=x.backward_input_time * backward + collective,
                               backward_weight_time=x.backward_weight_time * backward,
                               static_bytes=x.static_bytes * keep,

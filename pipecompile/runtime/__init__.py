@@ -38,6 +38,7 @@
     distributed.py          topology, plan check, gradient and loss reductions
     data_parallel.py        gradients reduced over replicas (DDP's reducer, FSDP's hooks)
     tensor_parallel.py      the tensor-parallel group and its sharded stages
+    vocab_loss.py           the vocabulary-parallel cross entropy; the loss of split logits
   seeing it run:
     profiling.py            every action as a `torch.profiler.record_function` range
     plot.py                 Gantt charts of timelines

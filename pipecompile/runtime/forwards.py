@@ -64,6 +64,9 @@ class _Forward:
         return self.held.saved[mb]
 
     def _run(self, inputs: Mapping[str, Any], weights: dict | None, module: Any = None) -> tuple:
+        if self.loss.computes:  # split logits stay this rank's slices for the loss to read
+            with self.loss.producing():
+                return self.call.run(inputs, weights, module, step=self.held.steps)
         return self.call.run(inputs, weights, module, step=self.held.steps)
 
 
@@ -101,7 +104,7 @@ class KeptForward(_Forward):
             outputs = self._run(given, weights, module)
         saved = Saved(leaves, self.call.named(outputs), weights=weights, store=store)
         if self.loss.computes:
-            saved.loss = self.loss(outputs, target)
+            saved.loss = self.loss(outputs, target, local=True)
         return saved
 
 
@@ -129,7 +132,7 @@ class RecomputedForward(_Forward):
                                stream=stream, weights=weights)
         if self.loss.computes:
             with torch.no_grad():
-                held.losses[mb] = self.loss(outputs, target)
+                held.losses[mb] = self.loss(outputs, target, local=True)
         return call.named(outputs)
 
     def restore(self, mb: int) -> Saved:
@@ -147,7 +150,7 @@ class RecomputedForward(_Forward):
                 outputs = self._run({**saved.inputs, **leaves}, saved.weights, module)
             recomputed = Saved(leaves, call.named(outputs), weights=saved.weights, store=store)
             if self.loss.computes:
-                recomputed.loss = self.loss(outputs, saved.target)
+                recomputed.loss = self.loss(outputs, saved.target, local=True)
         held.saved[mb] = recomputed
         return recomputed
 

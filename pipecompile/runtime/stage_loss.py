@@ -10,6 +10,7 @@ outputs' gradients instead.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,8 +37,11 @@ class StageLoss:
     """The loss of a stage's outputs (`spec` None: the stage computes none). The spec may be
     replaced between steps (a loss scale, num_items); the output structure may not."""
 
-    def __init__(self, spec: LossSpec | None):
+    def __init__(self, spec: LossSpec | None, vocab: Any = None):
         self.spec = spec
+        # tensor parallelism: the last stage's split logits, its loss read of them
+        # (runtime/vocab_loss.py `VocabLoss`); None: no output is split
+        self.vocab = vocab
         self._unflatten: Any = None
         self._scale: tuple[Any, Any] = (None, None)
 
@@ -46,20 +50,36 @@ class StageLoss:
         """Whether this is the last stage, which turns its outputs into the loss."""
         return self.spec is not None
 
-    def __call__(self, outputs: tuple, target: Any) -> torch.Tensor:
-        """The loss of flat `outputs` against `target`; a non-scalar result is a `LossError`."""
+    def producing(self) -> Any:
+        """The context a training forward of this stage runs in: with split logits, they stay
+        this rank's slices (`__call__` with `local=True` reads them)."""
+        if self.vocab is None:
+            return contextlib.nullcontext()
+        from .vocab_loss import local_outputs
+
+        return local_outputs()
+
+    def __call__(self, outputs: tuple, target: Any, *, local: bool = False) -> torch.Tensor:
+        """The loss of flat `outputs` against `target`; a non-scalar result is a `LossError`.
+        `local`: the outputs came from a forward run in `producing()`."""
         spec = self.spec
         assert spec is not None, "only the last stage computes the loss"
         if self._unflatten is None:  # one output that is the whole result: no pytree walk
             single = len(outputs) == 1 and spec.unflatten([_ALONE]) is _ALONE
             self._unflatten = (lambda flat: flat[0]) if single else spec.unflatten
-        result = self._unflatten(list(outputs))
-        if spec.loss_fn is None:
-            loss = result
+        if local and self.vocab is not None and spec.loss_fn is not None and \
+                spec.num_items is None:
+            loss = self.vocab(outputs, target, spec.loss_fn, self._unflatten)
+        elif local and self.vocab is not None and spec.loss_fn is not None:
+            loss = spec.loss_fn(self._unflatten(list(self.vocab.whole(outputs))), target,
+                                num_items_in_batch=spec.num_items)
+        elif spec.loss_fn is None:
+            loss = self._unflatten(list(outputs))
         elif spec.num_items is not None:
-            loss = spec.loss_fn(result, target, num_items_in_batch=spec.num_items)
+            loss = spec.loss_fn(self._unflatten(list(outputs)), target,
+                                num_items_in_batch=spec.num_items)
         else:
-            loss = spec.loss_fn(result, target)
+            loss = spec.loss_fn(self._unflatten(list(outputs)), target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             what = (type(loss).__name__ if not isinstance(loss, torch.Tensor)
                     else f"a tensor of shape {tuple(loss.shape)}")

@@ -60,12 +60,13 @@ class StageWorker:
                  loss: LossSpec | None = None, checkpoint: bool = False,
                  versions: WeightVersions | None = None, *, fused_backward: bool = False,
                  own_streams: bool = False, split_weights: bool = False,
-                 exclusive_params: frozenset[int] = frozenset(), sync: Any = None):
+                 exclusive_params: frozenset[int] = frozenset(), sync: Any = None,
+                 vocab_loss: Any = None):
         self.index = index
         self.call = StageCall(index, module, input_names, output_names, grad_inputs,
                               exclusive_params)
         self.held = InFlight()
-        self._loss = StageLoss(loss)
+        self._loss = StageLoss(loss, vocab_loss if loss is not None else None)
         self.checkpoint = checkpoint
         self.versions = versions
         self.fused_backward = fused_backward
@@ -127,6 +128,12 @@ class StageWorker:
     def infer(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Forward without keeping anything for backward (forward-only calls)."""
         return self.call.named(self.call.run(inputs, direct=False))
+
+    @property
+    def loss_vocab(self) -> Any:
+        """The last stage's `VocabLoss` (runtime/vocab_loss.py): how its loss reads split
+        logits; None where no output is split."""
+        return self._loss.vocab
 
     def loss_of(self, outputs: Mapping[str, Any], target: Any) -> torch.Tensor:
         """The last stage's loss of `outputs` (by output name), e.g. of an `infer` result."""

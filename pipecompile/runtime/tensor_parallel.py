@@ -22,8 +22,9 @@ One all-reduce per column/row pair forward and one backward, as Megatron-LM (Sho
 A vocabulary split by the pass (`vocab_collectives`): an embedding's `Shard(0)` rows are read
 by `vocab_lookup` (Megatron's VocabParallelEmbedding: indices outside this rank's rows masked,
 their rows zeroed, then the `reduce` all-reduce), an output layer's partial logits are
-all-gathered along the vocabulary (`gather`, backward this rank's slice of the gradient,
-identical on every rank since the loss after it is).
+read by the vocabulary-parallel cross entropy or all-gathered along the vocabulary (`gather`,
+backward this rank's slice of the gradient, identical on every rank since the loss after it
+is); runtime/vocab_loss.py. A stage with split logits outputs carries a `VocabLoss`.
 
 With sequence parallelism (`sequence_collectives`, Korthikanti et al. 2022) each row's
 all-reduce becomes a reduce-scatter along the sequence and each column's input an all-gather
@@ -40,6 +41,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .vocab_loss import VocabLoss, cross_entropy_over, output_over
 
 if TYPE_CHECKING:
     from ..ir.shard_plan import Placement, ShardPlan
@@ -164,9 +167,26 @@ def vocab_lookup(rank: int) -> Callable[[torch.Tensor, torch.Tensor, int], torch
 
 def vocab_collectives(group: Any, degree: int, rank: int) -> dict[str, Callable]:
     """What `lower` needs for a split vocabulary (passes/tensor_shard.py): this rank's
-    `lookup` and the all-gather `gather(x, dim)` (backward: this rank's slice)."""
-    return {"lookup": vocab_lookup(rank),
-            "gather": sequence_collectives(group, degree, rank)["gather"]}
+    `lookup`, the all-gather `gather(x, dim)` (backward: this rank's slice), a logits
+    output `output(x, dim)` (gathered, or this rank's slice in a last stage's training
+    forward) and the vocabulary-parallel `cross_entropy` (runtime/vocab_loss.py)."""
+    gather = sequence_collectives(group, degree, rank)["gather"]
+    return {"lookup": vocab_lookup(rank), "gather": gather, "output": output_over(gather),
+            "cross_entropy": cross_entropy_over(group, degree, rank)}
+
+
+def _vocab_loss(module: torch.fx.GraphModule, vocab: Mapping[str, Callable],
+                lower_loss: Callable | None, degree: int) -> VocabLoss | None:
+    """The `VocabLoss` of a lowered stage whose outputs include split logits (their flat
+    positions and dims), None when it has none."""
+    (out,) = [n for n in module.graph.nodes if n.op == "output"]
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    split = {i: int(a.args[1]) for i, a in enumerate(flat)  # type: ignore[arg-type]
+             if isinstance(a, torch.fx.Node) and a.target is vocab["output"]}
+    if not split or lower_loss is None:
+        return None
+    return VocabLoss(split, vocab["gather"],
+                     lambda traced, where: lower_loss(traced, where, degree, vocab), degree)
 
 
 def to_local(tensor: torch.Tensor) -> torch.Tensor:
@@ -276,14 +296,17 @@ def _read_parts(module: torch.fx.GraphModule, readers: Mapping[str, Callable]) -
 
 def shard_stage_tensors(program: "StagedProgram", own: Sequence[int],
                         plans: "Mapping[int, ShardPlan]", mesh: Any, lower: Lower, *,
-                        sequence: bool = False, replicas: int = 1) -> "StagedProgram":
+                        sequence: bool = False, replicas: int = 1,
+                        lower_loss: Callable | None = None) -> "StagedProgram":
     """`program` with each stage of `own` lowered for its plan (by `lower`) and its
     parameters DTensors over `mesh` (1-D, "tp"): this rank's slice of each split one, the
     whole of the rest. `sequence`: with sequence parallelism (the tokens between a row and
     the next column split over the T ranks too). `replicas`: FSDP's D (fsdp=True, the
     stages fully_shard-ed after this); a fused parameter FSDP could only shard along its
     split dim (`fsdp_dim` None) stays whole over "tp", the graph reading its part
-    (`part_reader`)."""
+    (`part_reader`). `lower_loss`: the pass that lowers a traced loss onto split logits
+    (passes/vocab_loss.py), given to the `VocabLoss` a stage with split logits outputs
+    carries as `vocab_loss` (the last stage's loss reads them through it)."""
     from torch.distributed.tensor import DTensor
 
     T, rank = mesh.size(), mesh.get_local_rank()
@@ -314,6 +337,7 @@ def shard_stage_tensors(program: "StagedProgram", own: Sequence[int],
             setattr(module.get_submodule(owner) if owner else module, attr, swapped[id(param)])
         if readers:
             _read_parts(module, readers)
+        setattr(module, "vocab_loss", _vocab_loss(module, extra["vocab"], lower_loss, T))
         stages[index] = replace(stage, module=module)
     tensors = {name: tuple((s, swapped.get(id(t), t)) for s, t in copies)
                for name, copies in program.tensors.items()}

@@ -70,7 +70,8 @@ def stage_workers(program: StagedProgram, schedule: Schedule, spec: RuntimeSpec,
             fused_backward=spec.compile_stages, own_streams=own_streams,
             split_weights=splits, exclusive_params=exclusive,
             sync=(MicrobatchSync(s.module, m, spec.data_parallel) if spec.fsdp
-                  else hooks(s.index) if hooks is not None else None))
+                  else hooks(s.index) if hooks is not None else None),
+            vocab_loss=getattr(s.module, "vocab_loss", None))
     return workers
 
 

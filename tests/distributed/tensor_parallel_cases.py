@@ -55,13 +55,51 @@ def gpt2() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
     return GPT2LMHeadModel(cfg).double(), (_ids(64, 1),), {}, _ids(64, 2), _logits_loss
 
 
+def llama_labels() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    """The Llama trained from `labels=` (its own shifted cross entropy inside the graph, a
+    quarter of the labels -100), the loss in float64: transformers' `ForCausalLMLoss` casts
+    the logits with `.float()` (down from float64), so its loss function keeps float64."""
+    model, args, _, target, _ = llama()
+    labels = target.masked_fill(_ids(4, 3) == 0, -100)
+    model._loss_function = _causal_lm_loss  # the property `loss_function` reads it first
+    return model, args, {"labels": labels}, None, _own_loss
+
+
+def _causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                    **kwargs):
+    """transformers' ForCausalLMLoss with `.double()` for its `.float()`."""
+    logits = logits.double()
+    labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+    shift_labels = labels[..., 1:].contiguous()
+    return torch.nn.functional.cross_entropy(logits.view(-1, vocab_size),
+                                             shift_labels.view(-1), ignore_index=ignore_index)
+
+
+def gpt_square() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    """The test GPT with a loss that is not only cross entropy (it reads the logits'
+    squares too): its logits are gathered."""
+    model, args, kwargs, target, _ = gpt()
+    return model, args, kwargs, target, _square_loss
+
+
+def _square_loss(logits, target):
+    from pipecompile import zoo
+
+    return zoo.lm_loss(logits, target) + 1e-3 * logits.pow(2).mean()
+
+
+def _own_loss(out, _target):
+    return out.loss
+
+
 def _logits_loss(out, target):
     logits = out.logits if hasattr(out, "logits") else out
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              target.reshape(-1))
 
 
-MODELS = {"gpt": gpt, "gpt4": gpt4, "llama": llama, "gpt2": gpt2}
+MODELS = {"gpt": gpt, "gpt4": gpt4, "llama": llama, "gpt2": gpt2, "llama_labels": llama_labels,
+          "gpt_square": gpt_square}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,19 +108,61 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _comm_counts(pipe, args) -> dict:
+def _comm_counts(pipe, args, kwargs) -> dict:
     """Collectives of the first stage's graph alone (TP only: the whole model), forward, then
     forward and backward, counted by torch's CommDebugMode."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     module = pipe.runtime.workers[0].module
     with torch.no_grad(), CommDebugMode() as forward:
-        module(*args)
+        module(*args, *kwargs.values())
     with CommDebugMode() as both:
-        sum(o.sum() for o in module(*args) if o.is_floating_point()).backward()
+        sum(o.sum() for o in module(*args, *kwargs.values()) if o.is_floating_point()).backward()
     pipe.zero_grad(set_to_none=True)
     return {"forward": {str(k): v for k, v in forward.get_comm_counts().items()},
             "both": {str(k): v for k, v in both.get_comm_counts().items()}}
+
+
+def _vocab_forms(pipe) -> tuple:
+    """How the last stage's loss read its split logits this far ("lowered": a cross entropy
+    on the slices, "unread", "gathered"), and whether its graph holds a vocabulary-parallel
+    cross entropy; () where this rank holds no last stage with split logits."""
+    last = pipe.runtime.workers.get(pipe.runtime.program.num_stages - 1)
+    vocab = getattr(last, "loss_vocab", None) if last is not None else None
+    if vocab is None:
+        return ()
+    in_graph = any(getattr(n.target, "__name__", "") == "cross_entropy"
+                   for n in last.module.graph.nodes if n.op == "call_function")
+    return (*vocab.forms, *(("in graph",) if in_graph else ()))
+
+
+class _Counting:
+    """The all-gathers and all-reduces torch.distributed runs while entered (every thread)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.counts = enabled, {"all_gather": 0, "all_reduce": 0}
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        if self.enabled:
+            self.saved = {n: getattr(dist, n) for n in self.counts}
+            for name, call in self.saved.items():
+                setattr(dist, name, self._counted(name, call))
+        return self
+
+    def _counted(self, name, call):
+        def counted(*args, **kwargs):
+            self.counts[name] += 1
+            return call(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, call in getattr(self, "saved", {}).items():
+            setattr(dist, name, call)
 
 
 def _checkpoint(pipe, opt, directory: str, case: tuple) -> dict:
@@ -136,8 +216,9 @@ def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
                           schedule=schedule, microbatches=2, timeout=300,
                           sequence_parallel=sp, vocab_parallel=vocab)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-        comms = _comm_counts(pipe, args) if P == 1 and replicas == 1 else None
-        loss = pipe.step(*args, target=target, **kwargs)
+        comms = _comm_counts(pipe, args, kwargs) if P == 1 and replicas == 1 else None
+        with _Counting("vocab" in case[3:]) as stepping:
+            loss = pipe.step(*args, target=target, **kwargs)
         grads = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()
                  if p.grad is not None}
         sizes = {n: (local_tensor(p).numel(), p.numel(), type(p).__name__)
@@ -164,6 +245,8 @@ def run_cases(rank: int, cases: list[tuple], replicas: int = 1,
         results[tuple(case)] = {
             "loss": loss.item(), "grads": grads, "sizes": sizes, "values": values,
             "state": state, "placements": placements, "norm": norm, "torch_norm": torch_norm, "comms": comms,
+            "step_comms": stepping.counts if stepping.enabled else None,
+            "vocab_loss": _vocab_forms(pipe),
             "loss2": loss2.item(), "eval": evaluated, "forward": forward, "saved": saved,
             "explain": pipe.explain(),
             "layout": (pipe.layout.pipeline, pipe.layout.data_parallel,
@@ -181,4 +264,5 @@ def replica_case(name: str, P: int, replicas: int, rank: int, world: int):
     model, args, kwargs, target, loss_fn = MODELS[name]()
     replica = rank // (P * T)
     args = tuple(a.chunk(replicas)[replica] for a in args)
-    return T, (model, args, kwargs, target.chunk(replicas)[replica], loss_fn)
+    return T, (model, args, kwargs,
+               target.chunk(replicas)[replica] if target is not None else None, loss_fn)

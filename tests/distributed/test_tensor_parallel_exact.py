@@ -17,11 +17,17 @@ from tests.support.reference import reference_step
 TP2_SP = [("gpt", 1, "1f1b", "sp"), ("llama", 1, "gpipe", "sp")]
 # "vocab": vocab_parallel=True: embeddings and the output layer split along the vocabulary
 TP2_VOCAB = [("gpt2", 1, "1f1b", "vocab"), ("llama", 1, "gpipe", "vocab"),
-             ("llama", 1, "1f1b", "sp", "vocab")]
+             ("llama", 1, "1f1b", "sp", "vocab"),
+             # the cross entropy vocabulary-parallel: the pipeline's (the test GPT's tied
+             # table), the model's own from labels= (-100s among them); a loss that is not
+             # only cross entropy reads the gathered logits
+             ("gpt", 1, "1f1b", "vocab"), ("llama_labels", 1, "gpipe", "vocab"),
+             ("gpt_square", 1, "gpipe", "vocab")]
 TP2 = [("gpt", 1, "gpipe"), ("llama", 1, "1f1b"), ("gpt2", 1, "1f1b"), *TP2_SP, *TP2_VOCAB]
 PP2_TP2_SP = [("gpt", 2, "1f1b", "sp"), ("llama", 2, "1f1b", "sp")]
 # Llama's tables on the first and last stage split; GPT-2's tied across the stages kept whole
-PP2_TP2_VOCAB = [("llama", 2, "1f1b", "vocab"), ("gpt2", 2, "gpipe", "vocab")]
+PP2_TP2_VOCAB = [("llama", 2, "1f1b", "vocab"), ("gpt2", 2, "gpipe", "vocab"),
+                 ("llama_labels", 2, "1f1b", "vocab")]
 PP2_TP2 = [("gpt", 2, "gpipe"), ("gpt", 2, "1f1b"), ("llama", 2, "1f1b"), ("gpt2", 2, "gpipe"),
            ("gpt", 2, "zb-h1"), ("gpt", 2, "interleaved-1f1b"), *PP2_TP2_SP, *PP2_TP2_VOCAB]
 
@@ -88,7 +94,8 @@ def _check(results, case, replicas=1):
         assert abs(got["loss2"] - loss2) <= 1e-9, (rank, got["loss2"], loss2)  # after AdamW
         # the same weights, forward only: eval_step and pipe(x) on every rank
         assert abs(got["eval"] - loss2) <= 1e-9
-        assert replicas > 1 or abs(got["forward"] - loss2) <= 1e-9
+        # (labels with -100s: the whole batch's mean is not the micro-batches' mean)
+        assert replicas > 1 or case[0] == "llama_labels" or abs(got["forward"] - loss2) <= 1e-9
     # gradients: every parameter, from the ranks that hold its stage (all, in full_tensor())
     seen, worst = set(), 0.0
     for r in results:
@@ -282,3 +289,25 @@ def test_a_saved_tensor_parallel_pipeline_loads_sharded_and_steps_the_same(fixtu
         assert sorted(loaded["grads"]) == sorted(grads2) and grads2
         for name, grad in grads2.items():
             assert torch.equal(loaded["grads"][name], grad), name
+
+
+def test_a_cross_entropy_over_split_logits_never_gathers_them(tp2, pp2_tp2):
+    """vocab_parallel=True: the pipeline's cross entropy (GPT, GPT-2, Llama, Llama with SP:
+    `loss_fn` traced and lowered) and Llama's own from labels= (in its graph; the logits it returns are not read
+    by the loss) run vocabulary-parallel: a step runs no all-gather at all (TP2); a loss
+    that also reads the logits otherwise (GPT's plus their squares) gathers them, once per
+    micro-batch. Exact either way (the steps above)."""
+    forms = {("gpt", 1, "1f1b", "vocab"): ("lowered",), ("llama", 1, "gpipe", "vocab"):
+             ("lowered",), ("gpt2", 1, "1f1b", "vocab"): ("lowered",),
+             ("llama", 1, "1f1b", "sp", "vocab"): ("lowered",), ("llama_labels", 1, "gpipe", "vocab"): ("unread", "in graph"),
+             ("gpt_square", 1, "gpipe", "vocab"): ("gathered",)}
+    for r in tp2[1]:
+        for case, form in forms.items():
+            assert r[case]["vocab_loss"] == form, (case, r[case]["vocab_loss"])
+            gathers = r[case]["step_comms"]["all_gather"]
+            if "sp" not in case:  # (SP all-gathers its tokens before each column)
+                assert gathers == (2 if form == ("gathered",) else 0), (case, gathers)
+    last = [r[("llama_labels", 2, "1f1b", "vocab")]["vocab_loss"] for r in pp2_tp2[1]]
+    assert sorted(last) == [(), (), ("unread", "in graph"), ("unread", "in graph")]
+    last = [r[("llama", 2, "1f1b", "vocab")]["vocab_loss"] for r in pp2_tp2[1]]
+    assert sorted(last) == [(), (), ("lowered",), ("lowered",)]
