@@ -100,13 +100,35 @@ def megatron_flops(layers: int, hidden: int, vocab: int, seq: int, batch: int) -
                                                       + vocab / (16 * layers * hidden))
 
 
-def _gpt(layers: int, hidden: int, heads: int, vocab: int, seq: int, batch: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def megatron_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                       **kwargs):
+    """Attention as Megatron-LM runs it without FlashAttention (Narayanan et al. SC'21, section
+    4.2: scale, mask and softmax fused in one custom kernel, implicit causal mask): QK^T as one
+    batched GEMM, one softmax kernel over the s x s scores (reads them, writes the
+    probabilities; the scale and the causal mask are applied inside it, so they are no ops of
+    their own here), dropout, the batched GEMM by V. For pricing on meta tensors only: the
+    mask is not applied, so its values are not attention's."""
+    del attention_mask, scaling, kwargs  # inside Megatron's fused softmax kernel
+    probs = torch.softmax(torch.matmul(query, key.transpose(-1, -2)), dim=-1)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2), None
 
+
+def _gpt(layers: int, hidden: int, heads: int, vocab: int, seq: int, batch: int):
+    """GPT-2 at the run's shape with the kernels Megatron-LM fuses (SC'21 section 4.2): GeLU
+    as one kernel (torch's tanh GeLU for the fused bias + GeLU, the bias in the GEMM) and the
+    fused scale-mask-softmax (`megatron_attention`); `--eager` keeps transformers' eager GPT-2
+    (its tanh GeLU as eight elementwise kernels, scale, mask add and softmax as three)."""
+    from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel
+
+    eager = "--eager" in sys.argv
     config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq,
                         vocab_size=vocab, bos_token_id=0, eos_token_id=0, use_cache=False,
-                        tie_word_embeddings=True)
-    config._attn_implementation = "eager"  # these runs predate FlashAttention: s x s scores
+                        tie_word_embeddings=True,
+                        activation_function="gelu_new" if eager else "gelu_pytorch_tanh")
+    AttentionInterface.register("megatron", megatron_attention)
+    # these runs predate FlashAttention: s x s scores between two batched GEMMs
+    config._attn_implementation = "eager" if eager else "megatron"
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).to(torch.bfloat16)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
@@ -161,7 +183,12 @@ def rows(only: str = "") -> list[tuple]:
     return out
 
 
+LAST = None  # the last row's pipeline (bench/tp_breakdown.py reads it)
+
+
 def _row(name, pipe, published, source, seconds, asked) -> tuple:
+    global LAST
+    LAST = pipe
     lay = pipe.layout
     assert (lay.pipeline, lay.data_parallel, lay.tensor_parallel) == asked, (lay, asked)
     o = pipe.plan.resolved
