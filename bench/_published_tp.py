@@ -19,8 +19,16 @@ page (bigscience.notion.site); Megatron's layers, hidden sizes and heads of 39.1
   these runs used: F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) per step, so the published
   step is F / (GPUs x TFLOP/s). Planned: `schedule="1f1b"` (PipeDream-Flush), micro-batch 1
   (m = batch / DP), `checkpoint=True`, the model as transformers' GPT-2 at that shape with
-  its eager attention (these runs predate FlashAttention: Megatron's fused softmax over the
-  s x s scores between two batched GEMMs, priced as those kernels run).
+  the kernels Megatron-LM runs (these runs predate FlashAttention): the s x s scores between
+  two batched GEMMs through one fused scale-mask-softmax kernel (`megatron_attention`; SC'21
+  section 4.2, Megatron-LM's `FusedScaleMaskSoftmax` / `scaled_upper_triang_masked_softmax`),
+  and GeLU as one kernel (Megatron's TorchScript `bias_gelu`, megatron/model/fused_bias_gelu.py:
+  the bias add and the tanh GeLU in one kernel, one more for its backward; here the bias is
+  in the GEMM and torch's tanh GeLU is the kernel). Not modelled: Megatron's fused bias +
+  dropout + residual add (one kernel: reads x and the residual, writes the sum and the mask),
+  run here as dropout then add (two: one more read and one more write of b s h, twice per
+  layer). `--eager` plans transformers' eager GPT-2 instead (its tanh GeLU as eight
+  elementwise kernels, scale, mask add and softmax as three: the bench before 2026-11-28).
 - BigScience, "BLOOM: A 176B-Parameter Open-Access Multilingual Language Model", arXiv
   2211.05100, section 3.4 (and the BigScience 176B model page): 70 layers, h 14336, 112 heads,
   sequence 2048, vocabulary 250,880, TP 4 x PP 12 x DP 8 on 384 A100 80GB (48 nodes of 8 on
@@ -59,6 +67,7 @@ prediction is faster than published).
     python bench/_published_tp.py            # every row (python bench/published.py: all)
     python bench/_published_tp.py BLOOM      # the rows whose name contains BLOOM
     python bench/_published_tp.py Llama --no-sp   # without sequence parallelism
+    python bench/_published_tp.py 39.1B --eager   # transformers' eager GPT-2 kernels
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A cluster of absent accelerators: nodes of devices joined by two link levels.
 
     cluster("h100", nodes=8, per_node=8)   -> Cluster: 64 `DeviceSpec`s, NVLink inside a node
-                                              (450 GB/s per direction, 10 us), InfiniBand between
+                                              (450 GB/s per direction, 10 us a message, 3.4 us
+                                              a ring step: NCCL's model), InfiniBand between
                                               nodes (50 GB/s per GPU, 20 us), each at 0.8 sustained
 
 A `Cluster` is a sequence of its devices, so `compile(..., devices=cluster)` reads it like a
