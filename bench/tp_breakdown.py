@@ -66,7 +66,7 @@ def _layer(costs, share, kw, out) -> None:
     nbytes = found.tokens * found.narrowest * found.itemsize
     one = share.all_reduce(nbytes)
     print(f"  all-reduce of {nbytes / 1e6:.1f} MB over {t} on {share.link.name} "
-          f"({share.link.bandwidth / 1e9:.0f} GB/s, {share.link.latency * 1e6:.0f} us/step): "
+          f"({share.link.bandwidth / 1e9:.0f} GB/s, {share.link.step_latency * 1e6:.1f} us/step): "
           f"{one * 1e3:.3f} ms; priced layer forward {x.forward_time * 1e3:.3f} -> sharded "
           f"{out.blocks[i].forward_time * 1e3:.3f} ms")
     sharded = out.blocks[i]
