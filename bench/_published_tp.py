@@ -19,8 +19,16 @@ page (bigscience.notion.site); Megatron's layers, hidden sizes and heads of 39.1
   these runs used: F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) per step, so the published
   step is F / (GPUs x TFLOP/s). Planned: `schedule="1f1b"` (PipeDream-Flush), micro-batch 1
   (m = batch / DP), `checkpoint=True`, the model as transformers' GPT-2 at that shape with
-  its eager attention (these runs predate FlashAttention: Megatron's fused softmax over the
-  s x s scores between two batched GEMMs, priced as those kernels run).
+  the kernels Megatron-LM runs (these runs predate FlashAttention): the s x s scores between
+  two batched GEMMs through one fused scale-mask-softmax kernel (`megatron_attention`; SC'21
+  section 4.2, Megatron-LM's `FusedScaleMaskSoftmax` / `scaled_upper_triang_masked_softmax`),
+  and GeLU as one kernel (Megatron's TorchScript `bias_gelu`, megatron/model/fused_bias_gelu.py:
+  the bias add and the tanh GeLU in one kernel, one more for its backward; here the bias is
+  in the GEMM and torch's tanh GeLU is the kernel). Not modelled: Megatron's fused bias +
+  dropout + residual add (one kernel: reads x and the residual, writes the sum and the mask),
+  run here as dropout then add (two: one more read and one more write of b s h, twice per
+  layer). `--eager` plans transformers' eager GPT-2 instead (its tanh GeLU as eight
+  elementwise kernels, scale, mask add and softmax as three: the bench before 2026-11-28).
 - BigScience, "BLOOM: A 176B-Parameter Open-Access Multilingual Language Model", arXiv
   2211.05100, section 3.4 (and the BigScience 176B model page): 70 layers, h 14336, 112 heads,
   sequence 2048, vocabulary 250,880, TP 4 x PP 12 x DP 8 on 384 A100 80GB (48 nodes of 8 on
@@ -59,6 +67,7 @@ prediction is faster than published).
     python bench/_published_tp.py            # every row (python bench/published.py: all)
     python bench/_published_tp.py BLOOM      # the rows whose name contains BLOOM
     python bench/_published_tp.py Llama --no-sp   # without sequence parallelism
+    python bench/_published_tp.py 39.1B --eager   # transformers' eager GPT-2 kernels
 """
 
 from __future__ import annotations
@@ -100,13 +109,35 @@ def megatron_flops(layers: int, hidden: int, vocab: int, seq: int, batch: int) -
                                                       + vocab / (16 * layers * hidden))
 
 
-def _gpt(layers: int, hidden: int, heads: int, vocab: int, seq: int, batch: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def megatron_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                       **kwargs):
+    """Attention as Megatron-LM runs it without FlashAttention (Narayanan et al. SC'21, section
+    4.2: scale, mask and softmax fused in one custom kernel, implicit causal mask): QK^T as one
+    batched GEMM, one softmax kernel over the s x s scores (reads them, writes the
+    probabilities; the scale and the causal mask are applied inside it, so they are no ops of
+    their own here), dropout, the batched GEMM by V. For pricing on meta tensors only: the
+    mask is not applied, so its values are not attention's."""
+    del attention_mask, scaling, kwargs  # inside Megatron's fused softmax kernel
+    probs = torch.softmax(torch.matmul(query, key.transpose(-1, -2)), dim=-1)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2), None
 
+
+def _gpt(layers: int, hidden: int, heads: int, vocab: int, seq: int, batch: int):
+    """GPT-2 at the run's shape with the kernels Megatron-LM fuses (SC'21 section 4.2): GeLU
+    as one kernel (torch's tanh GeLU for the fused bias + GeLU, the bias in the GEMM) and the
+    fused scale-mask-softmax (`megatron_attention`); `--eager` keeps transformers' eager GPT-2
+    (its tanh GeLU as eight elementwise kernels, scale, mask add and softmax as three)."""
+    from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel
+
+    eager = "--eager" in sys.argv
     config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq,
                         vocab_size=vocab, bos_token_id=0, eos_token_id=0, use_cache=False,
-                        tie_word_embeddings=True)
-    config._attn_implementation = "eager"  # these runs predate FlashAttention: s x s scores
+                        tie_word_embeddings=True,
+                        activation_function="gelu_new" if eager else "gelu_pytorch_tanh")
+    AttentionInterface.register("megatron", megatron_attention)
+    # these runs predate FlashAttention: s x s scores between two batched GEMMs
+    config._attn_implementation = "eager" if eager else "megatron"
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).to(torch.bfloat16)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
@@ -161,7 +192,12 @@ def rows(only: str = "") -> list[tuple]:
     return out
 
 
+LAST = None  # the last row's pipeline (bench/tp_breakdown.py reads it)
+
+
 def _row(name, pipe, published, source, seconds, asked) -> tuple:
+    global LAST
+    LAST = pipe
     lay = pipe.layout
     assert (lay.pipeline, lay.data_parallel, lay.tensor_parallel) == asked, (lay, asked)
     o = pipe.plan.resolved

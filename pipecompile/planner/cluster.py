@@ -1,7 +1,8 @@
 """A cluster of absent accelerators: nodes of devices joined by two link levels.
 
     cluster("h100", nodes=8, per_node=8)   -> Cluster: 64 `DeviceSpec`s, NVLink inside a node
-                                              (450 GB/s per direction, 10 us), InfiniBand between
+                                              (450 GB/s per direction, 10 us a message, 3.4 us
+                                              a ring step: NCCL's model), InfiniBand between
                                               nodes (50 GB/s per GPU, 20 us), each at 0.8 sustained
 
 A `Cluster` is a sequence of its devices, so `compile(..., devices=cluster)` reads it like a
@@ -17,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Sequence, overload
 
 from ..errors import ConfigError
-from .hardware import LATENCY, _accelerator
+from .hardware import LATENCY, RING_STEP, _accelerator
 from ..ir.devices import DeviceSpec
 
 __all__ = ["Link", "Cluster", "cluster", "is_cluster"]
@@ -25,12 +26,19 @@ __all__ = ["Link", "Cluster", "cluster", "is_cluster"]
 
 @dataclass(frozen=True)
 class Link:
-    """One level of the interconnect: sustained bytes/s per direction per device, and the
-    seconds one message (or one step of a collective) costs on top."""
+    """One level of the interconnect: sustained bytes/s per direction per device, the
+    seconds one message costs on top, and those one step of a ring collective costs (`step`;
+    None: `latency`)."""
 
     name: str
     bandwidth: float
     latency: float
+    step: float | None = None
+
+    @property
+    def step_latency(self) -> float:
+        """Seconds one step of a ring collective costs over this link."""
+        return self.latency if self.step is None else self.step
 
     def send(self, nbytes: float) -> float:
         """Seconds to move `nbytes` from one device to another over this link."""
@@ -96,8 +104,8 @@ def cluster(name: str, *, nodes: int = 1, per_node: int = 8, intra: str = "nvlin
     links inside a node and `inter` between nodes (one NIC per device, as in DGX H100/A100).
     An unknown preset or link is a `ConfigError` naming those that exist."""
     accelerator = _accelerator(name)
-    links = (Link(intra, accelerator.link(intra), LATENCY[intra]),
-             Link(inter, accelerator.link(inter), LATENCY[inter]))
+    links = (Link(intra, accelerator.link(intra), LATENCY[intra], RING_STEP.get(intra)),
+             Link(inter, accelerator.link(inter), LATENCY[inter], RING_STEP.get(inter)))
     device = accelerator.spec(efficiency=efficiency, link=intra)
     return Cluster(device, nodes, per_node, *links)
 

@@ -33,7 +33,9 @@ table and the reasoning):
                 MiB on an H100, 81,920 MiB on an A100); the difference is left for the CUDA
                 context, NCCL buffers and allocator fragmentation.
     latency     LATENCY per message: 10 us on NVLink, 20 us over InfiniBand (the order of
-                nccl-tests' small-message send/recv times; an assumption, not a datasheet).
+                nccl-tests' small-message send/recv times; an assumption, not a datasheet); a
+                ring collective's steps as NCCL's own cost model prices them (RING_BASE,
+                RING_STEP: 8.4 us per collective and 3.4 us per step over NVLink).
     overheads   OP_OVERHEAD = 4 us, the shortest a kernel lasts (CHIPS' `launch`) and ACTION_OVERHEAD = 50 us per pipeline action or message (Python
                 dispatch, autograd set-up, an NCCL call): assumptions for a GPU runtime, used in
                 place of `measure.rates.action_overhead`, which would time this machine.
@@ -51,13 +53,20 @@ from ..ir.devices import DeviceSpec
 from ..passes.kernel_prices import CHIPS, Chip
 
 __all__ = ["describe_devices", "Accelerator", "ACCELERATORS", "preset", "accelerator_of", "MEMORY_EFFICIENCY",
-           "LINK_EFFICIENCY", "LATENCY", "OP_OVERHEAD", "ACTION_OVERHEAD"]
+           "LINK_EFFICIENCY", "LATENCY", "RING_BASE", "RING_STEP", "OP_OVERHEAD",
+           "ACTION_OVERHEAD"]
 
 # the kernel-level constants (GEMM ceiling, attention, HBM fraction, launch) live in one
 # place, passes/kernel_prices.CHIPS; these are their spec-level views
 MEMORY_EFFICIENCY = CHIPS["h100"].memory_efficiency  # sustained / peak HBM bandwidth
 LINK_EFFICIENCY = 0.8  # sustained / peak link bandwidth, per direction
 LATENCY = {"nvlink": 10e-6, "infiniband": 20e-6}  # seconds per message
+#: NCCL's own cost model of a ring collective (src/graph/tuning.cc, `baseLat` and `hwLat`,
+#: Ring / Simple protocol): a fixed RING_BASE per collective plus RING_STEP per ring step over
+#: NVLink inside a node; a link not named here prices a step at its LATENCY (InfiniBand: NCCL
+#: gives 9.6 us a step, x 1.9 for a multi-node all-reduce, 18 us: the 20 us kept)
+RING_BASE = 8.4e-6
+RING_STEP = {"nvlink": 3.4e-6}
 OP_OVERHEAD = CHIPS["h100"].launch  # seconds a kernel lasts at least on a GPU
 ACTION_OVERHEAD = 50e-6  # seconds per pipeline action or message on a GPU runtime
 
