@@ -67,19 +67,19 @@ class StageLoss:
         if self._unflatten is None:  # one output that is the whole result: no pytree walk
             single = len(outputs) == 1 and spec.unflatten([_ALONE]) is _ALONE
             self._unflatten = (lambda flat: flat[0]) if single else spec.unflatten
-        if local and self.vocab is not None and spec.loss_fn is not None and \
-                spec.num_items is None:
-            loss = self.vocab(outputs, target, spec.loss_fn, self._unflatten)
-        elif local and self.vocab is not None and spec.loss_fn is not None:
-            loss = spec.loss_fn(self._unflatten(list(self.vocab.whole(outputs))), target,
-                                num_items_in_batch=spec.num_items)
-        elif spec.loss_fn is None:
-            loss = self._unflatten(list(outputs))
-        elif spec.num_items is not None:
-            loss = spec.loss_fn(self._unflatten(list(outputs)), target,
-                                num_items_in_batch=spec.num_items)
+        vocab = self.vocab if local and spec.loss_fn is not None else None
+        if vocab is not None and spec.num_items is None:  # the loss reads the split logits
+            loss = vocab(outputs, target, spec.loss_fn, self._unflatten)
         else:
-            loss = spec.loss_fn(self._unflatten(list(outputs)), target)
+            if vocab is not None:  # a loss given num_items reads them gathered
+                outputs = vocab.whole(outputs)
+            result = self._unflatten(list(outputs))
+            if spec.loss_fn is None:
+                loss = result
+            elif spec.num_items is not None:
+                loss = spec.loss_fn(result, target, num_items_in_batch=spec.num_items)
+            else:
+                loss = spec.loss_fn(result, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             what = (type(loss).__name__ if not isinstance(loss, torch.Tensor)
                     else f"a tensor of shape {tuple(loss.shape)}")
