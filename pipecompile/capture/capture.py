@@ -27,7 +27,9 @@ from torch.utils import _pytree as pytree
 from .blame import capture_error, first_line
 from .export import capture_export
 from .graph import output_names, symbols, values_from_meta
+from .reuse import reusing_capture
 from ..errors import CaptureError, ConfigError
+from ..ir.compile_cache import CompileCache
 from ..ir.records import CapturedModel, batch_size_of  # batch_size_of: named here for callers
 from ..passes.inplace import functionalize
 from ..ir.nodes import preserve_buffers
@@ -65,6 +67,7 @@ def capture(
     verbose: bool = False,
     sizes: str = "batch",
     budget: float = 120.0,
+    cache: CompileCache | None = None,
 ) -> CapturedModel:
     """Capture `model(*args, **kwargs)` as a flat graph.
 
@@ -74,17 +77,36 @@ def capture(
     while capturing (on failure, a partial graph); otherwise it is kept off the terminal.
     `sizes="batch"` keeps every size but the batch fixed (torch.export traces fast);
     `sizes="all"` first tries every size symbolic, for at most `budget` seconds in a child
-    process (then the batch alone).
+    process (then the batch alone). A `cache` keeping captures (`CompileCache(captures=N)`)
+    reuses the graph of a structurally identical model, rebound to this one's tensors
+    (reuse.py); by default nothing is reused.
     """
     kwargs = dict(kwargs or {})
     require_module(model)
+    options = (method, static_batch_size, opaque, sizes, budget)
+    captured = reusing_capture(cache, model, tuple(args), kwargs, options,
+                               lambda: _capture(model, tuple(args), kwargs, method=method,
+                                                static_batch_size=static_batch_size,
+                                                opaque=opaque, verbose=verbose, sizes=sizes,
+                                                budget=budget))
+    return replace(  # through the model's own state_dict hooks: never reused
+        captured,
+        parameter_names=tuple(n for n, _ in model.named_parameters()),
+        state_keys=tensor_keys(model),
+        checkpoint_keys=tuple(model.state_dict(keep_vars=True).keys()),
+    )
+
+
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], *, method: str,
+             static_batch_size: int | None, opaque: bool, verbose: bool, sizes: str,
+             budget: float) -> CapturedModel:
     batch = batch_size_of(args, kwargs)
     if method == "export":
-        captured = capture_export(model, tuple(args), kwargs, batch,
+        captured = capture_export(model, args, kwargs, batch,
                                   static_batch_size=static_batch_size, opaque=opaque,
                                   verbose=verbose, sizes=sizes, budget=budget)
     elif method == "fx":
-        captured = _capture_fx(model, tuple(args), kwargs, batch)
+        captured = _capture_fx(model, args, kwargs, batch)
     else:
         raise ConfigError(f"capture={method!r} is not a capture method; use 'export' or 'fx'")
     module, rewritten = functionalize(captured.module)
@@ -92,14 +114,7 @@ def capture(
     if rewritten:
         notes += (f"{len(rewritten)} in-place ops on activations made out-of-place "
                   f"({', '.join(rewritten[:3])}{', ...' if len(rewritten) > 3 else ''})",)
-    return replace(
-        captured,
-        module=module,
-        notes=notes,
-        parameter_names=tuple(n for n, _ in model.named_parameters()),
-        state_keys=tensor_keys(model),
-        checkpoint_keys=tuple(model.state_dict(keep_vars=True).keys()),
-    )
+    return replace(captured, module=module, notes=notes)
 
 
 def tensor_keys(model: torch.nn.Module) -> tuple[str, ...]:

@@ -32,15 +32,36 @@ T = TypeVar("T")
 
 class CompileCache:
     """At most `maxsize` results, the least recently used dropped first; `hits` and `misses`
-    count the lookups (a miss computed the result)."""
+    count the lookups (a miss computed the result). Apart from them, at most `captures`
+    captured graphs (none by default), reused for a structurally identical model
+    (capture/reuse.py); `capture_hits` counts the reuses."""
 
-    def __init__(self, maxsize: int = 64) -> None:
+    def __init__(self, maxsize: int = 64, captures: int = 0) -> None:
         if maxsize < 1:
             raise ValueError(f"a CompileCache holds at least one entry, got maxsize={maxsize}")
+        if captures < 0:
+            raise ValueError(f"a CompileCache keeps 0 or more captures, got captures={captures}")
         self.maxsize = maxsize
+        self.captures = captures
         self.hits = 0
         self.misses = 0
+        self.capture_hits = 0
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self._captures: OrderedDict[Hashable, Any] = OrderedDict()
+
+    def kept_capture(self, key: Hashable) -> Any:
+        """The capture template kept under `key`, or None."""
+        if key not in self._captures:
+            return None
+        self.capture_hits += 1
+        self._captures.move_to_end(key)
+        return self._captures[key]
+
+    def keep_capture(self, key: Hashable, template: Any) -> None:
+        """Keep a capture template (the oldest goes past `captures` entries)."""
+        self._captures[key] = template
+        while len(self._captures) > self.captures:
+            self._captures.popitem(last=False)
 
     def get(self, key: Hashable, compute: Callable[[], T]) -> T:
         """The result stored under `key`, or `compute()`'s, stored (the oldest entry goes when
@@ -57,8 +78,9 @@ class CompileCache:
         return value
 
     def clear(self) -> None:
-        """Forget every result (the next compile measures again)."""
+        """Forget every result and capture (the next compile measures again)."""
         self._entries.clear()
+        self._captures.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -68,7 +90,7 @@ class CompileCache:
 
     def __repr__(self) -> str:
         return (f"CompileCache({len(self)}/{self.maxsize} entries, {self.hits} hits, "
-                f"{self.misses} misses)")
+                f"{self.misses} misses, {len(self._captures)}/{self.captures} captures)")
 
 
 default_cache = CompileCache()  # what `pipecompile.compile` uses unless given `cache=`

@@ -30,6 +30,7 @@ import torch
 
 from ..capture.capture import capture as capture_model, seed_captured
 from ..capture.claimed_device import claimable, claiming, restore_tensors
+from ..ir.compile_cache import CompileCache
 from ..ir.formats import format_count
 from ..ir.records import CapturedModel, Example
 from ..ir.shard_plan import VocabularyLayer
@@ -81,8 +82,8 @@ def capture_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
     inputs = (example.args, dict(example.kwargs))
     claim = claimable([d.name for d in o.devices]) if meta else None
 
-    def capture(args: tuple, kwargs: dict) -> CapturedModel:
-        return capture_model(example.model, args, kwargs, method=asked.capture,
+    def capture(args: tuple, kwargs: dict, cache: CompileCache | None = None) -> CapturedModel:
+        return capture_model(example.model, args, kwargs, method=asked.capture, cache=cache,
                              static_batch_size=example_microbatch_size(example, asked, o),
                              verbose=asked.verbose,
                              sizes=_first_sizes(asked.symbolic_sizes, example),
@@ -92,8 +93,10 @@ def capture_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
         with claiming(example.model, inputs, claim) as ((args, kwargs), originals):
             captured = capture(args, kwargs)
         captured = restore_tensors(captured, example.model, originals, claim)
-    else:  # real tensors, or a plan for devices this torch cannot fake: traced on meta
-        captured = capture(*(on_meta(inputs) if meta else inputs))
+    elif meta:  # a plan for devices this torch cannot fake: traced on meta
+        captured = capture(*on_meta(inputs))
+    else:  # real tensors: a kept capture of an identical model may be reused (capture/reuse.py)
+        captured = capture(*inputs, cache=asked.cache)
     if asked.rng == "per-microbatch":
         captured = seed_captured(captured, asked.rng_seed)
     if meta:  # traced on meta inputs too (no op mixes devices); nothing can be timed
