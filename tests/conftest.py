@@ -42,3 +42,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("xdist_group") is None and _module(item) in shared:
             item.add_marker(pytest.mark.xdist_group(_module(item)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests build the same few architectures again and again (fresh weights each time); a
+    # worker keeps their captures and rebinds them to each new model's tensors (bit-equal:
+    # tests/capture/test_reuse.py). Tests of capture itself opt out (`fresh_captures`).
+    import os
+
+    import pipecompile
+
+    pipecompile.default_cache.captures = int(os.environ.get("PIPECOMPILE_TEST_CAPTURES", "32"))

@@ -11,4 +11,6 @@
     bounded.py         whether a call finishes within a budget, found in a child process
     inputs.py          a call's inputs checked against what the model was compiled with
     quiet.py           torch's output of a failing export kept off the terminal, for one thread
+    fingerprint.py     everything a capture depends on, as one key (None: the model cannot be keyed)
+    reuse.py           a kept capture rebound to a structurally identical model's own tensors
 """
