@@ -86,6 +86,12 @@ def _entry(fn, rank, world_size, port, tmp, args, env, cwd, path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    # a job's cases compile a few architectures again and again: each rank keeps its captures
+    # and rebinds them to the next model of the same architecture (as the suite's workers do:
+    # tests/conftest.py)
+    import pipecompile
+
+    pipecompile.default_cache.captures = 32
     try:
         # rendezvous through a file of this job's own directory: no port is chosen before it
         # is bound, so no other process can take it in between (MASTER_PORT stays set only
