@@ -51,6 +51,7 @@ for _path in (ROOT, HERE):
 
 import torch  # noqa: E402
 
+import pipecompile as pc  # noqa: E402
 import _gpu_checks as checks  # noqa: E402
 import _gpu_kernels as kernel_checks  # noqa: E402
 import _gpu_perf as perf  # noqa: E402
@@ -236,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     dry = opts.dry_run or not torch.cuda.is_available()
     deadline = opts.deadline or (DRY_DEADLINE_S if dry else DEADLINE_S)
     ctx = Ctx(device="cpu" if dry else "cuda:0", dry=dry, deadline_s=deadline)
+    if dry:  # the sections compile the same tiny models again: reuse their captures (exact,
+        # pipecompile/capture/reuse.py); the GPU run captures every model afresh, as users do
+        pc.default_cache.captures = 16
     report = Report(opts.outdir, argv)
     if not opts.dry_run and dry:
         report.data["note"] = "no CUDA device: ran the dry run instead"
