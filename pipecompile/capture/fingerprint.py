@@ -127,7 +127,7 @@ def _globals_of(fn: types.FunctionType) -> tuple:
     """The module globals a function's code names (the functions and values it reads there)."""
     names: list[str] = []
     _names(fn.__code__, names)
-    found = []
+    found: list[tuple[str, Hashable]] = []
     for name in dict.fromkeys(names):
         if name in fn.__globals__:
             value = fn.__globals__[name]
@@ -212,7 +212,7 @@ def _layout(tensor: torch.Tensor) -> tuple:
 def _tensors(model: torch.nn.Module) -> tuple:
     """Every parameter and buffer by name, with the first name of the tensor it is (ties)."""
     first: dict[int, str] = {}
-    entries = []
+    entries: list[tuple] = []
     for path, module in model.named_modules(remove_duplicate=False):
         for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
             for name, tensor in table.items():
