@@ -8,16 +8,17 @@ output layer passes/tensor_shard.py splits) read only by a cross entropy are nev
 A logits value (last dim: the vocabulary V) is lowerable when every reader is one of: ops that
 only reshape or cast it keeping V as the last dim (view/reshape, a float cast, contiguous, a
 slice of another dim: transformers' label shift), `aten.cross_entropy_loss` of a 2-D input
-with no class weights and no label smoothing (any reduction, any ignore_index), or the graph's
-output. Lowered (Megatron-LM's vocab_parallel_cross_entropy): the reshapes run on this rank's
-[.., V/T] slice, the cross entropy becomes `vocab["cross_entropy"](local, target, reduction,
-ignore_index)` (three all-reduces over the T ranks: the max, the target's logit, the sum of
-exponentials; backward: the local softmax minus the one-hot of the targets in this rank's
-range, no communication), and an output reads `vocab["output"](local, dim)`: the all-gather,
+(any reduction, any ignore_index, class weights of shape [V] the loss holds whole, any
+constant label smoothing), or the graph's output. Lowered (Megatron-LM's
+vocab_parallel_cross_entropy): the reshapes run on this rank's [.., V/T] slice, the cross
+entropy becomes `vocab["cross_entropy"](local, target, reduction, ignore_index)` (with
+`weight=` and `label_smoothing=` where given; all-reduces over the T ranks of the max, the
+target's logit, the sum of exponentials and, smoothed, the sum of the (weighted) logits;
+backward: no communication), and an output reads `vocab["output"](local, dim)`: the all-gather,
 or this rank's slice in a training forward of the last stage whose loss reads the logits in
 this form or not at all (runtime/vocab_loss.py decides at run time). Anything else reading
-the logits (label smoothing, weights, argmax, a loss that is not cross entropy): None, and
-the caller keeps today's gather.
+the logits (argmax, a loss that is not cross entropy, a smoothing computed from a tensor):
+None, and the caller keeps today's gather.
 """
 
 from __future__ import annotations
@@ -60,13 +61,23 @@ def _cross_entropy(node: fx.Node, source: fx.Node) -> bool:
     """Whether `node` is a cross entropy of the 2-D `source` that lowers (module docstring)."""
     if node.op != "call_function" or node.target is not aten.cross_entropy_loss.default:
         return False
+    weight, smoothing = _options(node)
+    shape = shape_of(source)
+    if shape is None or len(shape) != 2 or isinstance(smoothing, fx.Node):
+        return False
+    if weight is not None and (weight is source or not isinstance(weight, fx.Node)
+                               or tuple(shape_of(weight) or ()) != (shape[-1],)):
+        return False
+    return node_args(node)[0] is source and node_args(node)[1] is not source
+
+
+def _options(node: fx.Node) -> tuple[Any, Any]:
+    """A cross entropy's class weights (None: none) and label smoothing (a float or a node)."""
     args = list(node_args(node)) + [None] * 6
     kwargs: dict[str, Any] = dict(node.kwargs)
     weight = kwargs.get("weight", args[2])
     smoothing = kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
-    shape = shape_of(source)
-    return (args[0] is source and args[1] is not source and weight is None
-            and float(smoothing) == 0.0 and shape is not None and len(shape) == 2)
+    return weight, smoothing
 
 
 def logits_readers(node: fx.Node, vocab: int) -> Readers | None:
@@ -134,8 +145,14 @@ def lower_reader(graph: fx.Graph, n: fx.Node, readers: Readers, mine: dict[fx.No
         given: dict[str, Any] = dict(n.kwargs)
         reduction = int(given.get("reduction", args[3] if args[3] is not None else 1))
         ignore = int(given.get("ignore_index", args[4] if args[4] is not None else -100))
+        weight, smoothing = _options(n)
+        options: dict[str, Any] = {}
+        if weight is not None:  # the whole class weights: w[target] is a local lookup
+            options["weight"] = env[weight]
+        if float(smoothing):
+            options["label_smoothing"] = float(smoothing)
         env[n] = graph.call_function(vocab["cross_entropy"],
-                                     (mine[args[0]], env[args[1]], reduction, ignore))
+                                     (mine[args[0]], env[args[1]], reduction, ignore), options)
         env[n].meta = dict(n.meta)
         return True
     return False

@@ -7,7 +7,8 @@
 The loss is traced as the runtime traces it (runtime/vocab_loss.py: make_fx, pre-dispatch,
 fake tensors) on the captured model's outputs at their recorded sizes and `target` (the
 example's, else class indices of a floating-point output's leading dims: a guess, used only
-for this price); each output it reads only through a cross entropy that lowers
+for this price; on meta, or fake tensors on the CPU or CUDA when the loss holds a tensor of
+its own, such as class weights); each output it reads only through a cross entropy that lowers
 (passes/vocab_loss.py `logits_readers`) is "cross entropy", one it does not read "none". No
 `loss_fn` (the model returns its loss): every output "none". A loss that cannot be traced:
 every output "other" (priced gathered, as the runtime then runs it).
@@ -25,6 +26,24 @@ if TYPE_CHECKING:
     from ..ir.records import CapturedModel
 
 __all__ = ["loss_reads"]
+
+
+def _devices() -> list[str]:
+    """Where the loss is traced: meta first; a loss holding a tensor of its own (class
+    weights) computes with it on its device, so then the CPU, then CUDA if present."""
+    return ["meta", "cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _on(device: str, values: list) -> list:
+    """`values` (meta tensors) as fake tensors on `device`: shapes without memory."""
+    if device == "meta":
+        return values
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return torch.utils._pytree.tree_map(
+            lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, torch.Tensor) else t, values)
 
 #: the last few answers, each with what it was asked of (kept alive: their ids stay theirs)
 _SEEN: dict[tuple[int, int, int], tuple[Any, Mapping[int, str]]] = {}
@@ -76,9 +95,16 @@ def _trace(captured: "CapturedModel", loss_fn: Callable[..., Any], examples: lis
         return loss_fn(captured.unflatten_outputs(list(outs)), tgt)
 
     other = {i: "other" for i in range(len(examples))}
-    try:
-        traced = make_fx(loss, tracing_mode="fake", pre_dispatch=True)(*examples, target)
-    except Exception:  # noqa: BLE001 - not traceable: the runtime gathers, priced so
+    traced = None
+    for device in _devices():
+        try:
+            flat = _on(device, [*examples, target])
+            traced = make_fx(loss, tracing_mode="fake", pre_dispatch=True,
+                             _allow_non_fake_inputs=True)(*flat)
+            break
+        except Exception:  # noqa: BLE001 - not traceable: the runtime gathers, priced so
+            continue
+    if traced is None:
         return other
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     if len(placeholders) < len(examples):

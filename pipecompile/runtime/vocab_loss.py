@@ -12,6 +12,15 @@ all-reduced (SUM); loss = log(sum) - (target's logit - max); tokens at `ignore_i
 Backward: softmax (this rank's slice) minus the one-hot of the targets in its range, times the
 incoming gradient; no communication. The loss is identical on every rank.
 
+Class weights w (`weight=`, whole on every rank) scale a token's loss by w[target], a local
+lookup, and "mean" divides by the sum of w[target] over the tokens not ignored. Label
+smoothing eps (Megatron-LM's form, as torch defines it with weights too): loss =
+(1 - eps) w[t] nll + eps / V * (-sum_j w_j log p_j), where sum_j w_j log p_j =
+sum_j w_j (logit_j - max) - (sum_j w_j) log(sum of exponentials): the local sums of the
+(weighted) logits join the target's logit and the sum of exponentials in their all-reduce
+(no further collective). Backward: (1 - eps) w[t] (p - onehot) + eps / V (W p - w), W the
+weights' sum (V without weights).
+
 In a training forward of the last stage (`local_outputs()`, entered by runtime/forwards.py)
 a split logits output stays this rank's slice; `VocabLoss` then traces the user's `loss_fn`
 once per shape (torch's make_fx, pre-dispatch, on fake tensors of the whole logits): if it
@@ -56,52 +65,99 @@ def output_over(gather: Callable[[torch.Tensor, int], torch.Tensor]
     return vocab_output
 
 
-def cross_entropy_over(group: Any, degree: int, rank: int) -> Callable[..., torch.Tensor]:
+AllReduce = Callable[[torch.Tensor, Any], None]  # in place, over the T ranks: (tensor, op)
+
+
+def cross_entropy_over(group: Any, degree: int, rank: int, *,
+                       all_reduce: AllReduce | None = None) -> Callable[..., torch.Tensor]:
     """Rank `rank`'s cross entropy of (N, V/T) local logits, the vocabulary split in T
     consecutive ranges (module docstring); `reduction` as aten's: 0 none, 1 mean (over the
-    tokens not at `ignore_index`), 2 sum."""
+    tokens not at `ignore_index`; with `weight`, over their classes' weights), 2 sum;
+    `weight` the whole (V,) class weights, `label_smoothing` as `F.cross_entropy`'s.
+    `all_reduce(tensor, op)` defaults to torch.distributed's over `group`."""
+    def over_group(tensor: torch.Tensor, op: Any) -> None:
+        dist.all_reduce(tensor, op=op, group=group)
+
+    reduce: AllReduce = all_reduce if all_reduce is not None else over_group
 
     class _CrossEntropy(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, local: torch.Tensor, target: torch.Tensor,
-                    ignore_index: int) -> torch.Tensor:
+        def forward(ctx: Any, local: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                    weight: torch.Tensor | None, smoothing: float) -> torch.Tensor:
             width = local.shape[-1]
             start = rank * width
             ignored = target == ignore_index
             top = local.detach().amax(dim=-1)
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            reduce(top, dist.ReduceOp.MAX)
             shifted = local.detach() - top.unsqueeze(-1)
             outside = (target < start) | (target >= start + width) | ignored
             mine = (target - start).masked_fill(outside, 0)
             picked = shifted.gather(-1, mine.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0)
             exp = shifted.exp()
-            total = exp.sum(dim=-1)
-            both = torch.stack([picked, total])
-            dist.all_reduce(both, group=group)
+            parts = [picked, exp.sum(dim=-1)]
+            w_local = None if weight is None else weight[start:start + width].to(local.dtype)
+            if smoothing:  # the sum over the vocabulary of (weighted) logits, in the same call
+                parts.append((shifted if w_local is None else shifted * w_local).sum(dim=-1))
+            both = torch.stack(parts)
+            reduce(both, dist.ReduceOp.SUM)
             picked, total = both[0], both[1]
-            loss = (total.log() - picked).masked_fill(ignored, 0)
-            ctx.save_for_backward(exp, total, mine, outside, ignored)
+            log_total = total.log()
+            nll = log_total - picked
+            if weight is not None:  # w[target]: a lookup of the whole weights
+                nll = nll * _at_target(weight, target, ignored).to(local.dtype)
+            loss = nll
+            if smoothing:
+                mass = width * degree if weight is None else weight.sum().to(local.dtype)
+                smooth = mass * log_total - both[2]  # -sum_j w_j log p_j
+                loss = (1 - smoothing) * nll + smoothing / (width * degree) * smooth
+            loss = loss.masked_fill(ignored, 0)
+            ctx.save_for_backward(exp, total, mine, outside, ignored, target, weight, w_local)
+            ctx.smoothing, ctx.classes = smoothing, width * degree
             return loss
 
         @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-            exp, total, mine, outside, ignored = ctx.saved_tensors
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            exp, total, mine, outside, ignored, target, weight, w_local = ctx.saved_tensors
+            eps, classes = ctx.smoothing, ctx.classes
             soft = exp / total.unsqueeze(-1)
+            scale = grad.masked_fill(ignored, 0)
+            if weight is not None:  # d/dz of w_t nll: w_t (p - onehot)
+                scale_nll = scale * _at_target(weight, target, ignored).to(soft.dtype)
+            else:
+                scale_nll = scale
+            # (1 - eps) w_t (p - onehot) + eps / V (W p - w): W the weights' sum (V unweighted)
             rows = torch.arange(soft.shape[0], device=soft.device)
-            soft[rows, mine] -= (~outside).to(soft.dtype)
-            scale = grad.masked_fill(ignored, 0).unsqueeze(-1)
-            return soft * scale, None, None
+            if not eps:
+                soft[rows, mine] -= (~outside).to(soft.dtype)
+                return soft * scale_nll.unsqueeze(-1), None, None, None, None
+            mass = classes if weight is None else weight.sum().to(soft.dtype)
+            coeff = (1 - eps) * scale_nll + eps / classes * mass * scale
+            out = soft * coeff.unsqueeze(-1)
+            out[rows, mine] -= ((1 - eps) * scale_nll).masked_fill(outside, 0)
+            uniform = (eps / classes) * scale.unsqueeze(-1)
+            out -= uniform if w_local is None else uniform * w_local
+            return out, None, None, None, None
 
     def cross_entropy(local: torch.Tensor, target: torch.Tensor, reduction: int = 1,
-                      ignore_index: int = -100) -> torch.Tensor:
-        losses = _CrossEntropy.apply(local, target, ignore_index)
+                      ignore_index: int = -100, weight: torch.Tensor | None = None,
+                      label_smoothing: float = 0.0) -> torch.Tensor:
+        losses = _CrossEntropy.apply(local, target, ignore_index, weight, float(label_smoothing))
         if reduction == 0:
             return losses
         if reduction == 2:
             return losses.sum()
-        return losses.sum() / (target != ignore_index).sum().to(losses.dtype)
+        ignored = target == ignore_index
+        count = ((~ignored).sum() if weight is None
+                 else _at_target(weight, target, ignored).sum())
+        return losses.sum() / count.to(losses.dtype)
 
     return cross_entropy
+
+
+def _at_target(weight: torch.Tensor, target: torch.Tensor, ignored: torch.Tensor
+               ) -> torch.Tensor:
+    """w[target] per token (whole weights: no communication), 0 where ignored."""
+    return weight[target.masked_fill(ignored, 0)].masked_fill(ignored, 0)
 
 
 Lower = Callable[[torch.fx.GraphModule, Mapping[int, int]], "torch.fx.GraphModule | None"]
@@ -170,7 +226,8 @@ class VocabLoss:
         try:
             with torch.no_grad():
                 examples = [whole(i, o) for i, o in enumerate(outputs)]
-            traced = make_fx(loss, tracing_mode="fake", pre_dispatch=True)(*examples, target)
+            traced = make_fx(loss, tracing_mode="fake", pre_dispatch=True,
+                             _allow_non_fake_inputs=True)(*examples, target)
         except Exception:  # noqa: BLE001 - a loss make_fx cannot trace: gathered, as before
             return "gathered", None
         placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]

@@ -9,9 +9,9 @@ transformers model, what its model type's conversion makes from the saved keys (
 fused experts from the N per-expert tensors). Only the recipes of this process's keys are read,
 and only their source tensors (read.py opens only the files holding them), a few at a time.
 A tensor this rank holds a slice of (a DTensor under tensor_parallel=T, `Shard` or a fused
-projection's `_StridedShard`) read from a plain key is read as that slice only
-(shard_slices.py: safetensors `get_slice`, DCP chunks); one made by a conversion is read whole
-and cut (`copy_into`).
+projection's `_StridedShard`; under fsdp=True also over "dp", TP x FSDP: 1/(T D) of it) read
+from a plain key is read as that slice only (shard_slices.py `blocks_of`: safetensors
+`get_slice`, DCP chunks); one made by a conversion is read whole and cut (`copy_into`).
 
     checkpoint --keys--> recipes --this process's keys--> read sources --convert--> copy in
 
@@ -35,7 +35,7 @@ from ..errors import CheckpointError
 from .hf_keys import Recipe, convert, recipes
 from .materialize import copy_into
 from .read import checkpoint_keys, read_tensors
-from .shard_slices import Runs, read_slices, runs_of, slice_bytes
+from .shard_slices import Block, blocks_of, read_slices, slice_bytes
 
 __all__ = ["load_weights"]
 
@@ -76,8 +76,8 @@ def load_weights(module: torch.nn.Module, own: Mapping[str, torch.Tensor],
             f"{_unused_hint(plan.unexpected)}; pass strict=False to load what it holds (the "
             f"rest must then be written, e.g. by pipe.load_state_dict, before a step runs)")
     if all(own.get(k) is t for k, t in wanted.items()):
-        sliced = {k: r for k, (recipe, _) in feeds.items() if recipe.converter is None
-                  and (r := runs_of(wanted[k])) is not None}
+        sliced = {k: b for k, (recipe, _) in feeds.items() if recipe.converter is None
+                  and (b := blocks_of(wanted[k])) is not None}
         for key, local in _sliced(path, feeds, sliced, stored):
             with torch.no_grad():
                 cast(Any, wanted[key]).to_local().copy_(local)
@@ -91,18 +91,18 @@ def load_weights(module: torch.nn.Module, own: Mapping[str, torch.Tensor],
 
 
 def _sliced(path: str | os.PathLike, feeds: Mapping[str, tuple[Recipe, str]],
-            sliced: Mapping[str, Runs],
+            sliced: Mapping[str, list[Block]],
             stored: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
             ) -> Iterable[tuple[str, torch.Tensor]]:
-    """(key, this rank's slice) for every sharded key (shard_slices.py: only its runs are
+    """(key, this rank's slice) for every sharded key (shard_slices.py: only its blocks are
     read), at most `_CHUNK_BYTES` of slices at a time."""
-    batch: dict[str, Runs] = {}
+    batch: dict[str, list[Block]] = {}
     size = 0
     todo = list(sliced.items())
-    for i, (key, runs) in enumerate(todo):
+    for i, (key, blocks) in enumerate(todo):
         source = feeds[key][0].sources[0]
-        batch[key] = runs
-        size += slice_bytes(runs, *stored[source])
+        batch[key] = blocks
+        size += slice_bytes(blocks, *stored[source])
         if size < _CHUNK_BYTES and i < len(todo) - 1:
             continue
         read = read_slices(path, {feeds[k][0].sources[0]: r for k, r in batch.items()})

@@ -3,9 +3,9 @@ torch.distributed.checkpoint as the pieces it is made of.
 
     runs_of(tensor)              -> Runs | None   the global indices along one dim this rank
                                                    holds, as contiguous runs in local order
-    read_slices(path, runs)      -> {key: local}  only those rows/columns of each tensor
     blocks_of(tensor)            -> [(offsets, sizes, local starts)] | None  this rank's
                                                    blocks over every mesh dimension
+    read_slices(path, slices)    -> {key: local}  only those runs or blocks of each tensor
     as_pieces(tensor)            a DTensor whose DCP chunks are its blocks (a fused projection,
                                  with FSDP too)
     pieces_after_optimizer_steps()  the same for an optimizer's state of such a parameter
@@ -16,7 +16,12 @@ A tensor split along dim d (`Shard(d)`) holds one run of d: rank r of T holds ro
 computed by the placement's own split (`_split_tensor` of an index vector), so they are what
 `full_tensor()` gathers, for any placement torch defines on one mesh dimension.
 
-Reading: a safetensors file (or transformers shards) reads each run with
+Under TP x FSDP a tensor is split by two mesh dimensions ("dp" and "tp"), on two dims (a
+fused projection: rows over "dp", parts over "tp") or on one (FSDP's `_StridedShard(0)` of
+TP's `Shard(0)`): its blocks are the product of each dim's runs, each dim's runs cut by the
+placements on it as torch cuts them, so a rank reads 1/(T D) of the tensor.
+
+Reading: a safetensors file (or transformers shards) reads each run (block) with
 `safe_open(...).get_slice(key)[...]`, so only those bytes are copied out of the file; a DCP
 checkpoint reads each run as a chunk (DCP reads every saved chunk the run overlaps: a
 checkpoint saved by the same T ranks reads this rank's chunks only, one saved unsplit reads
@@ -32,16 +37,20 @@ process included) under its own key.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, cast
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 
-__all__ = ["Runs", "runs_of", "blocks_of", "read_slices", "as_pieces", "slice_bytes",
+__all__ = ["Block", "Runs", "runs_of", "blocks_of", "read_slices", "as_pieces", "slice_bytes",
            "pieces_after_optimizer_steps"]
+
+
+Block = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # offsets, sizes, local starts
 
 
 @dataclass(frozen=True)
@@ -93,17 +102,18 @@ def runs_of(tensor: torch.Tensor) -> Runs | None:
     return found
 
 
-def slice_bytes(runs: Runs, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of this rank's slice of a tensor of `shape` and `dtype`."""
-    count = 1
-    for n in runs.local_shape(shape):
-        count *= n
+def slice_bytes(runs: Runs | Sequence[Block], shape: tuple[int, ...], dtype: torch.dtype
+                ) -> int:
+    """Bytes of this rank's slice (its runs or blocks) of a tensor of `shape` and `dtype`."""
+    count = sum(math.prod(sizes) for _, sizes, _ in _blocks(runs, shape))
     return count * torch.empty((), dtype=dtype).element_size()
 
 
-def read_slices(path: str | os.PathLike, wanted: Mapping[str, Runs]) -> dict[str, torch.Tensor]:
-    """Each key's runs (its local tensor, in the saved dtype) read from the checkpoint at
-    `path`: safetensors by `get_slice`, DCP by chunks; keys it lacks are left out."""
+def read_slices(path: str | os.PathLike, wanted: Mapping[str, Runs | Sequence[Block]]
+                ) -> dict[str, torch.Tensor]:
+    """Each key's slice (its runs, or its blocks from `blocks_of`: its local tensor, in the
+    saved dtype) read from the checkpoint at `path`: safetensors by `get_slice`, block by
+    block; DCP by chunks; keys it lacks are left out."""
     from .read import _files_by_key, _keys_in, _open, checkpoint_format
 
     if not wanted:
@@ -114,19 +124,43 @@ def read_slices(path: str | os.PathLike, wanted: Mapping[str, Runs]) -> dict[str
     for file, listed in _files_by_key(Path(path), only=set(wanted)).items():
         with _open(file) as f:
             for key in _keys_in(f, file, listed, only=set(wanted)):
-                view, runs = f.get_slice(key), wanted[key]
-                rank = len(view.get_shape())
-                parts = []
-                for a, b in runs.runs:
-                    index = tuple(slice(a, b) if d == runs.dim else slice(None)
-                                  for d in range(rank))
-                    parts.append(view[index])
-                out[key] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=runs.dim)
+                view = f.get_slice(key)
+                blocks = _blocks(wanted[key], tuple(view.get_shape()))
+                parts = [view[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+                         for offsets, sizes, _ in blocks]
+                if len(parts) == 1:
+                    out[key] = parts[0]
+                    continue
+                local = torch.empty(_local_shape(blocks), dtype=parts[0].dtype)
+                for (_, sizes, starts), part in zip(blocks, parts):
+                    _narrow(local, starts, sizes).copy_(part)
+                out[key] = local
     return out
 
 
-def _read_dcp_slices(path: Path, wanted: Mapping[str, Runs]) -> dict[str, torch.Tensor]:
-    """DCP reads each run as a chunk into its place in the local tensor (`no_dist`: this
+def _blocks(wanted: Runs | Sequence[Block], shape: tuple[int, ...]) -> list[Block]:
+    """Runs along one dim as blocks of a tensor of `shape`; blocks as they are."""
+    if not isinstance(wanted, Runs):
+        return list(wanted)
+    return [(offsets, sizes, tuple(start if d == wanted.dim else 0 for d in range(len(shape))))
+            for offsets, sizes, start in wanted.chunks(shape)]
+
+
+def _local_shape(blocks: Sequence[Block]) -> tuple[int, ...]:
+    """The local tensor's shape: the blocks cover it."""
+    return tuple(max(starts[d] + sizes[d] for _, sizes, starts in blocks)
+                 for d in range(len(blocks[0][1])))
+
+
+def _narrow(local: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    for d, (start, size) in enumerate(zip(starts, sizes)):
+        local = local.narrow(d, start, size)
+    return local
+
+
+def _read_dcp_slices(path: Path, wanted: Mapping[str, Runs | Sequence[Block]]
+                     ) -> dict[str, torch.Tensor]:
+    """DCP reads each block as a chunk into its place in the local tensor (`no_dist`: this
     process alone, no collectives)."""
     import torch.distributed.checkpoint as dcp
 
@@ -136,15 +170,15 @@ def _read_dcp_slices(path: Path, wanted: Mapping[str, Runs]) -> dict[str, torch.
     metadata = _dcp_tensor_metadata(path)
     out: dict[str, torch.Tensor] = {}
     pieces: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
-    for key, runs in wanted.items():
+    for key, slice_ in wanted.items():
         md = metadata.get(key)
         if md is None:
             continue
-        shape = tuple(md.size)
-        local = torch.empty(runs.local_shape(shape), dtype=md.properties.dtype)
+        blocks = _blocks(slice_, tuple(md.size))
+        local = torch.empty(_local_shape(blocks), dtype=md.properties.dtype)
         out[key] = local
-        pieces[key] = [(offsets, local.narrow(runs.dim, start, sizes[runs.dim]))
-                       for offsets, sizes, start in runs.chunks(shape)]
+        pieces[key] = [(offsets, _narrow(local, starts, sizes))
+                       for offsets, sizes, starts in blocks]
     if out:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -198,36 +232,26 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-Block = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # offsets, sizes, local starts
-
 
 def blocks_of(tensor: torch.Tensor) -> list[Block] | None:
     """This rank's local tensor as blocks of the global one: (global offsets, sizes, local
-    starts) of each, for a DTensor whose mesh dimensions split distinct tensor dims (`Shard`,
-    `_StridedShard`; TP's fused `_StridedShard(1)` with FSDP's `Shard(0)` too): the product of
-    each dim's runs. None for a plain tensor, or two mesh dimensions on one tensor dim (torch's
-    own chunk is right there)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+    starts) of each, for a DTensor split by `Shard`/`_StridedShard` over any of its mesh
+    dimensions (TP's fused `_StridedShard(1)` with FSDP's `Shard(0)`; TP's `Shard(0)` with
+    FSDP's `_StridedShard(0)` on the same dim too): the product of each dim's runs. None for a
+    plain tensor, a replicated one, or any other layout (a `Partial`, padding)."""
+    from torch.distributed.tensor import DTensor, Replicate
 
-    if not isinstance(tensor, DTensor):
+    if not isinstance(tensor, DTensor) or tensor.device_mesh.get_coordinate() is None:
         return None
-    coordinate = tensor.device_mesh.get_coordinate()
-    if coordinate is None:
+    if all(isinstance(p, Replicate) for p in tensor.placements):
         return None
     shape = tuple(tensor.shape)
-    per_dim: dict[int, list[tuple[int, int]]] = {}
-    for mesh_dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Replicate):
-            continue
-        if not isinstance(placement, (Shard, _StridedShard)) or placement.dim in per_dim:
+    runs = []
+    for dim, n in enumerate(shape):
+        indices = _indices_along(tensor, dim)
+        if indices is None:
             return None
-        dim = placement.dim
-        index = torch.arange(shape[dim]).view([n if d == dim else 1 for d, n in enumerate(shape)])
-        pieces, _ = cast(Any, placement)._split_tensor(
-            index, tensor.device_mesh.size(mesh_dim), with_padding=False, contiguous=False)
-        per_dim[dim] = _runs(pieces[coordinate[mesh_dim]].flatten().tolist())
-    runs = [per_dim.get(d, [(0, n)]) for d, n in enumerate(shape)]
+        runs.append(_runs(indices))
     if tuple(sum(b - a for a, b in r) for r in runs) != tuple(tensor.to_local().shape):
         return None  # padded or otherwise unlike the split
     blocks: list[Block] = [((), (), ())]
@@ -240,6 +264,27 @@ def blocks_of(tensor: torch.Tensor) -> list[Block] | None:
                 local += b - a
         blocks = grown
     return blocks
+
+
+def _indices_along(tensor: Any, dim: int) -> list[int] | None:
+    """The global indices along `dim` this rank holds, in local order: an index vector cut by
+    the placements on `dim` (the others replicated) as torch cuts a tensor
+    (`distribute_tensor` with `src_data_rank=None`: each rank its own piece, no
+    communication), so several mesh dimensions on one dim compose as `full_tensor()` undoes
+    them; None for a placement that is no split (a `Partial`)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    n = tensor.shape[dim]
+    if any(not isinstance(p, (Replicate, Shard, _StridedShard)) for p in tensor.placements):
+        return None
+    on_dim = [p if not isinstance(p, Replicate) and p.dim == dim else Replicate()
+              for p in tensor.placements]
+    if all(isinstance(p, Replicate) for p in on_dim):
+        return list(range(n))
+    index = torch.arange(n).view([n if d == dim else 1 for d in range(tensor.ndim)])
+    mine = distribute_tensor(index, tensor.device_mesh, on_dim, src_data_rank=None)
+    return cast(Any, mine).to_local().flatten().tolist()
 
 
 def as_pieces(tensor: torch.Tensor) -> torch.Tensor:
@@ -272,10 +317,7 @@ def as_pieces(tensor: torch.Tensor) -> torch.Tensor:
     def get_tensor_shard(index: Any) -> torch.Tensor:
         for o, s, starts in chunks:
             if index.offset is not None and tuple(index.offset) == o:
-                view = local
-                for d, (start, size) in enumerate(zip(starts, s)):
-                    view = view.narrow(d, start, size)
-                return view
+                return _narrow(local, starts, s)
         raise ValueError(f"{index.fqn}: no piece at offset {index.offset}")
 
     tensor.__dict__["__create_chunk_list__"] = create_chunk_list

@@ -88,6 +88,31 @@ def _square_loss(logits, target):
     return zoo.lm_loss(logits, target) + 1e-3 * logits.pow(2).mean()
 
 
+def gpt_smoothed() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    """The test GPT with label smoothing in its cross entropy (Megatron's smoothed form)."""
+    model, args, kwargs, target, _ = gpt()
+    return model, args, kwargs, target, _smoothed_loss
+
+
+def _smoothed_loss(logits, target):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             target.reshape(-1), label_smoothing=0.1)
+
+
+def llama_weighted() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, object]:
+    """The Llama with class weights in its cross entropy (a constant of the loss)."""
+    model, args, kwargs, target, _ = llama()
+    return model, args, kwargs, target, _weighted_loss
+
+
+_CLASS_WEIGHTS = torch.linspace(0.5, 1.5, 64, dtype=torch.float64)
+
+
+def _weighted_loss(out, target):
+    return torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]),
+                                             target.reshape(-1), weight=_CLASS_WEIGHTS)
+
+
 def _own_loss(out, _target):
     return out.loss
 
@@ -99,7 +124,8 @@ def _logits_loss(out, target):
 
 
 MODELS = {"gpt": gpt, "gpt4": gpt4, "llama": llama, "gpt2": gpt2, "llama_labels": llama_labels,
-          "gpt_square": gpt_square}
+          "gpt_square": gpt_square, "gpt_smoothed": gpt_smoothed,
+          "llama_weighted": llama_weighted}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -58,15 +58,41 @@ def _saved(pipe, directory: str, case: tuple, batch: tuple) -> dict:
             "keys": sorted(before), "layout": str(loaded.layout)}
 
 
+def _loaded(name: str, paths: dict, rank: int) -> dict:
+    """Model `name` built on meta, compiled TP2 x FSDP2 (vocabulary split too), load_weights
+    from each checkpoint of `paths` (kind -> path) after zeroing, the bytes read by key; the
+    bytes this rank holds of each key; one step's loss and full gradients."""
+    import torch.distributed as dist
+
+    from tests.distributed.tensor_parallel_weights_cases import load_counted
+
+    with pc.meta_parameters():
+        T, (model, args, kwargs, target, loss_fn) = replica_case(
+            name, 1, 2, rank, dist.get_world_size())
+    pipe = pc.compile(model, example_inputs=args, example_kwargs=kwargs, devices=1,
+                      tensor_parallel=T, data_parallel=2, fsdp=True, loss_fn=loss_fn,
+                      schedule="gpipe", microbatches=2, timeout=300, vocab_parallel=True)
+    pipe.to_empty()
+    found: dict = {kind: load_counted(pipe, path) for kind, path in paths.items()}
+    found["held"] = {n: local_tensor(t).nbytes for n, t in pipe.state_dict(keep_vars=True).items()}
+    found["split"] = sorted(n for n, p in pipe.named_parameters()
+                            if local_tensor(p).numel() * 2 * T == p.numel())
+    found["loss"] = pipe.step(*args, target=target, **kwargs).item()
+    found["grads"] = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()
+                      if p.grad is not None}
+    return found
+
+
 def run_cases(rank: int, cases: list[tuple], directory: str | None = None,
-              saved: tuple = ()) -> dict:
+              saved: tuple = (), loads: dict | None = None) -> dict:
     """Each case (model, pipeline devices P, schedule, options: (key, value) pairs given to
     compile, e.g. data_parallel=D, fsdp=True, checkpoint=True) on P x D x T ranks (each
     replica taking its 1/D of the global batch): one step's loss and full gradients, each
     parameter's local and whole size and placements, the clipped norm, the user's AdamW step,
     the next step's loss, eval_step after it, and state_dict()'s values (full_tensor()).
     Cases in `saved` are also saved and loaded after the AdamW step (`_saved`, into
-    `directory`), the next step's gradients kept beside."""
+    `directory`), the next step's gradients kept beside. Each model of `loads` (name -> {kind:
+    checkpoint path}) is also built on meta and loaded (`_loaded`), under "loaded"."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -108,4 +134,5 @@ def run_cases(rank: int, cases: list[tuple], directory: str | None = None,
             "recomputed": sorted(pipe.runtime.spec.checkpoint),
             "dtensor": all(isinstance(p, DTensor) for p in pipe.parameters())}
         dist.barrier()
+    results["loaded"] = {name: _loaded(name, paths, rank) for name, paths in (loads or {}).items()}
     return results

@@ -86,7 +86,7 @@ def _zero(pipe) -> None:
             _local(p).zero_()
 
 
-def _load(pipe, path: str) -> dict:
+def load_counted(pipe, path: str) -> dict:
     """pipe.load_weights(path) from zeroed weights, the bytes read out of safetensors files
     recorded by key."""
     from pipecompile.weights import read
@@ -184,7 +184,7 @@ def run_weights(rank: int, names: list[str], paths: dict, out: str,
                  "local": {n: tuple(_local(p).shape) for n, p in pipe.named_parameters()},
                  "placements": {n: str(p.placements) for n, p in pipe.named_parameters()}}
         for kind, path in paths[name].items():
-            found[kind] = _load(pipe, path)
+            found[kind] = load_counted(pipe, path)
         loss = pipe.step(*args, target=target, **kwargs)
         found["loss"] = loss.item()
         found["grads"] = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()
@@ -195,7 +195,7 @@ def run_weights(rank: int, names: list[str], paths: dict, out: str,
         loaded = pipe.state_dict()
         dcp.load(loaded, checkpoint_id=saved)
         found["dcp_round_trip"] = state(pipe)
-        found["from_own_dcp"] = _load(pipe, saved)
+        found["from_own_dcp"] = load_counted(pipe, saved)
         found["optim"] = _optimizer_round_trip(pipe, os.path.join(out, f"{name}-optim"))
         results[name] = found
     results["families"] = run_families(families or {})

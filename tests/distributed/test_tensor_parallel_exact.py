@@ -22,7 +22,9 @@ TP2_VOCAB = [("gpt2", 1, "1f1b", "vocab"), ("llama", 1, "gpipe", "vocab"),
              # table), the model's own from labels= (-100s among them); a loss that is not
              # only cross entropy reads the gathered logits
              ("gpt", 1, "1f1b", "vocab"), ("llama_labels", 1, "gpipe", "vocab"),
-             ("gpt_square", 1, "gpipe", "vocab")]
+             ("gpt_square", 1, "gpipe", "vocab"),
+             # label smoothing and class weights lower too (runtime/vocab_loss.py)
+             ("gpt_smoothed", 1, "1f1b", "vocab"), ("llama_weighted", 1, "gpipe", "vocab")]
 TP2 = [("gpt", 1, "gpipe"), ("llama", 1, "1f1b"), ("gpt2", 1, "1f1b"), *TP2_SP, *TP2_VOCAB]
 PP2_TP2_SP = [("gpt", 2, "1f1b", "sp"), ("llama", 2, "1f1b", "sp")]
 # Llama's tables on the first and last stage split; GPT-2's tied across the stages kept whole
@@ -94,8 +96,10 @@ def _check(results, case, replicas=1):
         assert abs(got["loss2"] - loss2) <= 1e-9, (rank, got["loss2"], loss2)  # after AdamW
         # the same weights, forward only: eval_step and pipe(x) on every rank
         assert abs(got["eval"] - loss2) <= 1e-9
-        # (labels with -100s: the whole batch's mean is not the micro-batches' mean)
-        assert replicas > 1 or case[0] == "llama_labels" or abs(got["forward"] - loss2) <= 1e-9
+        # (labels with -100s, class weights: the whole batch's mean is not the micro-batches'
+        # mean)
+        assert replicas > 1 or case[0] in ("llama_labels", "llama_weighted") or \
+            abs(got["forward"] - loss2) <= 1e-9
     # gradients: every parameter, from the ranks that hold its stage (all, in full_tensor())
     seen, worst = set(), 0.0
     for r in results:
@@ -296,11 +300,14 @@ def test_a_cross_entropy_over_split_logits_never_gathers_them(tp2, pp2_tp2):
     `loss_fn` traced and lowered) and Llama's own from labels= (in its graph; the logits it returns are not read
     by the loss) run vocabulary-parallel: a step runs no all-gather at all (TP2); a loss
     that also reads the logits otherwise (GPT's plus their squares) gathers them, once per
-    micro-batch. Exact either way (the steps above)."""
+    micro-batch. Label smoothing (GPT) and class weights (Llama) lower too. Exact either way
+    (the steps above)."""
     forms = {("gpt", 1, "1f1b", "vocab"): ("lowered",), ("llama", 1, "gpipe", "vocab"):
              ("lowered",), ("gpt2", 1, "1f1b", "vocab"): ("lowered",),
              ("llama", 1, "1f1b", "sp", "vocab"): ("lowered",), ("llama_labels", 1, "gpipe", "vocab"): ("unread", "in graph"),
-             ("gpt_square", 1, "gpipe", "vocab"): ("gathered",)}
+             ("gpt_square", 1, "gpipe", "vocab"): ("gathered",),
+             ("gpt_smoothed", 1, "1f1b", "vocab"): ("lowered",),
+             ("llama_weighted", 1, "gpipe", "vocab"): ("lowered",)}
     for r in tp2[1]:
         for case, form in forms.items():
             assert r[case]["vocab_loss"] == form, (case, r[case]["vocab_loss"])

@@ -56,14 +56,16 @@ def _reference(name: str, microbatches: int) -> dict:
 
 
 def _ranks(world: int, cases: list[tuple], directory: str | None = None,
-           saved: tuple = ()) -> list[dict]:
-    results = run_ranks(run_cases, world, cases, directory, saved, timeout=900)
+           saved: tuple = (), loads: dict | None = None) -> list[dict]:
+    results = run_ranks(run_cases, world, cases, directory, saved, loads, timeout=900)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r.get("trace", r))
     return results
 
 
 SAVED = (TP2_FSDP2[1], TP2_FSDP2[2])  # Llama (GQA) and GPT-2 (fused c_attn)
+LOADED = ["llama", "gpt2"]  # built on meta and loaded from the unsplit model's checkpoints
+KINDS = ["safetensors", "shards", "dcp"]
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +73,30 @@ def saved_to(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("tp2_fsdp2"))
 
 
+def _checkpoints(name: str, root: str) -> dict:
+    """The unsplit model's weights as one .safetensors file, transformers shards (index
+    json) and a DCP directory."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    model = MODELS[name]()[0]
+    single, shards = os.path.join(root, f"{name}-single"), os.path.join(root, f"{name}-shards")
+    model.save_pretrained(single)
+    model.save_pretrained(shards, max_shard_size="8KB")
+    dcp.save(model.state_dict(), checkpoint_id=os.path.join(root, f"{name}-unsplit-dcp"),
+             no_dist=True)
+    return dict(zip(KINDS, (os.path.join(single, "model.safetensors"), shards,
+                            os.path.join(root, f"{name}-unsplit-dcp"))))
+
+
 @pytest.fixture(scope="module")
 def four_ranks(saved_to) -> list[dict]:
-    """One 4-rank job: TP2 x FSDP2 (Llama and GPT-2 also saved and loaded), PP2 x TP2 and
-    DP2 x TP2 with recomputation."""
-    return _ranks(4, TP2_FSDP2 + PP2_TP2_RECOMPUTE + DP2_TP2_RECOMPUTE, saved_to, SAVED)
+    """One 4-rank job: TP2 x FSDP2 (Llama and GPT-2 also saved and loaded, and built on meta
+    and loaded from the unsplit model's checkpoints), PP2 x TP2 and DP2 x TP2 with
+    recomputation."""
+    loads = {name: _checkpoints(name, saved_to) for name in LOADED}
+    return _ranks(4, TP2_FSDP2 + PP2_TP2_RECOMPUTE + DP2_TP2_RECOMPUTE, saved_to, SAVED, loads)
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +258,48 @@ def test_a_dcp_checkpoint_of_tp2_fsdp2_shards_loads_into_the_unsplit_model(four_
     for key, tensor in fresh.state_dict().items():
         err = (tensor - want[key]).abs().max().item()
         assert err <= 1e-10 * max(want[key].abs().max().item(), 1.0), (key, err)
+
+
+@pytest.mark.parametrize("name", LOADED)
+def test_load_weights_fills_tp2_fsdp2_shards_and_steps_as_the_unsplit_model(four_ranks, name):
+    """A model built on meta, TP2 x FSDP2 with its vocabulary split: load_weights from a
+    .safetensors file, save_pretrained shards and DCP (each after zeroing) gives the unsplit
+    weights exactly; the step after equals the unsplit model's (loss to 1e-10, gradients to
+    1e-9 relative)."""
+    model = MODELS[name]()[0]
+    want = {k: v for k, v in model.state_dict().items()}
+    ref = _reference(name, 4)
+    for rank, r in enumerate(four_ranks):
+        found = r["loaded"][name]
+        for kind in KINDS:
+            got = found[kind]["state"]
+            assert set(got) == set(want), kind
+            for key, tensor in want.items():
+                assert torch.equal(got[key], tensor), (rank, kind, key)
+        assert abs(found["loss"] - ref["loss"]) <= 1e-10, (rank, found["loss"], ref["loss"])
+        assert sorted(found["grads"]) == sorted(ref["grads"])
+        for key, grad in ref["grads"].items():
+            err = (found["grads"][key] - grad).abs().max().item() / grad.abs().max().item()
+            assert err <= 1e-9, (rank, key, err)
+
+
+@pytest.mark.parametrize("kind", KINDS[:2])
+@pytest.mark.parametrize("name", LOADED)
+def test_each_tp2_fsdp2_rank_reads_a_quarter_of_every_split_weight(four_ranks, name, kind):
+    """Counted through safetensors' `get_slice`: of every key a rank reads exactly the bytes
+    it holds, a quarter (1 / (T D)) of each weight split over "tp" and "dp" (GPT-2's fused
+    c_attn as three [8, 8] blocks of its [16, 48]: rows over "dp", a part's columns over
+    "tp"), half of the rest (sharded over "dp"); in all about a quarter of the file."""
+    whole = {k: v.nbytes for k, v in MODELS[name]()[0].state_dict().items()}
+    for r in four_ranks:
+        found = r["loaded"][name]
+        read = found[kind]["bytes"]
+        assert found["split"] and set(found["split"]) <= set(read)
+        for key, count in read.items():
+            assert count == found["held"][key], key
+        for key in found["split"]:
+            assert read[key] * 4 == whole[key], key
+        if name == "gpt2":
+            shapes = found[kind]["shapes"]["transformer.h.0.attn.c_attn.weight"]
+            assert shapes == [(8, 8)] * 3, shapes
+        assert sum(read.values()) <= 0.27 * sum(whole[k] for k in read)

@@ -38,6 +38,15 @@ def test_the_pipelines_loss_is_read_as_it_will_run():
                                                               loss_reads=reads[fn])
                    if layer.name == "lm_head.weight"]
         assert head.loss == loss, fn
+    # class weights (a constant of the loss, on the CPU beside meta logits) and label
+    # smoothing lower at run time (runtime/vocab_loss.py): priced so
+    weight = torch.rand(64)
+
+    def weighted(logits, target):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), target.reshape(-1),
+                                                 weight=weight, label_smoothing=0.1)
+
+    assert loss_reads(captured, weighted) == {0: "cross entropy"}
     # a target given (the example's) is what the loss is traced with
     assert loss_reads(captured, zoo.lm_loss, torch.zeros(2, 8, dtype=torch.long)) == \
         {0: "cross entropy"}

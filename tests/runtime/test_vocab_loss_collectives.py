@@ -72,3 +72,79 @@ def test_vocab_loss_lowers_a_cross_entropy_and_gathers_any_other_loss(group):
     assert unread((torch.tensor(3.0), logits), None, lambda out, t: out[0],
                   lambda flat: tuple(flat)) == 3.0
     assert unread.forms == ("unread",) and gathered == [2]
+
+
+class _TwoRanks:
+    """A fake 2-way split in one process: two threads, one a rank, whose all-reduces meet at
+    a barrier (each adds or maxes both ranks' tensors in place)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.barrier = threading.Barrier(2)
+        self.slots: list = [None, None]
+        self.calls = [0, 0]
+
+    def all_reduce(self, rank: int):
+        def reduce(tensor, op):
+            self.calls[rank] += 1
+            self.slots[rank] = tensor.clone()
+            self.barrier.wait()
+            both = torch.stack(self.slots)
+            tensor.copy_(both.amax(0) if op == dist.ReduceOp.MAX else both.sum(0))
+            self.barrier.wait()
+        return reduce
+
+    def run(self, fn):
+        """fn(rank) on two threads; their results in rank order."""
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            return [f.result() for f in [pool.submit(fn, r) for r in range(2)]]
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("options", [{"label_smoothing": 0.1}, {"weight": True},
+                                     {"weight": True, "label_smoothing": 0.3}])
+def test_label_smoothing_and_class_weights_split_two_ways_are_torchs(reduction, options):
+    """The traced loss lowered (passes/vocab_loss.py) onto each half of the vocabulary, run on
+    two fake ranks: loss and the logits' gradient equal `F.cross_entropy` of the whole logits
+    in float64 (ignored tokens included); the smoothing's sum joins the same all-reduce
+    (two a rank, as without it)."""
+    V = 10
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, V, dtype=torch.float64, generator=gen)
+    target = torch.randint(0, V, (3, 4), generator=gen)
+    target[0, ::3] = -100
+    kwargs = dict(options, reduction=reduction)
+    if kwargs.get("weight"):
+        kwargs["weight"] = torch.rand(V, dtype=torch.float64, generator=gen) + 0.5
+
+    def loss_fn(x, t):
+        return F.cross_entropy(x.reshape(-1, V), t.reshape(-1), **kwargs)
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    traced = make_fx(loss_fn, tracing_mode="fake", pre_dispatch=True,
+                     _allow_non_fake_inputs=True)(logits, target)
+    ranks = _TwoRanks()
+    seed = torch.randn(3 * 4, dtype=torch.float64, generator=gen)
+
+    def rank(r):
+        vocab = {"cross_entropy": cross_entropy_over(None, 2, r, all_reduce=ranks.all_reduce(r)),
+                 "output": None}
+        lowered = lower_loss(traced, {0: 2}, 2, vocab)
+        local = logits[..., r * V // 2:(r + 1) * V // 2].clone().requires_grad_()
+        loss = lowered(local, target)
+        (loss * seed).sum().backward() if reduction == "none" else loss.backward()
+        return loss.detach(), local.grad
+
+    got = ranks.run(rank)
+    whole = logits.clone().requires_grad_()
+    want = loss_fn(whole, target)
+    (want * seed).sum().backward() if reduction == "none" else want.backward()
+    for loss, _ in got:
+        assert torch.allclose(loss, want.detach(), rtol=1e-13, atol=1e-15), (loss, want)
+    grad = torch.cat([g for _, g in got], dim=-1)
+    assert torch.allclose(grad, whole.grad, rtol=1e-12, atol=1e-15)
+    assert ranks.calls == [2, 2]

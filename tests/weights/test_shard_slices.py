@@ -71,8 +71,8 @@ def test_a_dcp_slice_is_read_as_chunks(tmp_path):
 def test_blocks_over_two_mesh_dims_are_the_product_of_each_dims_runs():
     """FSDP's Shard(0) over "dp" with TP's fused _StridedShard(1) over "tp" (rank 3 of a fake
     2 x 2 mesh: second rows, second column of each part): 3 blocks at their global offsets,
-    local starts along the local tensor; two mesh dims on one tensor dim: None (torch's own
-    chunks)."""
+    local starts along the local tensor; two mesh dims on one tensor dim (FSDP's
+    _StridedShard(0) of TP's Shard(0)) compose as torch composes them; replicated: None."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -92,7 +92,53 @@ def test_blocks_over_two_mesh_dims_are_the_product_of_each_dims_runs():
         assert of(fused, W[2:, [1, 3, 5]]) == [((2, 1), (2, 1), (0, 0)), ((2, 3), (2, 1), (0, 1)),
                                                ((2, 5), (2, 1), (0, 2))]
         assert of([Replicate(), Shard(1)], W[:, 3:]) == [((0, 3), (4, 3), (0, 0))]
-        assert of([Shard(0), Shard(0)], W[3:]) is None
+        assert of([Shard(0), Shard(0)], W[3:]) == [((3, 0), (1, 6), (0, 0))]
+        assert of([_StridedShard(0, split_factor=2), Shard(0)], W[3:]) == [
+            ((3, 0), (1, 6), (0, 0))]
+        assert of([Replicate(), Replicate()], W) is None
         assert blocks_of(W) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_strided_dp_over_tp_rows_is_cut_as_torch_cuts_it():
+    """Rank 1 of a fake (dp, tp) = 2 x 2 mesh (dp 0, tp 1), 8 rows: TP's Shard(0) gives it rows
+    4-7 and FSDP's _StridedShard(0) over dp the first half of those (rows 4, 5), where two plain
+    Shard(0) give rows 2, 3."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pipecompile.weights.shard_slices import blocks_of
+
+    rows = torch.arange(8 * 3, dtype=torch.float64).reshape(8, 3)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+        def of(placements, local):
+            return blocks_of(DTensor.from_local(local, mesh, placements, run_check=False,
+                                                shape=rows.shape, stride=rows.stride()))
+
+        assert of([_StridedShard(0, split_factor=2), Shard(0)], rows[4:6]) == [
+            ((4, 0), (2, 3), (0, 0))]
+        assert of([Shard(0), Shard(0)], rows[2:4]) == [((2, 0), (2, 3), (0, 0))]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_blocks_are_read_block_by_block_into_the_local_tensor(tmp_path):
+    """The fused projection's blocks under TP x FSDP (rows 2-3, the second column of each
+    part): safetensors and DCP give the same local tensor; its bytes are those blocks'."""
+    import torch.distributed.checkpoint as dcp
+
+    blocks = [((2, 1), (2, 1), (0, 0)), ((2, 3), (2, 1), (0, 1)), ((2, 5), (2, 1), (0, 2))]
+    path = tmp_path / "w.safetensors"
+    save_file({"w": W}, str(path))
+    dcp.save({"w": W}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    want = W[2:, [1, 3, 5]]
+    assert torch.equal(read_slices(str(path), {"w": blocks})["w"], want)
+    assert torch.equal(read_slices(str(tmp_path / "dcp"), {"w": blocks})["w"], want)
+    assert slice_bytes(blocks, (4, 6), torch.float64) == 2 * 3 * 8
