@@ -69,6 +69,7 @@ def flops(vocab: int, seq: int) -> float:
 
 
 def mfu(step: float, vocab: int, seq: int) -> float:
+    """MFU of a step of `step` seconds as the paper counts it: its FLOPs over 8 A100 peaks."""
     return flops(vocab, seq) / GPUS / A100_PEAK / step
 
 
