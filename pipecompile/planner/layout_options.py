@@ -59,6 +59,10 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
     sequence_parallel = given.pop("sequence_parallel")
     given.pop("vocab_parallel")  # read where the vocabulary is priced (plan.request)
     ranks_tp = _ranks_tensor(world, devices, request)  # T searched over this job's ranks
+    if ranks_tp and given.get("compile_stages"):
+        raise ConfigError("tensor_parallel='auto' with compile_stages=True is not built yet "
+                          "(the search may choose T > 1); leave out compile_stages, or pass "
+                          "tensor_parallel=1")
     if tensor_parallel != 1 and not isinstance(devices, Cluster) and not ranks_tp and (
             tensor_parallel == AUTO or request.layout.searched):
         what = "with a searched layout" if request.layout.searched else "(T searched)"

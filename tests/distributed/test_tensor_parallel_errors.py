@@ -82,6 +82,15 @@ def test_a_searched_t_with_a_given_pipeline_is_refused_under_torchrun(monkeypatc
                    **options)
 
 
+def test_a_searched_t_with_compiled_stages_is_refused_under_torchrun(monkeypatch):
+    _torchrun(monkeypatch, 4)
+    model, x = _gpt()
+    with pytest.raises(ConfigError, match="tensor_parallel='auto' with compile_stages=True is "
+                                          "not built yet"):
+        pc.compile(model, example_inputs=(x,), tensor_parallel="auto", compile_stages=True,
+                   loss_fn=zoo.lm_loss)
+
+
 def test_a_searched_t_in_one_process_is_refused_saying_what_to_give():
     """In one process (device threads) tensor_parallel="auto" is planned for a cluster of
     absent devices only: the error says to give a cluster, or the layout under torchrun."""
