@@ -73,7 +73,8 @@ def compile(  # noqa: A001 - the public name of the design
     and the output layer are split along the vocabulary where the cost model prices it
     cheaper (the logits all-gathered before `loss_fn`), replicated otherwise;
     `vocab_parallel=True` or `False` decides it instead.
-    `tensor_parallel="auto"` and T with a searched layout are not built yet.
+    `tensor_parallel="auto"` (devices and data_parallel left out) searches T with P x D, T
+    dividing the ranks per node and the attention heads, and runs the chosen T as a given one.
     On `devices=pipecompile.cluster(...)` (planned, nothing runs) `sequence_parallel=True`
     prices each tensor-parallel group as also splitting the tokens of its norms, dropout and
     residuals (Korthikanti et al. 2022), "auto" lets the layout search try both. Under

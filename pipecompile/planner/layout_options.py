@@ -11,7 +11,7 @@ Then `devices` are all of the job's devices, the example is the global batch (ea
 takes its slice), and the search pass chooses P x D, FSDP and where each dimension goes
 (planner/layout.py). Under torchrun (WORLD_SIZE > 1) `data_parallel="auto"`, or neither
 `devices` nor `data_parallel` given, searches the layout of the ranks: `devices=P` then fixes
-the pipeline degree (D = world / P). Validating joins no process group: compile's "join"
+the pipeline degree (D = world / P); `tensor_parallel="auto"` adds T (P x D x T = world). Validating joins no process group: compile's "join"
 pass does (planner/ranks_passes.py). Bad values are `ConfigError`s saying what to pass.
 """
 
@@ -58,13 +58,19 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
     tensor_parallel = given.pop("tensor_parallel")
     sequence_parallel = given.pop("sequence_parallel")
     given.pop("vocab_parallel")  # read where the vocabulary is priced (plan.request)
-    if tensor_parallel != 1 and not isinstance(devices, Cluster) and (
+    ranks_tp = _ranks_tensor(world, devices, request)  # T searched over this job's ranks
+    if ranks_tp and given.get("compile_stages"):
+        raise ConfigError("tensor_parallel='auto' with compile_stages=True is not built yet "
+                          "(the search may choose T > 1); leave out compile_stages, or pass "
+                          "tensor_parallel=1")
+    if tensor_parallel != 1 and not isinstance(devices, Cluster) and not ranks_tp and (
             tensor_parallel == AUTO or request.layout.searched):
         what = "with a searched layout" if request.layout.searched else "(T searched)"
         raise ConfigError(f"tensor_parallel={tensor_parallel!r} {what} is "
                           f"planned for a cluster of devices that are not here: pass "
                           f"devices=pipecompile.cluster(...); under torchrun give the layout "
-                          f"(devices=P, data_parallel=D, tensor_parallel=T)")
+                          f"(devices=P, data_parallel=D, tensor_parallel=T) or "
+                          f"tensor_parallel='auto' with neither devices nor data_parallel")
     if isinstance(devices, (str, torch.device, DeviceSpec)):
         devices = [devices]
     microbatches, schedule, virtual_stages, checkpoint, memory_limit, bandwidth, timeout, \
@@ -72,15 +78,16 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
             "microbatches", "schedule", "virtual_stages", "checkpoint", "memory_limit",
             "bandwidth", "timeout", "split_points"))
     rest = {**given, "fsdp": fsdp}
-    if tensor_parallel != 1 and not isinstance(devices, Cluster):
+    if tensor_parallel != 1 and not isinstance(devices, Cluster) and not ranks_tp:
         rest["tensor_parallel"] = tensor_parallel  # the given layout, run under torchrun
         rest["sequence_parallel"] = sequence_parallel is True  # "auto": False when run
-    if world > 1 and request.layout.searched and not isinstance(devices, Cluster):
+    if world > 1 and (request.layout.searched or ranks_tp) and not isinstance(devices, Cluster):
         names, ranks = ranks_options(world, devices, fsdp, example)
         return layout_resolved(example, names, ranks, microbatches, schedule, virtual_stages,
                                checkpoint, memory_limit,
                                math.inf if bandwidth is None else bandwidth,  # inf: measured
-                               timeout, split_points, rest)
+                               timeout, split_points, rest,
+                               tensor_parallel=None if ranks_tp else 1)
     devices = 1 if devices is None else devices
     data_parallel = 1 if data_parallel is None else data_parallel
     layout = layout_options(devices, data_parallel, fsdp, example)
@@ -96,6 +103,22 @@ def job_options(example: Example | None, request: Request) -> CompileOptions:
                            checkpoint=checkpoint, memory_limit=memory_limit,
                            bandwidth=bandwidth, data_parallel=data_parallel, timeout=timeout,
                            split_points=split_points, **rest)
+
+
+def _ranks_tensor(world: int, devices: Any, request: Request) -> bool:
+    """Whether T is searched over the ranks of this torchrun job (`tensor_parallel="auto"`,
+    WORLD_SIZE > 1): the whole layout P x D x T is then the search's, so `devices` and
+    `data_parallel` must be left out (or data_parallel="auto"), else a `ConfigError`."""
+    asked = request.layout
+    if asked.tensor_parallel != AUTO or world <= 1 or isinstance(devices, Cluster):
+        return False
+    if devices is not None or asked.data_parallel not in (None, AUTO):
+        raise ConfigError(
+            f"tensor_parallel='auto' under torch.distributed searches the whole layout of the "
+            f"{world} ranks (P x D x T); leave devices and data_parallel out (or pass "
+            f"data_parallel='auto'), or give the layout (devices=P, data_parallel=D, "
+            f"tensor_parallel=T)")
+    return True
 
 
 def _check_tensor(devices: Any, data_parallel: int | None, tensor_parallel: Any) -> None:

@@ -2,7 +2,8 @@
 layout of the devices (planner/layout.py) is searched with the schedule search over the
 replica's slice of the global batch, its devices' links, the bytes its devices hold and its
 collectives, and the fastest is kept (planner/layout_search.py). With `tensor_parallel="auto"`
-the layouts include every T dividing the devices per node, each priced as one rank's share of
+the layouts include every T dividing the devices per node (under torchrun: its ranks per
+node), each priced as one rank's share of
 the blocks (planner/tensor_costs.py); a given T is the only one. With T > 1 each layout is
 priced with sequence parallelism as asked (`sequence_parallel="auto"`: without and with).
 
@@ -35,6 +36,8 @@ from .tensor_costs import attention_heads, shard_costs, vocabulary_choices
 from ..passes.tensor_rules import attention_heads_of
 from ..ir.records import CostTable
 from .layout_search import StateTooLarge, search_layouts
+from .ranks_passes import searched_here
+from ..runtime.distributed import ranks_per_node
 
 __all__ = ["layout_search_pass"]
 
@@ -53,8 +56,7 @@ def layout_search_pass(plan: Plan, example: Example, profile: bool) -> tuple[Pla
         world, batch=example.batch, max_pipeline=finest.num_blocks,
         fsdp=None if "fsdp" in o.auto else o.fsdp,
         nodes=o.cluster.nodes if o.cluster is not None else 1, pipeline=given_p,
-        tensor=degrees, sequence=sequence_choices(
-            plan.request.layout.sequence_parallel if plan.request is not None else False))
+        tensor=degrees, sequence=_sequence(plan))
         if fixed_d is None or lay.data_parallel == fixed_d]
     if not candidates:  # D given: it must divide the batch, P = world / D fit the blocks
         enough_blocks(finest, world // (fixed_d or 1), o.granularity)
@@ -166,7 +168,8 @@ def _tensor_degrees(plan: Plan, world: int, tables: BlockTables, example: Exampl
     node that divides the heads (query and key/value)."""
     asked = plan.request.layout.tensor_parallel if plan.request is not None else 1
     cluster = plan.asked.cluster
-    per_node = cluster.per_node if cluster is not None else world
+    per_node = cluster.per_node if cluster is not None else (
+        ranks_per_node(world) if searched_here(plan.asked) else world)
     given = None if asked == "auto" else int(asked)
     if given == 1:
         return (1,)
@@ -185,6 +188,15 @@ def _tensor_degrees(plan: Plan, world: int, tables: BlockTables, example: Exampl
     kv = [k for _, k in attention_heads_of(plan.ready.captured.module)]
     return tuple(t for t in tensor_degrees(per_node, None)
                  if all(h % t == 0 for h in (*heads, *kv)))
+
+
+def _sequence(plan: Plan) -> tuple[bool, ...]:
+    """The sequence-parallel settings to search: as asked, except that over this job's ranks
+    "auto" is False (what runs under torchrun: sequence_parallel=True only when given)."""
+    asked = plan.request.layout.sequence_parallel if plan.request is not None else False
+    if asked == "auto" and searched_here(plan.asked):
+        return (False,)
+    return sequence_choices(asked)
 
 
 def _check_kv_heads(plan: Plan, given: int) -> None:

@@ -9,9 +9,10 @@ explicit passes do (the first alone where the layout is given: devices x data_pa
                           (the devices' bandwidth is infinite until then), is measured: an
                           all-reduce over every rank timed at two sizes, fitted to the ring's
                           alpha-beta model (planner/collectives.py), rank 0's fit everywhere
-    ranks_pass            once the search chose P x D: this process's place, rank =
-                          replica * P + position (the runtime builds the groups and the meshes
-                          from it; FSDP's mesh in compile's "shard" pass)
+    ranks_pass            once the search chose P x D (x T): this process's place, rank =
+                          (replica * P + position) * T + index (the runtime builds the groups
+                          and the meshes from it; FSDP's mesh in compile's "shard" pass, the
+                          "tp" mesh in its "tensor" pass), and the chosen T
 
 Every rank searches with the same numbers, so every rank chooses the same layout; compile's
 "plan check" pass compares the finished plans.
@@ -88,10 +89,15 @@ def ranks_pass(plan: "Plan", example: "Example") -> "tuple[Plan, str] | None":
     if layout is None or not searched_here(plan.asked) or o.ranks.topology is None:
         return None
     t = o.ranks.topology
-    placed = Topology(t.rank, t.world_size, layout.pipeline, layout.data_parallel)
-    return replace(plan, resolved=replace(o, ranks=Ranks(placed))), (
-        f"{layout.pipeline} x {layout.data_parallel}: rank {t.rank} is position "
-        f"{placed.position} of replica {placed.replica}")
+    placed = Topology(t.rank, t.world_size, layout.pipeline, layout.data_parallel,
+                      layout.tensor_parallel)
+    tp = (f" x {layout.tensor_parallel}" if layout.tensor_parallel > 1 else "")
+    return replace(plan, resolved=replace(
+        o, ranks=Ranks(placed), tensor_parallel=layout.tensor_parallel,
+        sequence_parallel=layout.sequence_parallel)), (
+        f"{layout.pipeline} x {layout.data_parallel}{tp}: rank {t.rank} is position "
+        f"{placed.position} of replica {placed.replica}"
+        + (f", {placed.tp_index} of its tensor-parallel group" if tp else ""))
 
 
 def fit_link(world: int, small: tuple[int, float], large: tuple[int, float]

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ..schedule.actions import Schedule
     from .p2p import ValueSpec
 
-__all__ = ["Topology", "world_size", "rank_device", "topology_from_environment", "local_device",
+__all__ = ["Topology", "world_size", "ranks_per_node", "rank_device", "topology_from_environment", "local_device",
            "check_same_plan", "plan_digest", "GradientSync", "reduce_mean_loss", "value_specs",
            "forward_only", "broadcast_outputs"]
 
@@ -89,6 +89,13 @@ def world_size() -> int:
     if all(k in os.environ for k in _TORCHRUN):
         return int(os.environ["WORLD_SIZE"])
     return 1
+
+
+def ranks_per_node(world: int) -> int:
+    """The ranks on each node of this job: torchrun's LOCAL_WORLD_SIZE, else all `world` (one
+    node, as the tests' spawned ranks). A tensor-parallel group stays inside a node."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local and int(local) > 0 and world % int(local) == 0 else world
 
 
 def rank_device() -> str:

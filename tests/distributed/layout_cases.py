@@ -2,7 +2,8 @@
 processes): on 4 gloo ranks, every rank passes the GLOBAL batch and the layout (P x D) is
 searched (`data_parallel="auto"`, or neither `devices` nor `data_parallel`) or forced
 (`devices=P` with `data_parallel="auto"`: D = 4 / P); one training step each, then the bad
-inputs. One spawn runs every case (the suite's time goes to starting processes)."""
+inputs; then `tensor_parallel="auto"` (TENSOR_CASES). One spawn runs every case (the suite's
+time goes to starting processes)."""
 
 from __future__ import annotations
 
@@ -105,4 +106,51 @@ def run_all(rank: int) -> dict:
     for name, (options, lazy) in CASES.items():
         out[name], pipes[name] = _step(options, lazy)
     out["errors"] = _errors(pipes["1x4 fsdp"])
+    out["tensor"] = run_tensor(rank)  # the same job: no spawn of its own
+    return out
+
+
+# tensor_parallel="auto" over the 4 ranks (the test GPT, 2 heads: T in {1, 2}), the global
+# batch of 4 sequences with the measured link; and one sequence (D = 1) with bandwidth= given
+# fast: P x T = 4, and T = 2 halves each rank's matmuls where P = 4 only queues the one
+# micro-batch through more stages, so the search picks T = 2
+TENSOR_CASES: dict[str, tuple[int, dict]] = {
+    "tp auto": (4, {}),
+    "tp auto one sequence": (1, {"bandwidth": 1e13}),
+}
+
+
+def _tensor_step(rows: int, options: dict) -> dict:
+    from tests.distributed.tensor_parallel_cases import gpt
+
+    model, (ids,), _, target, loss_fn = gpt()
+    pipe = pc.compile(model, example_inputs=(ids[:rows],), loss_fn=loss_fn, timeout=300,
+                      tensor_parallel="auto", **options)
+    loss = pipe.step(ids[:rows], target=target[:rows]).item()
+    grads = {n: _full(p.grad).detach().clone() for n, p in pipe.named_parameters()
+             if p.grad is not None}
+    tried = pipe.plan.search.layouts if pipe.plan.search is not None else ()
+    return {"loss": loss, "layout": pipe.layout, "grads": grads, "explain": pipe.explain(),
+            "tried": sorted({(c.layout.pipeline, c.layout.data_parallel,
+                              c.layout.tensor_parallel) for c in tried})}
+
+
+def _tensor_errors() -> dict[str, str]:
+    """tensor_parallel="auto" asked with a fixed pipeline degree: refused on every rank."""
+    from tests.distributed.tensor_parallel_cases import gpt
+
+    model, (ids,), _, _, loss_fn = gpt()
+    try:
+        pc.compile(model, (ids,), devices=2, tensor_parallel="auto", loss_fn=loss_fn)
+    except pc.PipecompileError as exc:
+        return {"devices given": f"{type(exc).__name__}: {exc}"}
+    return {"devices given": "no error"}
+
+
+def run_tensor(rank: int) -> dict:
+    """Each tensor-parallel case's loss, gradients (whole tensors), layout and the layouts
+    searched, then the refused request's error."""
+    out: dict = {name: _tensor_step(rows, options)
+                 for name, (rows, options) in TENSOR_CASES.items()}
+    out["errors"] = _tensor_errors()
     return out

@@ -1,6 +1,6 @@
 """tensor_parallel=T refused where it cannot run, before any process group is joined: one
-process (device threads cannot share a layer), a T that does not divide the ranks, and the
-combinations not built yet."""
+process (device threads cannot share a layer), a T that does not divide the ranks, T searched
+with a given pipeline, and the combinations not built yet."""
 
 from __future__ import annotations
 
@@ -53,29 +53,51 @@ def test_combinations_not_built_yet_are_refused(monkeypatch, options, what):
                    loss_fn=zoo.lm_loss, **options)
 
 
-def test_a_searched_layout_with_tensor_parallelism_is_refused(monkeypatch):
+def test_a_given_t_with_a_searched_layout_is_refused(monkeypatch):
+    """A given T with data_parallel="auto" under torchrun: give the layout or T="auto"."""
     _torchrun(monkeypatch, 4)
     model, x = _gpt()
-    with pytest.raises(ConfigError, match="with a searched layout is planned for a cluster "
-                                          "of devices that are not here"):
-        pc.compile(model, example_inputs=(x,), tensor_parallel="auto", loss_fn=zoo.lm_loss)
+    with pytest.raises(ConfigError, match="tensor_parallel=2 with a searched layout is planned "
+                                          "for a cluster of devices that are not here.*or "
+                                          "tensor_parallel='auto' with neither devices nor "
+                                          "data_parallel"):
+        pc.compile(model, example_inputs=(x,), tensor_parallel=2, data_parallel="auto",
+                   loss_fn=zoo.lm_loss)
 
 
-@pytest.mark.parametrize("world, options", [
-    (4, dict(devices=2)),  # the pipeline given, T searched
-    (4, dict(devices=2, data_parallel=2)),  # P and D given, T searched
-    (1, dict(devices=["cpu", "cpu"])),  # one process: device threads
+@pytest.mark.parametrize("options", [
+    dict(devices=2),  # the pipeline given, T searched
+    dict(devices=2, data_parallel=2),  # P and D given, T searched
 ])
-def test_a_searched_t_without_a_cluster_is_refused_saying_what_to_give(monkeypatch, world,
-                                                                      options):
-    """tensor_parallel="auto" is searched for a cluster of absent devices only: under
-    torchrun (or in one process) the error says to give the layout, T included."""
-    if world > 1:
-        _torchrun(monkeypatch, world)
+def test_a_searched_t_with_a_given_pipeline_is_refused_under_torchrun(monkeypatch, options):
+    """tensor_parallel="auto" under torchrun searches the whole layout P x D x T (it runs:
+    tests/planner/test_layout_torchrun.py); with P or D given the error says what to leave
+    out, before any process group is joined."""
+    _torchrun(monkeypatch, 4)
+    model, x = _gpt()
+    with pytest.raises(ConfigError, match=r"tensor_parallel='auto' under torch.distributed "
+                                          r"searches the whole layout of the 4 ranks \(P x D x "
+                                          r"T\); leave devices and data_parallel out"):
+        pc.compile(model, example_inputs=(x,), tensor_parallel="auto", loss_fn=zoo.lm_loss,
+                   **options)
+
+
+def test_a_searched_t_with_compiled_stages_is_refused_under_torchrun(monkeypatch):
+    _torchrun(monkeypatch, 4)
+    model, x = _gpt()
+    with pytest.raises(ConfigError, match="tensor_parallel='auto' with compile_stages=True is "
+                                          "not built yet"):
+        pc.compile(model, example_inputs=(x,), tensor_parallel="auto", compile_stages=True,
+                   loss_fn=zoo.lm_loss)
+
+
+def test_a_searched_t_in_one_process_is_refused_saying_what_to_give():
+    """In one process (device threads) tensor_parallel="auto" is planned for a cluster of
+    absent devices only: the error says to give a cluster, or the layout under torchrun."""
     model, x = _gpt()
     with pytest.raises(ConfigError, match=r"tensor_parallel='auto' .*planned for a cluster of "
                                           r"devices that are not here.*under torchrun give the "
                                           r"layout \(devices=P, data_parallel=D, "
                                           r"tensor_parallel=T\)"):
         pc.compile(model, example_inputs=(x,), tensor_parallel="auto", loss_fn=zoo.lm_loss,
-                   **options)
+                   devices=["cpu", "cpu"])

@@ -16,7 +16,7 @@ import pipecompile as pc
 from pipecompile.planner import ranks_passes
 from pipecompile.runtime.data_parallel import replica_microbatches
 from tests.distributed.ranks import free_port, run_ranks
-from tests.distributed.layout_cases import CASES, WORLD, batch, model, run_all
+from tests.distributed.layout_cases import CASES, TENSOR_CASES, WORLD, batch, model, run_all
 
 # with -n, one worker runs this module (pyproject.toml: loadgroup): its fixture runs once
 pytestmark = pytest.mark.xdist_group("layout-torchrun")
@@ -143,3 +143,44 @@ def test_each_replica_takes_its_rows_of_the_global_batch():
         assert torch.equal(torch.cat([mb.target for mb in mbs]), y[2 * replica: 2 * replica + 2])
     with pytest.raises(pc.PipecompileError, match="does not split into 3 replicas"):
         replica_microbatches((x,), {}, y, microbatches=1, replica=0, replicas=3)
+
+
+def _tensor_reference(rows: int) -> tuple[float, dict[str, torch.Tensor]]:
+    from tests.distributed.tensor_parallel_cases import gpt
+
+    net, (ids,), _, target, loss_fn = gpt()
+    loss = loss_fn(net(ids[:rows]), target[:rows])
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize("case", ["tp auto", "tp auto one sequence"])
+def test_tensor_parallel_auto_runs_the_searched_layout_exactly(ranks, case):
+    """tensor_parallel="auto" on 4 ranks: the search weighs T in {1, 2} (the GPT's 2 heads)
+    with P and D, every rank reports the same layout, and the step equals the unsplit model."""
+    rows = TENSOR_CASES[case][0]
+    loss, grads = _tensor_reference(rows)
+    got = [r["tensor"][case] for r in ranks]
+    layouts = {(g["layout"].pipeline, g["layout"].data_parallel, g["layout"].tensor_parallel)
+               for g in got}
+    assert len(layouts) == 1, (case, layouts)  # one layout on every rank
+    (p, d, t), = layouts
+    assert p * d * t == WORLD and t in (1, 2)
+    assert all(g["tried"] == got[0]["tried"] for g in got)
+    assert {lt for _, _, lt in got[0]["tried"]} == {1, 2}, got[0]["tried"]  # T was searched
+    if case == "tp auto one sequence":  # D = 1: T = 2 halves the matmuls, P = 4 cannot
+        assert (p, d, t) == (2, 1, 2) and got[0]["tried"] == [(2, 1, 2), (4, 1, 1)]
+        assert "tensor-parallel ranks" in got[0]["explain"]  # the TP lowering ran
+    for rank, g in enumerate(got):
+        assert abs(g["loss"] - loss) < 1e-10, (case, rank, g["loss"], loss)
+        for name, grad in g["grads"].items():
+            scale = grads[name].abs().max().item()
+            assert (grad - grads[name]).abs().max().item() <= 1e-9 * scale, (case, rank, name)
+    assert set().union(*(g["grads"] for g in got)) == set(grads)
+
+
+def test_tensor_parallel_auto_with_a_fixed_pipeline_is_refused_on_every_rank(ranks):
+    errors = [r["tensor"]["errors"]["devices given"] for r in ranks]
+    assert all(e == errors[0] for e in errors)
+    assert errors[0].startswith("ConfigError: tensor_parallel='auto' under torch.distributed "
+                                "searches the whole layout of the 4 ranks"), errors[0]
