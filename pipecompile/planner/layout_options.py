@@ -11,8 +11,8 @@ Then `devices` are all of the job's devices, the example is the global batch (ea
 takes its slice), and the search pass chooses P x D, FSDP and where each dimension goes
 (planner/layout.py). Under torchrun (WORLD_SIZE > 1) `data_parallel="auto"`, or neither
 `devices` nor `data_parallel` given, searches the layout of the ranks: `devices=P` then fixes
-the pipeline degree (D = world / P); `tensor_parallel="auto"` adds T (P x D x T = world). Validating joins no process group: compile's "join"
-pass does (planner/ranks_passes.py). Bad values are `ConfigError`s saying what to pass.
+the pipeline degree (D = world / P); `tensor_parallel="auto"` adds T (P x D x T = world).
+Validating joins no process group: compile's "join" pass does (planner/ranks_passes.py). Bad values are `ConfigError`s saying what to pass.
 """
 
 from __future__ import annotations
