@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from .p2p import ValueSpec
 
 __all__ = ["Topology", "world_size", "ranks_per_node", "rank_device", "topology_from_environment",
-           "local_device", "check_same_plan", "plan_digest", "GradientSync", "reduce_mean_loss", "value_specs",
-           "forward_only", "broadcast_outputs"]
+           "local_device", "check_same_plan", "plan_digest", "GradientSync", "reduce_mean_loss",
+           "value_specs", "forward_only", "broadcast_outputs"]
 
 
 @dataclass(frozen=True)
