@@ -5,6 +5,8 @@ save of a fused projection) is tests/distributed/test_tensor_parallel_weights.py
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -68,26 +70,36 @@ def test_a_dcp_slice_is_read_as_chunks(tmp_path):
     assert torch.equal(got["w"], W[:, [0, 2, 4]])
 
 
+@contextlib.contextmanager
+def _dp_tp_mesh(rank: int, whole: torch.Tensor):
+    """Rank `rank` of a fake (dp, tp) = 2 x 2 mesh (no communication); yields `of(placements,
+    local)`: the blocks this rank holds of `whole` as a DTensor of those placements."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pipecompile.weights.shard_slices import blocks_of
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        yield lambda placements, local: blocks_of(DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=whole.shape, stride=whole.stride()))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_blocks_over_two_mesh_dims_are_the_product_of_each_dims_runs():
     """FSDP's Shard(0) over "dp" with TP's fused _StridedShard(1) over "tp" (rank 3 of a fake
     2 x 2 mesh: second rows, second column of each part): 3 blocks at their global offsets,
     local starts along the local tensor; two mesh dims on one tensor dim (FSDP's
     _StridedShard(0) of TP's Shard(0)) compose as torch composes them; replicated: None."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from pipecompile.weights.shard_slices import blocks_of
 
-    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-
-        def of(placements, local):
-            return blocks_of(DTensor.from_local(local, mesh, placements, run_check=False,
-                                                shape=W.shape, stride=W.stride()))
-
+    with _dp_tp_mesh(rank=3, whole=W) as of:
         fused = [Shard(0), _StridedShard(1, split_factor=3)]
         assert of(fused, W[2:, [1, 3, 5]]) == [((2, 1), (2, 1), (0, 0)), ((2, 3), (2, 1), (0, 1)),
                                                ((2, 5), (2, 1), (0, 2))]
@@ -97,35 +109,20 @@ def test_blocks_over_two_mesh_dims_are_the_product_of_each_dims_runs():
             ((3, 0), (1, 6), (0, 0))]
         assert of([Replicate(), Replicate()], W) is None
         assert blocks_of(W) is None
-    finally:
-        dist.destroy_process_group()
 
 
 def test_strided_dp_over_tp_rows_is_cut_as_torch_cuts_it():
     """Rank 1 of a fake (dp, tp) = 2 x 2 mesh (dp 0, tp 1), 8 rows: TP's Shard(0) gives it rows
     4-7 and FSDP's _StridedShard(0) over dp the first half of those (rows 4, 5), where two plain
     Shard(0) give rows 2, 3."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from pipecompile.weights.shard_slices import blocks_of
 
     rows = torch.arange(8 * 3, dtype=torch.float64).reshape(8, 3)
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-
-        def of(placements, local):
-            return blocks_of(DTensor.from_local(local, mesh, placements, run_check=False,
-                                                shape=rows.shape, stride=rows.stride()))
-
+    with _dp_tp_mesh(rank=1, whole=rows) as of:
         assert of([_StridedShard(0, split_factor=2), Shard(0)], rows[4:6]) == [
             ((4, 0), (2, 3), (0, 0))]
         assert of([Shard(0), Shard(0)], rows[2:4]) == [((2, 0), (2, 3), (0, 0))]
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
