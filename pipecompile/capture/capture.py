@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .blame import capture_error, first_line
+from .claimed_device import claiming, restore_tensors
 from .export import capture_export
 from .graph import output_names, symbols, values_from_meta
 from .reuse import reusing_capture
@@ -68,6 +69,7 @@ def capture(
     sizes: str = "batch",
     budget: float = 120.0,
     cache: CompileCache | None = None,
+    claim: torch.device | None = None,
 ) -> CapturedModel:
     """Capture `model(*args, **kwargs)` as a flat graph.
 
@@ -79,16 +81,27 @@ def capture(
     `sizes="all"` first tries every size symbolic, for at most `budget` seconds in a child
     process (then the batch alone). A `cache` keeping captures (`CompileCache(captures=N)`)
     reuses the graph of a structurally identical model, rebound to this one's tensors
-    (reuse.py); by default nothing is reused.
+    (reuse.py); by default nothing is reused. With `claim`, a model on the meta device is
+    traced on fake tensors claiming that device, its own meta tensors put back in the graph
+    after (claimed_device.py).
     """
     kwargs = dict(kwargs or {})
     require_module(model)
-    options = (method, static_batch_size, opaque, sizes, budget)
+    options = (method, static_batch_size, opaque, sizes, budget, str(claim))
+
+    def fresh(args: tuple, kwargs: dict[str, Any]) -> CapturedModel:
+        return _capture(model, args, kwargs, method=method, static_batch_size=static_batch_size,
+                        opaque=opaque, verbose=verbose, sizes=sizes, budget=budget)
+
+    def claimed() -> CapturedModel:
+        assert claim is not None
+        with claiming(model, (tuple(args), kwargs), claim) as ((fakes, fake_kwargs), originals):
+            traced = fresh(fakes, fake_kwargs)
+        return restore_tensors(traced, model, originals, claim)
+
     captured = reusing_capture(cache, model, tuple(args), kwargs, options,
-                               lambda: _capture(model, tuple(args), kwargs, method=method,
-                                                static_batch_size=static_batch_size,
-                                                opaque=opaque, verbose=verbose, sizes=sizes,
-                                                budget=budget))
+                               claimed if claim is not None else
+                               lambda: fresh(tuple(args), kwargs))
     return replace(  # through the model's own state_dict hooks: never reused
         captured,
         parameter_names=tuple(n for n, _ in model.named_parameters()),

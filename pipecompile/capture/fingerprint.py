@@ -15,9 +15,9 @@ key holds everything export reads that can change the graph:
     and every non-tensor input by value
 
 A model is unkeyable (never reused) when it holds what the key cannot see by value: a hook, a
-tensor subclass or a meta/fake tensor, a value of a kind not listed (an object with slots, a
-generator), a function whose closure holds such a value, a cycle; or when a torch function or
-dispatch mode is active. Not seen: state reached from the model's code only through two or
+tensor subclass or a fake tensor, a meta tensor outside its parameters and buffers, a value of
+a kind not listed (an object with slots, a generator), a function whose closure holds such a
+value, a cycle; or when a torch function or dispatch mode is active. Not seen: state reached from the model's code only through two or
 more references (a global registry's class attribute) and code replaced inside a function
 object in place; a process that patches those between two compiles must not reuse captures.
 """
@@ -203,7 +203,9 @@ def _constant(tensor: torch.Tensor) -> tuple:
 
 
 def _layout(tensor: torch.Tensor) -> tuple:
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type == "meta":
+    """A parameter's, buffer's or input's layout (its values are not read by export; a meta
+    model's, traced on fakes claiming a device, keys with its meta device)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         raise Unkeyable(f"a {type(tensor).__name__} on {tensor.device}")
     return (type(tensor), tuple(tensor.shape), tensor.stride(), tensor.storage_offset(),
             tensor.dtype, tensor.device, tensor.requires_grad, tensor.layout)

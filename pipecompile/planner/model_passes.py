@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import torch
 
 from ..capture.capture import capture as capture_model, seed_captured
-from ..capture.claimed_device import claimable, claiming, restore_tensors
+from ..capture.claimed_device import claimable
 from ..ir.compile_cache import CompileCache
 from ..ir.formats import format_count
 from ..ir.records import CapturedModel, Example
@@ -87,15 +87,12 @@ def capture_pass(plan: Plan, example: Example) -> tuple[Plan, str]:
                              static_batch_size=example_microbatch_size(example, asked, o),
                              verbose=asked.verbose,
                              sizes=_first_sizes(asked.symbolic_sizes, example),
-                             budget=asked.capture_budget)
+                             budget=asked.capture_budget, claim=claim)
 
-    if claim is not None:  # the model's code sees the device it will run on
-        with claiming(example.model, inputs, claim) as ((args, kwargs), originals):
-            captured = capture(args, kwargs)
-        captured = restore_tensors(captured, example.model, originals, claim)
-    elif meta:  # a plan for devices this torch cannot fake: traced on meta
+    if meta and claim is None:  # a plan for devices this torch cannot fake: traced on meta
         captured = capture(*on_meta(inputs))
-    else:  # real tensors: a kept capture of an identical model may be reused (capture/reuse.py)
+    else:  # a meta model's code sees the device it will run on (claimed); a kept capture of
+        # an identical model may be reused (capture/reuse.py)
         captured = capture(*inputs, cache=asked.cache)
     if asked.rng == "per-microbatch":
         captured = seed_captured(captured, asked.rng_seed)

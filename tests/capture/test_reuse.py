@@ -218,3 +218,22 @@ def test_the_default_cache_keeps_no_captures():
     capture(Scaled(), (torch.ones(2, 4),), cache=cache)
     capture(Scaled(), (torch.ones(2, 4),), cache=cache)
     assert cache.capture_hits == 0 and "0/0 captures" in repr(cache)
+
+
+def test_a_meta_model_traced_claiming_the_cpu_reuses_the_capture_of_an_identical_one():
+    """Two Llamas built on the meta device, captured on fakes claiming the CPU (as compile does
+    for a meta model it will run on the CPU): the second gets the first's graph over its own
+    meta tensors, the traced device kept; a real Llama of the same shapes keys apart."""
+    cache = CompileCache(captures=2)
+    with torch.device("meta"):
+        first, second = _seeded("llama"), _seeded("llama")
+    ids = second.args
+    fresh = capture(first.model, ids, first.kwargs, cache=cache, claim=torch.device("cpu"))
+    reused = capture(second.model, ids, second.kwargs, cache=cache, claim=torch.device("cpu"))
+    assert cache.capture_hits == 1 and reused.module.code == fresh.module.code
+    assert reused.traced_device == torch.device("cpu")
+    own = dict(second.model.named_parameters())
+    assert own and all(reused.module.get_parameter(n) is p for n, p in own.items())
+    real = _seeded("llama")
+    assert model_key(real.model, real.args, real.kwargs, ()) != \
+        model_key(second.model, ids, second.kwargs, ())
