@@ -232,7 +232,6 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-
 def blocks_of(tensor: torch.Tensor) -> list[Block] | None:
     """This rank's local tensor as blocks of the global one: (global offsets, sizes, local
     starts) of each, for a DTensor split by `Shard`/`_StridedShard` over any of its mesh
