@@ -17,7 +17,8 @@ Each record also carries its numbers for a handler drawing a progress bar (the C
 terminal): a pass's record ``record.pipecompile_pass = (name, seconds, index, count)`` (its
 place among the passes compile runs), a loop's ``record.pipecompile_progress = (what, count,
 total, unit, seconds)``. `reporting_every` shortens the interval between a loop's lines for
-such a handler.
+such a handler; within it a loop's first item is shown at once, so a bar names every loop
+compile runs, however fast the machine.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class Progress:
         self.every: float = PROGRESS_EVERY_S if chosen is None else chosen
         self.count = 0
         self.start = self.last = time.perf_counter()
+        if every is None and _every.get() is not None:  # a bar: its first item shows the loop
+            self.last = float("-inf")
         self.level = level()
 
     def advance(self, n: int = 1, note: str = "") -> None:

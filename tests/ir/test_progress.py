@@ -91,3 +91,18 @@ def test_records_carry_their_numbers_for_a_progress_bar(caplog):
     assert ended.pipecompile_pass == ("all", 2.25, 9, 9)
     what, count, total, unit, seconds = looped.pipecompile_progress
     assert (what, count, total, unit) == ("layout search", 3, 4, "layouts") and seconds >= 0
+
+
+def test_under_a_bar_a_loops_first_item_is_shown_at_once(caplog):
+    """A bar names every loop however fast it runs: its first item is logged at once, the
+    next ones every `reporting_every` seconds (a fast machine once skipped a whole loop)."""
+    logger = logging.getLogger("pipecompile.test")
+    with caplog.at_level(logging.INFO, logger="pipecompile"):
+        with progress.reporting_every(3600.0):
+            loop = Progress(logger, "schedule search", 9, unit="candidates")
+            loop.advance()
+            loop.advance()
+        quiet = Progress(logger, "schedule search", 9, unit="candidates")  # no bar: no line
+        quiet.advance()
+    assert [r.pipecompile_progress[:4] for r in caplog.records] == [
+        ("schedule search", 1, 9, "candidates")]
