@@ -3,6 +3,8 @@ tensor parallelism on gloo in float64, against the unsplit model on the same bat
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import pipecompile as pc
@@ -292,3 +294,23 @@ def replica_case(name: str, P: int, replicas: int, rank: int, world: int):
     args = tuple(a.chunk(replicas)[replica] for a in args)
     return T, (model, args, kwargs,
                target.chunk(replicas)[replica] if target is not None else None, loss_fn)
+
+
+def plan_once(models: list[tuple[str, int, int]],
+              meta: tuple[tuple[str, int], ...] = ()) -> None:
+    """`run_ranks(warm=...)` of a tensor-parallel job: each (model, pipeline devices P,
+    replicas D) planned once on one process, on one replica's batch in 2 micro-batches over P
+    devices (and each (model, D) of `meta` built on meta, on one device), so that the ranks forked
+    after find its capture and symbolic costs in `pipecompile.default_cache`. Nothing runs:
+    a plan, no pipeline (no thread is left to fork)."""
+    from pipecompile.ir.records import Example
+    from pipecompile.planner.recipe import plan_for
+    from pipecompile.planner.request import Request
+
+    wanted = {(name, P, D, False) for name, P, D in models}
+    wanted |= {(name, 1, D, True) for name, D in meta}
+    for name, P, D, on_meta in sorted(wanted):
+        with pc.meta_parameters() if on_meta else contextlib.nullcontext():
+            _, (model, args, kwargs, _, loss_fn) = replica_case(name, P, D, 0, P * D)
+        plan_for(Example(model, args, kwargs, None),
+                 Request.of(devices=P, loss_fn=loss_fn, microbatches=2, schedule="gpipe"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.distributed.ranks import run_ranks
-from tests.distributed.tensor_parallel_cases import MODELS, run_cases
+from tests.distributed.tensor_parallel_cases import MODELS, plan_once, run_cases
 from tests.support.reference import reference_step
 
 # "sp": sequence_parallel=True, in the same jobs (one spawn each, no new one)
@@ -52,7 +52,8 @@ def _reference(name, microbatches=2):
 
 
 def _ranks(world, cases, replicas=1, directory=None):
-    results = run_ranks(run_cases, world, cases, replicas, directory, timeout=900)
+    warm = functools.partial(plan_once, [(c[0], c[1], replicas) for c in cases])
+    results = run_ranks(run_cases, world, cases, replicas, directory, timeout=900, warm=warm)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r.get("trace", r))
     return results

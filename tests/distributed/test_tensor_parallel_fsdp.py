@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.distributed.ranks import run_ranks
-from tests.distributed.tensor_parallel_cases import MODELS
+from tests.distributed.tensor_parallel_cases import MODELS, plan_once
 from tests.distributed.tensor_parallel_fsdp_cases import run_cases
 from tests.support.reference import reference_step
 
@@ -57,7 +57,10 @@ def _reference(name: str, microbatches: int) -> dict:
 
 def _ranks(world: int, cases: list[tuple], directory: str | None = None,
            saved: tuple = (), loads: dict | None = None) -> list[dict]:
-    results = run_ranks(run_cases, world, cases, directory, saved, loads, timeout=900)
+    warm = functools.partial(plan_once, [(c[0], c[1], dict(c[3]).get("data_parallel", 1))
+                                         for c in cases], tuple((n, 2) for n in loads or ()))
+    results = run_ranks(run_cases, world, cases, directory, saved, loads, timeout=900,
+                        warm=warm)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r.get("trace", r))
     return results
