@@ -20,6 +20,18 @@ def _shard(case, replica, replicas):
     return args, kwargs, cut(case.target)
 
 
+def plan_case(name, devices, data_parallel=1, microbatches=4):
+    """`run_ranks(warm=...)` of `train`: model `name` planned once on one process, on one
+    replica's batch (see ranks.plan_first)."""
+    from tests.distributed.ranks import plan_first
+
+    torch.manual_seed(0)
+    case = CASES[name]()
+    args, kwargs, _ = _shard(case, 0, data_parallel)
+    plan_first(case.model, args, kwargs, devices=devices, microbatches=microbatches,
+               loss_fn=case.loss_fn)
+
+
 def train(rank, name, schedules, devices, data_parallel=1, microbatches=4, steps=1,
           optimizer=None):
     """For each schedule: compile, run `steps` steps; return losses, own grads, outputs."""

@@ -31,6 +31,17 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def plan_model(tokens: bool = False, devices: int = 2, replicas: int = 2,
+               microbatches: int = 2) -> None:
+    """`run_ranks(warm=...)` of these jobs: `model()` planned once on one process on one
+    replica's batch (`padded_batch` with `token_loss` for `tokens`; see ranks.plan_first)."""
+    from tests.distributed.ranks import plan_first
+
+    x = padded_batch()[0] if tokens else batch(0)[0]
+    plan_first(model(), (x.chunk(replicas)[0],), devices=devices, microbatches=microbatches,
+               loss_fn=token_loss if tokens else zoo.lm_loss)
+
+
 def train(rank: int, fsdp: bool, steps: int = STEPS) -> dict:
     """Three steps of the user's AdamW with pipe.clip_grad_norm_ on pipeline 2 x data 2."""
     replica = rank // 2

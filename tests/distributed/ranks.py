@@ -91,6 +91,19 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 900.0, warm=None) -> 
         return results
 
 
+def plan_first(model, args, kwargs=None, **options) -> None:
+    """A `warm` for `run_ranks` (through functools.partial): compile's passes for `model` on
+    (args, kwargs) with `options`, on this one process (a plan: no pipeline, no thread left to
+    fork), so that the ranks forked after find its capture and symbolic costs in their cache.
+    Give one replica's batch and the options that shape the capture and the blocks (devices,
+    microbatches, loss_fn); a difference only costs the ranks their own capture again."""
+    from pipecompile.ir.records import Example
+    from pipecompile.planner.recipe import plan_for
+    from pipecompile.planner.request import Request
+
+    plan_for(Example(model, tuple(args), dict(kwargs or {}), None), Request.of(**options))
+
+
 def _warmed_job(fn, warm, world_size, port, tmp, args, env, cwd, path):
     """The parent of a warmed job: warm() with the ranks' settings, then fork each rank
     (plain fork: it inherits the warmed cache) and wait for them. A failing warm-up fails

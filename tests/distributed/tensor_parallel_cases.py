@@ -303,14 +303,12 @@ def plan_once(models: list[tuple[str, int, int]],
     devices (and each (model, D) of `meta` built on meta, on one device), so that the ranks forked
     after find its capture and symbolic costs in `pipecompile.default_cache`. Nothing runs:
     a plan, no pipeline (no thread is left to fork)."""
-    from pipecompile.ir.records import Example
-    from pipecompile.planner.recipe import plan_for
-    from pipecompile.planner.request import Request
+    from tests.distributed.ranks import plan_first
 
     wanted = {(name, P, D, False) for name, P, D in models}
     wanted |= {(name, 1, D, True) for name, D in meta}
     for name, P, D, on_meta in sorted(wanted):
         with pc.meta_parameters() if on_meta else contextlib.nullcontext():
             _, (model, args, kwargs, _, loss_fn) = replica_case(name, P, D, 0, P * D)
-        plan_for(Example(model, args, kwargs, None),
-                 Request.of(devices=P, loss_fn=loss_fn, microbatches=2, schedule="gpipe"))
+        plan_first(model, args, kwargs, devices=P, loss_fn=loss_fn, microbatches=2,
+                   schedule="gpipe")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 
 from tests.distributed.ranks import run_ranks
-from tests.distributed.cases import different_models, die_in_loss, fail_in_loss, train
+from tests.distributed.cases import (different_models, die_in_loss, fail_in_loss, plan_case,
+                                    train)
 from tests.support.models import CASES
 from tests.support.reference import reference_step
 
@@ -48,17 +50,19 @@ def _check(results, name, schedules, microbatches):
 
 @pytest.mark.parametrize("name", ["gpt2", "unet"])
 def test_two_ranks_every_schedule(name):
-    results = run_ranks(train, 2, name, SYNC, 2)
+    results = run_ranks(train, 2, name, SYNC, 2, warm=functools.partial(plan_case, name, 2))
     _check(results, name, SYNC, 4)
 
 
 def test_four_ranks_every_schedule_gpt2_tied():
-    results = run_ranks(train, 4, "gpt2", SYNC, 4)
+    results = run_ranks(train, 4, "gpt2", SYNC, 4,
+                        warm=functools.partial(plan_case, "gpt2", 4))
     _check(results, "gpt2", SYNC, 4)
 
 
 def test_data_parallel_two_by_two_equals_one_replica_on_all_shards():
-    results = run_ranks(train, 4, "residual_cnn", ["1f1b"], 2, 2, 2)
+    results = run_ranks(train, 4, "residual_cnn", ["1f1b"], 2, 2, 2,
+                        warm=functools.partial(plan_case, "residual_cnn", 2, 2, 2))
     # 2 replicas x 2 micro-batches each = the unsplit model on 4 micro-batches of the full batch
     ref_loss, ref_grads, _, _ = _reference("residual_cnn", 4)
     for rank, result in enumerate(results):
@@ -71,7 +75,8 @@ def test_data_parallel_two_by_two_equals_one_replica_on_all_shards():
 
 
 def test_tied_copies_stay_bit_identical_with_an_optimizer():
-    results = run_ranks(train, 2, "gpt2", ["1f1b"], 2, 1, 4, 3, True)
+    results = run_ranks(train, 2, "gpt2", ["1f1b"], 2, 1, 4, 3, True,
+                        warm=functools.partial(plan_case, "gpt2", 2))
     first, last = results[0]["1f1b"], results[1]["1f1b"]
     name = "transformer.wte.weight"  # = lm_head.weight: listed once, under its first name
     assert name in first["params"] and name in last["params"]  # each rank holds a copy

@@ -4,6 +4,8 @@ the global batch (float64)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from tests.distributed.fsdp_cases import (
     meta_fsdp_train_and_save,
     model,
     padded_batch,
+    plan_model,
     resume_without_data_parallel,
     token_loss,
     train,
@@ -49,7 +52,7 @@ def _reference(steps=STEPS, evaluate=False):
 
 @pytest.mark.parametrize("fsdp", [True, False])
 def test_pipeline_x_data_parallel_equals_the_unsplit_model(fsdp):
-    results = run_ranks(train, 4, fsdp)
+    results = run_ranks(train, 4, fsdp, warm=plan_model)
     losses, norms, params, evaluated, out = _reference(evaluate=True)
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r)
@@ -80,7 +83,8 @@ def _token_reference():
 @pytest.mark.parametrize("fsdp", [True, False])
 def test_num_items_in_batch_sums_to_the_global_token_loss(fsdp):
     loss, grads = _token_reference()
-    for rank, r in enumerate(run_ranks(train_tokens, 4, fsdp)):
+    for rank, r in enumerate(run_ranks(train_tokens, 4, fsdp,
+                                                 warm=functools.partial(plan_model, True))):
         assert "error" not in r and "died" not in r, (rank, r)
         assert abs(r["loss"] - loss) < 1e-12, (rank, r["loss"], loss)
         for name, g in r["grads"].items():
@@ -135,7 +139,10 @@ def test_meta_fsdp_checkpoint_loads_unsplit_and_resumes_on_four_pipeline_ranks(t
     for name, p in fresh.named_parameters():
         assert (p - after[name].detach()).abs().max().item() < 1e-8, name
     seen = set()
-    for rank, r in enumerate(run_ranks(resume_without_data_parallel, 4, str(tmp_path / "ckpt"))):
+    resumed = run_ranks(resume_without_data_parallel, 4, str(tmp_path / "ckpt"),
+                        warm=functools.partial(plan_model, devices=4, replicas=1,
+                                               microbatches=4))
+    for rank, r in enumerate(resumed):
         assert "error" not in r and "died" not in r, (rank, r)
         assert abs(r["loss"] - losses[STEPS]) < 1e-10, (rank, r["loss"], losses[STEPS])
         assert abs(r["norm"] - norms[STEPS]) < 1e-8 * norms[STEPS], rank
