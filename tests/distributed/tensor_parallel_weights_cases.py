@@ -158,6 +158,24 @@ def run_families(families: dict) -> dict:
     return results
 
 
+def plan_weights(names: list[str], families: list[str]) -> None:
+    """`run_ranks(warm=...)` of `run_weights`: each model built as the ranks build it and
+    planned once on one process (see ranks.plan_first)."""
+    from tests.distributed.ranks import plan_first
+    from tests.support.real_models import FAMILIES
+
+    for name in names:
+        with pc.meta_parameters():
+            model, args, kwargs, _, loss_fn = MODELS[name]()
+        plan_first(model, args, kwargs, devices=1, microbatches=2, loss_fn=loss_fn)
+    for name in families:
+        torch.manual_seed(0)
+        with torch.device("meta" if FAMILIES[name].meta else "cpu"):
+            model = FAMILIES[name].build().double()
+        args, kwargs, _, loss_fn = family_case(name)
+        plan_first(model, args, kwargs, devices=1, microbatches=2, loss_fn=loss_fn)
+
+
 def run_weights(rank: int, names: list[str], paths: dict, out: str,
                 families: dict | None = None) -> dict:
     """For each model: built on meta, compiled with tensor_parallel = world size and

@@ -7,6 +7,7 @@ into the unsplit model. One 2-rank job for all of it."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -15,7 +16,8 @@ import torch
 import pipecompile as pc
 from tests.distributed.ranks import run_ranks
 from tests.distributed.tensor_parallel_cases import MODELS
-from tests.distributed.tensor_parallel_weights_cases import family_case, run_weights, state
+from tests.distributed.tensor_parallel_weights_cases import (family_case, plan_weights,
+                                                             run_weights, state)
 from tests.support.reference import reference_step
 
 NAMES = ["gpt2", "llama"]  # a fused qkv (Conv1D) and GQA
@@ -75,7 +77,8 @@ def job(tmp_path_factory):
     out = root / "saved"
     out.mkdir()
     results = run_ranks(run_weights, 2, NAMES, paths, str(out),
-                        {n: f[0] for n, f in families.items()}, timeout=900)
+                        {n: f[0] for n, f in families.items()}, timeout=900,
+                        warm=functools.partial(plan_weights, NAMES, list(FAMILIES)))
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r.get("trace", r))
     return paths, str(out), results, families
