@@ -5,6 +5,7 @@ model's; get_state_dict/set_state_dict round trip in one process."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import pipecompile as pc
+from tests.distributed.cases import plan_case
 from tests.distributed.ranks import run_ranks
 from tests.distributed.checkpoint_cases import OPTIONS, optimizer, resume, train_and_save
 from tests.support.models import CASES
@@ -48,7 +50,8 @@ def reference():
 def checkpoint(tmp_path_factory):
     """A 2-rank pipeline's checkpoint after 2 AdamW steps."""
     directory = str(tmp_path_factory.mktemp("dcp"))
-    results = run_ranks(train_and_save, 2, directory)
+    results = run_ranks(train_and_save, 2, directory,
+                        warm=functools.partial(plan_case, "gpt", 2, 1, 2))
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r)
     return directory, results
@@ -75,7 +78,7 @@ def test_two_rank_checkpoint_loads_into_the_unsplit_model(checkpoint, reference)
 def test_checkpoint_resumes_on_four_ranks(checkpoint, reference):
     directory, _ = checkpoint
     losses, states = reference
-    results = run_ranks(resume, 4, directory, 4)
+    results = run_ranks(resume, 4, directory, 4, warm=functools.partial(plan_case, "gpt", 4, 1, 2))
     seen = set()
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r)

@@ -5,6 +5,7 @@ the split backward's nested-weight case."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from pipecompile.schedule.simulate import StageCosts, simulate
 from pipecompile.runtime.split_backward import backward_input, backward_weight
 from pipecompile.schedule.zero_bubble import interleaved_zb, zb_v, zb_v_placement
 from tests.distributed.ranks import run_ranks
-from tests.distributed.cases import train
+from tests.distributed.cases import plan_case, train
 from tests.support.models import CASES
 from tests.support.reference import assert_grads_equal, reference_step
 
@@ -106,7 +107,8 @@ def test_two_gloo_ranks_equal_unsplit_model() -> None:
     from tests.runtime.test_distributed import _check
 
     schedules = ["zb-v", "interleaved-zb"]
-    results = run_ranks(train, 2, "gpt2", schedules, 2)
+    results = run_ranks(train, 2, "gpt2", schedules, 2,
+                        warm=functools.partial(plan_case, "gpt2", 2))
     _check(results, "gpt2", schedules, 4)
 
 
