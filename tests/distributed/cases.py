@@ -21,15 +21,16 @@ def _shard(case, replica, replicas):
 
 
 def plan_case(name, devices, data_parallel=1, microbatches=4):
-    """`run_ranks(warm=...)` of `train`: model `name` planned once on one process, on one
+    """`run_ranks(warm=...)` of `train`: model `name` planned once on one process on each
     replica's batch (see ranks.plan_first)."""
     from tests.distributed.ranks import plan_first
 
-    torch.manual_seed(0)
-    case = CASES[name]()
-    args, kwargs, _ = _shard(case, 0, data_parallel)
-    plan_first(case.model, args, kwargs, devices=devices, microbatches=microbatches,
-               loss_fn=case.loss_fn)
+    for replica in range(data_parallel):  # a slice's offset is part of a capture's key
+        torch.manual_seed(0)
+        case = CASES[name]()
+        args, kwargs, _ = _shard(case, replica, data_parallel)
+        plan_first(case.model, args, kwargs, devices=devices, microbatches=microbatches,
+                   loss_fn=case.loss_fn)
 
 
 def train(rank, name, schedules, devices, data_parallel=1, microbatches=4, steps=1,

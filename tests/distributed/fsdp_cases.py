@@ -33,13 +33,14 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 def plan_model(tokens: bool = False, devices: int = 2, replicas: int = 2,
                microbatches: int = 2) -> None:
-    """`run_ranks(warm=...)` of these jobs: `model()` planned once on one process on one
+    """`run_ranks(warm=...)` of these jobs: `model()` planned once on one process on each
     replica's batch (`padded_batch` with `token_loss` for `tokens`; see ranks.plan_first)."""
     from tests.distributed.ranks import plan_first
 
     x = padded_batch()[0] if tokens else batch(0)[0]
-    plan_first(model(), (x.chunk(replicas)[0],), devices=devices, microbatches=microbatches,
-               loss_fn=token_loss if tokens else zoo.lm_loss)
+    for part in x.chunk(replicas):  # a slice's offset is part of a capture's key
+        plan_first(model(), (part,), devices=devices, microbatches=microbatches,
+                   loss_fn=token_loss if tokens else zoo.lm_loss)
 
 
 def train(rank: int, fsdp: bool, steps: int = STEPS) -> dict:

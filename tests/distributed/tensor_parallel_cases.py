@@ -299,7 +299,7 @@ def replica_case(name: str, P: int, replicas: int, rank: int, world: int):
 def plan_once(models: list[tuple[str, int, int]],
               meta: tuple[tuple[str, int], ...] = ()) -> None:
     """`run_ranks(warm=...)` of a tensor-parallel job: each (model, pipeline devices P,
-    replicas D) planned once on one process, on one replica's batch in 2 micro-batches over P
+    replicas D) planned once on one process, on each replica's batch in 2 micro-batches over P
     devices (and each (model, D) of `meta` built on meta, on one device), so that the ranks forked
     after find its capture and symbolic costs in `pipecompile.default_cache`. Nothing runs:
     a plan, no pipeline (no thread is left to fork)."""
@@ -308,7 +308,9 @@ def plan_once(models: list[tuple[str, int, int]],
     wanted = {(name, P, D, False) for name, P, D in models}
     wanted |= {(name, 1, D, True) for name, D in meta}
     for name, P, D, on_meta in sorted(wanted):
-        with pc.meta_parameters() if on_meta else contextlib.nullcontext():
-            _, (model, args, kwargs, _, loss_fn) = replica_case(name, P, D, 0, P * D)
-        plan_first(model, args, kwargs, devices=P, loss_fn=loss_fn, microbatches=2,
-                   schedule="gpipe")
+        for replica in range(D):  # a slice's offset is part of a capture's key
+            with pc.meta_parameters() if on_meta else contextlib.nullcontext():
+                _, (model, args, kwargs, _, loss_fn) = replica_case(name, P, D, replica * P,
+                                                                    P * D)
+            plan_first(model, args, kwargs, devices=P, loss_fn=loss_fn, microbatches=2,
+                       schedule="gpipe")

@@ -5,12 +5,14 @@ eval_step, autocast."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.distributed.cases import plan_case
 from tests.distributed.ranks import run_ranks
 from tests.distributed.training_cases import (
     _loop,
@@ -45,7 +47,8 @@ def _reference_loop(steps=3):
 
 @pytest.mark.parametrize("devices,data_parallel", [(2, 1), (1, 2)])
 def test_user_optimizer_scheduler_and_clipping_on_two_ranks(devices, data_parallel):
-    results = run_ranks(user_loop, 2, devices, data_parallel)
+    results = run_ranks(user_loop, 2, devices, data_parallel,
+                        warm=functools.partial(plan_case, "gpt", devices, data_parallel, 2))
     losses, norms, params, val = _reference_loop()
     for rank, r in enumerate(results):
         assert "error" not in r and "died" not in r, (rank, r)
