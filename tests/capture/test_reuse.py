@@ -54,13 +54,15 @@ def test_a_reused_capture_gives_bit_equal_loss_and_gradients(name):
 
 
 def test_compile_with_a_cache_keeping_captures_steps_bit_equal():
-    """Through compile (2 stages, 1F1B; a model without ties: two compiles of the tied zoo GPT
-    sum the tied gradient in either order, 1e-17 apart, with or without reuse): the second
-    compile reuses the capture and its step equals the first's bit for bit."""
+    """Through compile (2 stages, 1F1B): the second compile reuses the capture and its step
+    equals the first's bit for bit. The model holds no parameter used by two stages: on one
+    device such a parameter is one object, whose gradient the two stages' threads accumulate
+    in whichever order they reach it, 1e-17 apart from run to run with or without reuse
+    (KeywordTupleModel's `encode.weight`, used at both ends, differed in 5 of 30 runs)."""
     cache = CompileCache(captures=1)
     steps = []
     for _ in range(2):
-        case = _seeded("keyword_tuple")
+        case = _seeded("residual_cnn")
         pipe = pc.compile(case.model, case.args, case.kwargs, devices=2, microbatches=2,
                           loss_fn=case.loss_fn, schedule="1f1b", cache=cache)
         loss = pipe.step(*case.args, target=case.target, **case.kwargs).item()
