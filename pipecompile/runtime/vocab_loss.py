@@ -82,11 +82,11 @@ def cross_entropy_over(group: Any, degree: int, rank: int, *,
 
     class _CrossEntropy(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, local: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                    weight: torch.Tensor | None, smoothing: float) -> torch.Tensor:
+        def forward(ctx: Any, local: torch.Tensor, target: torch.Tensor, ignored: torch.Tensor,
+                    weight: torch.Tensor | None, w_target: torch.Tensor | None,
+                    smoothing: float) -> torch.Tensor:
             width = local.shape[-1]
             start = rank * width
-            ignored = target == ignore_index
             top = local.detach().amax(dim=-1)
             reduce(top, dist.ReduceOp.MAX)
             shifted = local.detach() - top.unsqueeze(-1)
@@ -103,61 +103,56 @@ def cross_entropy_over(group: Any, degree: int, rank: int, *,
             picked, total = both[0], both[1]
             log_total = total.log()
             nll = log_total - picked
-            if weight is not None:  # w[target]: a lookup of the whole weights
-                nll = nll * _at_target(weight, target, ignored).to(local.dtype)
+            if w_target is not None:
+                nll = nll * w_target.to(local.dtype)
             loss = nll
             if smoothing:
                 mass = width * degree if weight is None else weight.sum().to(local.dtype)
                 smooth = mass * log_total - both[2]  # -sum_j w_j log p_j
                 loss = (1 - smoothing) * nll + smoothing / (width * degree) * smooth
             loss = loss.masked_fill(ignored, 0)
-            ctx.save_for_backward(exp, total, mine, outside, ignored, target, weight, w_local)
+            ctx.save_for_backward(exp, total, mine, outside, ignored, w_target, weight, w_local)
             ctx.smoothing, ctx.classes = smoothing, width * degree
             return loss
 
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-            exp, total, mine, outside, ignored, target, weight, w_local = ctx.saved_tensors
+            exp, total, mine, outside, ignored, w_target, weight, w_local = ctx.saved_tensors
             eps, classes = ctx.smoothing, ctx.classes
             soft = exp / total.unsqueeze(-1)
             scale = grad.masked_fill(ignored, 0)
-            if weight is not None:  # d/dz of w_t nll: w_t (p - onehot)
-                scale_nll = scale * _at_target(weight, target, ignored).to(soft.dtype)
-            else:
-                scale_nll = scale
+            # d/dz of w_t nll: w_t (p - onehot)
+            scale_nll = scale if w_target is None else scale * w_target.to(soft.dtype)
             # (1 - eps) w_t (p - onehot) + eps / V (W p - w): W the weights' sum (V unweighted)
             rows = torch.arange(soft.shape[0], device=soft.device)
             if not eps:
                 soft[rows, mine] -= (~outside).to(soft.dtype)
-                return soft * scale_nll.unsqueeze(-1), None, None, None, None
+                return soft * scale_nll.unsqueeze(-1), None, None, None, None, None
             mass = classes if weight is None else weight.sum().to(soft.dtype)
             coeff = (1 - eps) * scale_nll + eps / classes * mass * scale
             out = soft * coeff.unsqueeze(-1)
             out[rows, mine] -= ((1 - eps) * scale_nll).masked_fill(outside, 0)
             uniform = (eps / classes) * scale.unsqueeze(-1)
             out -= uniform if w_local is None else uniform * w_local
-            return out, None, None, None, None
+            return out, None, None, None, None, None
 
     def cross_entropy(local: torch.Tensor, target: torch.Tensor, reduction: int = 1,
                       ignore_index: int = -100, weight: torch.Tensor | None = None,
                       label_smoothing: float = 0.0) -> torch.Tensor:
-        losses = _CrossEntropy.apply(local, target, ignore_index, weight, float(label_smoothing))
+        ignored = target == ignore_index
+        # w[target] per token, 0 where ignored: a lookup of the whole weights, no communication
+        w_target = (None if weight is None
+                    else weight[target.masked_fill(ignored, 0)].masked_fill(ignored, 0))
+        losses = _CrossEntropy.apply(local, target, ignored, weight, w_target,
+                                     float(label_smoothing))
         if reduction == 0:
             return losses
         if reduction == 2:
             return losses.sum()
-        ignored = target == ignore_index
-        count = ((~ignored).sum() if weight is None
-                 else _at_target(weight, target, ignored).sum())
+        count = (~ignored).sum() if w_target is None else w_target.sum()
         return losses.sum() / count.to(losses.dtype)
 
     return cross_entropy
-
-
-def _at_target(weight: torch.Tensor, target: torch.Tensor, ignored: torch.Tensor
-               ) -> torch.Tensor:
-    """w[target] per token (whole weights: no communication), 0 where ignored."""
-    return weight[target.masked_fill(ignored, 0)].masked_fill(ignored, 0)
 
 
 Lower = Callable[[torch.fx.GraphModule, Mapping[int, int]], "torch.fx.GraphModule | None"]
