@@ -94,8 +94,8 @@ def world_size() -> int:
 def ranks_per_node(world: int) -> int:
     """The ranks on each node of this job: torchrun's LOCAL_WORLD_SIZE, else all `world` (one
     node, as the tests' spawned ranks). A tensor-parallel group stays inside a node."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(local) if local and int(local) > 0 and world % int(local) == 0 else world
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    return local if local > 0 and world % local == 0 else world
 
 
 def rank_device() -> str:

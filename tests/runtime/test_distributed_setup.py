@@ -127,3 +127,16 @@ def test_setup_and_reductions_on_two_gloo_ranks():
             torch.testing.assert_close(grad, want[name], rtol=1e-6, atol=1e-6, msg=name)
     torch.testing.assert_close(results[0]["grads"]["weight"], results[1]["grads"]["weight"],
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("local, world, want", [(None, 4, 4), ("2", 4, 2), ("3", 4, 4),
+                                                ("0", 4, 4), ("8", 16, 8)])
+def test_ranks_per_node_is_torchruns_local_world_size_when_it_divides_the_job(
+        monkeypatch, local, world, want):
+    """A tensor-parallel group stays inside a node: torchrun's LOCAL_WORLD_SIZE is its size;
+    without it (the tests' spawned ranks), or when it does not divide the job, one node."""
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert distributed.ranks_per_node(world) == want
