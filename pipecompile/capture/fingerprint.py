@@ -17,9 +17,10 @@ key holds everything export reads that can change the graph:
 A model is unkeyable (never reused) when it holds what the key cannot see by value: a hook, a
 tensor subclass or a fake tensor, a meta tensor outside its parameters and buffers, a value of
 a kind not listed (an object with slots, a generator), a function whose closure holds such a
-value, a cycle; or when a torch function or dispatch mode is active. Not seen: state reached from the model's code only through two or
-more references (a global registry's class attribute) and code replaced inside a function
-object in place; a process that patches those between two compiles must not reuse captures.
+value, a cycle; or when a torch function or dispatch mode is active. Not seen: state reached
+from the model's code only through two or more references (a global registry's class
+attribute) and code replaced inside a function object in place; a process that patches those
+between two compiles must not reuse captures.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class Progress:
         self.every: float = PROGRESS_EVERY_S if chosen is None else chosen
         self.count = 0
         self.start = self.last = time.perf_counter()
-        if every is None and _every.get() is not None:  # a bar: its first item shows the loop
+        if every is None and chosen is not None:  # a bar: its first item shows the loop
             self.last = float("-inf")
         self.level = level()
 

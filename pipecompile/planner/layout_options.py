@@ -12,7 +12,8 @@ takes its slice), and the search pass chooses P x D, FSDP and where each dimensi
 (planner/layout.py). Under torchrun (WORLD_SIZE > 1) `data_parallel="auto"`, or neither
 `devices` nor `data_parallel` given, searches the layout of the ranks: `devices=P` then fixes
 the pipeline degree (D = world / P); `tensor_parallel="auto"` adds T (P x D x T = world).
-Validating joins no process group: compile's "join" pass does (planner/ranks_passes.py). Bad values are `ConfigError`s saying what to pass.
+Validating joins no process group: compile's "join" pass does (planner/ranks_passes.py). Bad
+values are `ConfigError`s saying what to pass.
 """
 
 from __future__ import annotations

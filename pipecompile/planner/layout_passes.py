@@ -3,9 +3,9 @@ layout of the devices (planner/layout.py) is searched with the schedule search o
 replica's slice of the global batch, its devices' links, the bytes its devices hold and its
 collectives, and the fastest is kept (planner/layout_search.py). With `tensor_parallel="auto"`
 the layouts include every T dividing the devices per node (under torchrun: its ranks per
-node), each priced as one rank's share of
-the blocks (planner/tensor_costs.py); a given T is the only one. With T > 1 each layout is
-priced with sequence parallelism as asked (`sequence_parallel="auto"`: without and with).
+node), each priced as one rank's share of the blocks (planner/tensor_costs.py); a given T is
+the only one. With T > 1 each layout is priced with sequence parallelism as asked
+(`sequence_parallel="auto"`: without and with).
 
     layout_search_pass(plan, example, profile) -> plan with choices (layout, P devices) and
                                                   search (the winner's candidates + layouts)

@@ -22,8 +22,7 @@ RTOL = 1e-6  # float32: relative to each gradient's largest entry
 
 # One xdist worker runs them all, one after another: inductor keeps what it compiled on disk
 # (its FX graph cache), so the later tests reuse the first's stage graphs. Spread over two
-# workers, each compiled the same graphs at once from a cold cache (83 s of the suite against
-# 60 s for the file alone, on a fresh machine).
+# workers, both compiled the same graphs at once from a cold cache.
 pytestmark = pytest.mark.xdist_group("compile_stages")
 
 
