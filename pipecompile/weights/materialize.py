@@ -93,12 +93,14 @@ def to_empty(tensors: Mapping[str, tuple[tuple[int, torch.Tensor], ...]],
 def _forget_fakes(tensors: list[torch.Tensor]) -> None:
     """Drop the fake-tensor memo entries (torch's `WeakIdKeyDictionary`s, from capture and
     costing) that still map these meta tensors to their fakes: `swap_tensors` refuses a tensor
-    something holds a weak reference to, and a memo of the meta tensor would be stale anyway."""
+    something holds a weak reference to, and a memo of the meta tensor would be stale anyway.
+    The heap holds weak proxies too: `isinstance` on a dead one raises ReferenceError, so the
+    scan asks each object's own type, which a proxy answers without its referent."""
     held = [t for t in tensors if weakref.getweakrefcount(t)]
     if not held:
         return
     for obj in gc.get_objects():
-        if isinstance(obj, WeakIdKeyDictionary):
+        if issubclass(type(obj), WeakIdKeyDictionary):
             for tensor in held:
                 if tensor in obj:
                     del obj[tensor]

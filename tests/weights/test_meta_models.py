@@ -3,9 +3,12 @@ or loaded per process (pipecompile/weights/materialize.py), compared with the ea
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch.utils.weak import WeakIdKeyDictionary
 
 import pipecompile as pc
 from pipecompile import zoo
@@ -56,6 +59,21 @@ def test_to_empty_allocates_only_meta_tensors_and_keeps_objects():
     assert model.wte.weight is pipe.wte.weight and not model.wte.weight.is_meta
     assert torch.equal(pipe.table, torch.arange(8.0, dtype=torch.float64))
 
+
+def test_to_empty_forgets_weak_memos_with_a_dead_weak_proxy_on_the_heap():
+    """to_empty scans the heap for torch's weak memos of the meta tensors (swap_tensors refuses
+    a weakly referenced tensor); a dead `weakref.proxy` elsewhere on the heap must not stop it
+    (`isinstance` on one raises ReferenceError: CI failed on it once)."""
+    pipe = _compile(_meta_gpt())
+    memo = WeakIdKeyDictionary()
+    memo[pipe.wte.weight] = "fake"
+    referent = type("Referent", (), {})()
+    dead = [weakref.proxy(referent)]
+    del referent
+    with pytest.raises(ReferenceError):
+        isinstance(dead[0], WeakIdKeyDictionary)
+    pipe.to_empty()
+    assert not pipe.wte.weight.is_meta and len(memo) == 0
 
 def test_init_weights_do_not_depend_on_the_stage_count():
     torch.manual_seed(123)
