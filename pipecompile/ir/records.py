@@ -379,8 +379,9 @@ class Stage:
 
 @dataclass(frozen=True)
 class TiedParameter:
-    """One parameter reached under several names; `copies` lists (stage, name) for every stage
-    that reads it (stages on the same device share one tensor object)."""
+    """One parameter reached under several names or read by several stages; `copies` lists
+    (stage, name) for every stage that reads it (stages on the same device share one tensor
+    object, stages on other devices or ranks hold copies whose gradients are summed)."""
 
     names: tuple[str, ...]
     copies: tuple[tuple[int, str], ...]

@@ -78,7 +78,7 @@ def export_onnx(program: StagedProgram, directory: str | os.PathLike) -> str:
         "outputs": [n for n in captured.output_names
                     if n in captured.values and captured.values[n].is_tensor],
         "stages": entries,
-        "tied": [list(t.names) for t in program.ties],
+        "tied": [list(t.names) for t in program.ties if len(t.names) > 1],  # one tensor's names
         "dynamic_batch": bool(captured.dynamic_batch),
     }
     from .onnx_run import validate_manifest

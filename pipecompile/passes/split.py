@@ -11,9 +11,11 @@ outputs. Parameters and buffers keep their original dotted names (`transformer.h
 weight`); a stage reads only those its nodes use. Remat nodes (masks, sizes) are recomputed in each
 stage that reads them.
 
-A tensor reached under several names (a tied weight such as GPT-2's `wte`/`lm_head`) is one
+A parameter reached under several names (a tied weight such as GPT-2's `wte`/`lm_head`) or read
+by several stages under one name (an encoder's weight reused, transposed, by the decoder) is one
 object per device: stages on the same device share it, so autograd sums its gradient; stages on
-different devices hold copies listed in `StagedProgram.ties`, whose gradients the runtime sums.
+different devices or ranks hold copies listed in `StagedProgram.ties`, whose gradients the
+runtime sums.
 
 The records (`Stage`, `TiedParameter`, `StagedProgram`) live in `ir/records.py`, beside the other
 IR every floor reads. `TensorPlacement` and `tensor_copies` are how a stage's tensors are placed
@@ -337,6 +339,7 @@ def tensor_copies(gm: fx.GraphModule, stages: list[Stage]
         entry = tuple((s, t) for s, t, _ in copies.values())
         for name in names:
             tensors[name] = entry
-        if isinstance(entry[0][1], torch.nn.Parameter) and len(names) > 1:
+        # a tie: several names, or one name read by several stages (each may hold a copy)
+        if isinstance(entry[0][1], torch.nn.Parameter) and (len(names) > 1 or len(entry) > 1):
             ties.append(TiedParameter(tuple(names), tuple((s, a) for s, _, a in copies.values())))
     return tensors, tuple(ties)

@@ -119,6 +119,35 @@ def test_one_parameter_used_by_two_stages_is_a_tie():
     assert apart.stages[2].module.get_parameter("head.weight") is t2
 
 
+class Reused(nn.Module):
+    """One name read at both ends: the encoder's weight decodes, transposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode = nn.Linear(6, 4)
+        self.mid = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.mid(self.encode(x))) @ self.encode.weight
+
+
+def test_one_name_read_by_two_stages_is_a_tie_whose_copies_are_summed():
+    """Without the tie each rank would step its copy with its own part of the gradient
+    (a rank test: tests/runtime/test_distributed.py, keyword_tuple)."""
+    torch.manual_seed(0)
+    model = Reused().double()
+    linear = linearize(capture(model, (torch.randn(8, 6, dtype=torch.float64),), {}))
+    n = len(linear.blocks)
+    for devices in (("cpu", "cpu"), ("cpu", "meta")):
+        program = split(linear, (0, 1, n), list(devices))
+        ties = [t for t in program.ties if t.names == ("encode.weight",)]
+        assert [t.copies for t in ties] == [((0, "encode.weight"), (1, "encode.weight"))]
+        (_, first), (_, last) = program.tensors["encode.weight"]
+        assert (first is last) == (devices[1] == "cpu")  # one device: one object
+    one_stage = split(linear, (0, n), ["cpu"])
+    assert one_stage.ties == ()  # one stage, one name: nothing to sum
+
+
 def test_input_functions_are_recomputed_in_the_stage_that_reads_them():
     torch.manual_seed(0)
     model = Skip().double()

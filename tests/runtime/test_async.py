@@ -134,6 +134,12 @@ def test_async_configuration_errors():
     with pytest.raises(pc.ConfigError, match="own clock"):
         pc.compile(tied, (x,), devices=2, schedule="pipedream", loss_fn=zoo.lm_loss,
                    optimizer=OPTIMIZERS["adamw"])
+    reused = zoo.KeywordTupleModel()  # one name, `encode.weight`, read at both ends
+    y, scale = torch.randn(8, 12), torch.tensor(0.5)
+    with pytest.raises(pc.ConfigError, match=r"parameter encode\.weight cannot be used by "
+                                             r"stages \[0, 1\]"):
+        pc.compile(reused, (y,), {"scale": scale}, devices=2, schedule="2bw",
+                   loss_fn=zoo.tuple_loss, optimizer=OPTIMIZERS["adamw"])
 
 
 def test_async_schedules_validate_and_keep_pipedream_order():
