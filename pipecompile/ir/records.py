@@ -380,8 +380,8 @@ class Stage:
 @dataclass(frozen=True)
 class TiedParameter:
     """One parameter reached under several names or read by several stages; `copies` lists
-    (stage, name) for every stage that reads it (stages on the same device share one tensor
-    object, stages on other devices or ranks hold copies whose gradients are summed)."""
+    (stage, name) for every stage that reads it, each stage holding its own leaf (an alias of
+    the same memory on the same device, a copy elsewhere) whose gradients the runtime sums."""
 
     names: tuple[str, ...]
     copies: tuple[tuple[int, str], ...]

@@ -12,10 +12,10 @@ weight`); a stage reads only those its nodes use. Remat nodes (masks, sizes) are
 stage that reads them.
 
 A parameter reached under several names (a tied weight such as GPT-2's `wte`/`lm_head`) or read
-by several stages under one name (an encoder's weight reused, transposed, by the decoder) is one
-object per device: stages on the same device share it, so autograd sums its gradient; stages on
-different devices or ranks hold copies listed in `StagedProgram.ties`, whose gradients the
-runtime sums.
+by several stages under one name (an encoder's weight reused, transposed, by the decoder) is a
+tie (`StagedProgram.ties`): each stage that reads it holds its own leaf (an alias of the same
+memory on the same device, a copy on another device or rank), and the runtime sums their
+gradients in stage order before the step.
 
 The records (`Stage`, `TiedParameter`, `StagedProgram`) live in `ir/records.py`, beside the other
 IR every floor reads. `TensorPlacement` and `tensor_copies` are how a stage's tensors are placed
@@ -263,12 +263,17 @@ def _check_writes(graph: fx.Graph, stage_of: Mapping[str, int], output_node, las
 
 
 class TensorPlacement:
-    """The tensor each stage uses for an attribute: the original, or one copy per device."""
+    """The tensor each stage uses for an attribute: the original, or one copy per device; a
+    trained parameter that a second stage on the same device reads is an alias there (its own
+    autograd leaf over the same memory), so each stage accumulates its own gradient, in its
+    own order, and the step sums them in stage order: two stage threads adding into one
+    `.grad` would add in whichever order they reach it, not bit-reproducibly."""
 
     def __init__(self, devices: list[torch.device],
                  copies: dict[tuple[int, torch.device], torch.Tensor]):
         self.devices = devices
         self._copies = copies
+        self._held: dict[tuple[int, torch.device], dict[int, torch.Tensor]] = {}
 
     def get(self, stage: int, name: str, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -280,7 +285,12 @@ class TensorPlacement:
                 self._copies[key] = self._meta(value, device)
             else:
                 self._copies[key] = _to_device(value, device)
-        return self._copies[key]
+        held = self._held.setdefault(key, {})  # stage -> its object (one per stage and name)
+        if stage not in held:
+            base = self._copies[key]
+            trained = isinstance(base, torch.nn.Parameter) and base.requires_grad
+            held[stage] = _alias(base) if held and trained else base
+        return held[stage]
 
 
     def _meta(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -290,6 +300,12 @@ class TensorPlacement:
         taken = any(k[0] == id(value) and k[1].type != "meta" and c is value
                     for k, c in self._copies.items())
         return value if device.type != "meta" and not taken else _meta_copy(value)
+
+
+def _alias(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """Another leaf over `param`'s memory: an optimizer's in-place update of either is seen by
+    both, and each keeps its own `.grad` (a meta one gets its own memory from to_empty)."""
+    return torch.nn.Parameter(param.detach(), requires_grad=True)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

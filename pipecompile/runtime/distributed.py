@@ -239,18 +239,19 @@ class GradientSync:
             dist.all_reduce(local_tensor(tensor.grad), group=group)  # a shard: the same part
         if self.dp_group is None or self.replicas_reduced:
             return
-        grads: list[torch.Tensor] = []
+        grads: dict[int, torch.Tensor] = {}  # a tie's copies here share their summed grad
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(local_tensor(p.grad))  # tensor-parallel: this rank's shard
+            grads.setdefault(id(p.grad), local_tensor(p.grad))  # tensor-parallel: the shard
         if not grads:
             return
-        flat = torch._utils._flatten_dense_tensors(grads)
+        unique = list(grads.values())
+        flat = torch._utils._flatten_dense_tensors(unique)
         dist.all_reduce(flat, group=self.dp_group)
         if not summed:
             flat /= self.topology.data_parallel
-        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        for g, reduced in zip(unique, torch._utils._unflatten_dense_tensors(flat, unique)):
             g.copy_(reduced)
 
 

@@ -41,7 +41,8 @@ def sharing_stages(program: Any, own_stages: Sequence[int]
                    ) -> tuple[dict[int, frozenset[int]], dict[int, list[list[torch.Tensor]]]]:
     """Per stage: the other stages whose backward its optimizer step must wait for (they hold
     a parameter object it holds first, or a copy of a tie it holds first), and the tied
-    copies whose gradients it sums (ties whose first stage it is, copies on other devices)."""
+    copies whose gradients it sums (ties whose first stage it is: every copy this process
+    holds, an alias on its device or a copy on another)."""
     own = sorted(own_stages)
     holders: dict[int, list[int]] = defaultdict(list)
     for stage in program.stages:
@@ -167,12 +168,12 @@ class StepRound:
         if self.closes is None or stage not in self.closes:
             return  # an earlier STEP of its row, or the caller's order (`complete`)
         steps = self.steps
+        for s in self.closes[stage]:  # this process's copies first, then across ranks
+            for copies in steps.sums.get(s, ()):
+                _sum_copies(copies)
         if steps.reduce is not None:
             steps.reduce(self.summed)
         for s in self.closes[stage]:
-            if steps.reduce is None:
-                for copies in steps.sums.get(s, ()):
-                    _sum_copies(copies)
             if s in steps.optimizers:
                 steps.optimizers[s].step()
 
@@ -188,12 +189,11 @@ class StepRound:
         if self.closes is not None:
             return  # the rows' last STEPs did it
         steps = self.steps
+        for groups in steps.sums.values():  # this process's copies first, then across ranks
+            for copies in groups:
+                _sum_copies(copies)
         if steps.reduce is not None:
             steps.reduce(self.summed)
-        else:
-            for groups in steps.sums.values():
-                for copies in groups:
-                    _sum_copies(copies)
         if self.arrived:
             for opt in steps.optimizers.values():
                 opt.step()

@@ -4,7 +4,8 @@
                     re-entered by each device thread around its compute actions (autocast is
                     thread-local: worker threads would otherwise run in float32)
     TiedCopies      copies of a tied parameter on other devices of this process follow their
-                    owner after any optimizer updated it (the user's own optimizer sees only
+                    owner after any optimizer updated it (an alias on the owner's device shares
+                    its memory) (the user's own optimizer sees only
                     the owner, `pipe.parameters()` lists a tied parameter once)
     clip_grad_norm  `torch.nn.utils.clip_grad_norm_` over every stage of every rank: partial
                     norms of this process's gradients, reduced over the pipeline's ranks (data-
@@ -57,7 +58,7 @@ class AutocastState:
 
 class TiedCopies:
     """Tied parameters with several tensor objects in this process (stages on different
-    devices): after the owner (the copy `pipe.parameters()` lists) was updated in place, by
+    devices, or an alias per stage on one): after the owner (the copy `pipe.parameters()` lists) was updated in place, by
     any optimizer, `follow()` copies it into the other copies."""
 
     def __init__(self, program: Any, own_stages: Sequence[int]):
@@ -66,16 +67,27 @@ class TiedCopies:
             copies = program.held_copies(tie.names[0], own_stages)
             if len(copies) > 1:
                 self.groups.append((copies[0], copies[1:]))
-        self.seen = [owner._version for owner, _ in self.groups]
+        # never seen: the first call copies, whatever wrote the owner before it (a checkpoint
+        # load, init_weights after to_empty, the user)
+        self.seen = [-1 for _ in self.groups]
 
     def follow(self) -> None:
-        """Copy each owner that changed since the last call into its copies."""
+        """Copy each owner that changed since the last call into its copies (an alias of the
+        owner's own memory, a second stage's on its device, already sees the change)."""
         for i, (owner, copies) in enumerate(self.groups):
             if owner._version != self.seen[i]:
                 with torch.no_grad():
                     for copy in copies:
-                        copy.copy_(owner.to(copy.device))
+                        if not _same_memory(owner, copy):
+                            copy.copy_(owner.to(copy.device))
                 self.seen[i] = owner._version
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Are `a` and `b` the same real memory (not meta; a DTensor by its local part)?"""
+    a, b = local_tensor(a), local_tensor(b)
+    return (not a.is_meta and a.device == b.device and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride())
 
 
 def counted_parameters(program: Any, own_stages: Sequence[int]) -> list[torch.Tensor]:

@@ -81,11 +81,19 @@ def test_stages_in_order_compute_the_model_and_its_gradients():
     (out,) = _run(program, {"ids": ids})
     want = model(ids)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
-    # the tied weight is one tensor on one device: autograd sums both uses, as in the model
-    grads = torch.autograd.grad(want.pow(2).sum(), list(model.parameters()))
-    got = torch.autograd.grad(out.pow(2).sum(), list(model.parameters()))
-    for g, w in zip(got, grads, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-14, atol=0)
+    # each stage's leaf gets its own part; the parts of the tied weight (stage 0's and stage
+    # 2's alias) summed are the model's gradient, in which autograd summed both uses
+    names = dict(model.named_parameters(remove_duplicate=False))
+    want_grads = dict(zip(names, torch.autograd.grad(want.pow(2).sum(), list(names.values()))))
+    leaves = [(n, p) for s in program.stages for n, p in s.module.named_parameters()]
+    got: dict[str, torch.Tensor] = {}
+    for (name, _), g in zip(leaves, torch.autograd.grad(out.pow(2).sum(),
+                                                         [p for _, p in leaves])):
+        got[name] = got[name] + g if name in got else g
+    assert sorted(got) == ["head.weight", "layers.0.bias", "layers.0.weight",
+                           "layers.1.bias", "layers.1.weight"]
+    for name, g in got.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=1e-14, atol=0)
 
 
 def test_original_parameter_names_in_each_stage():
@@ -96,9 +104,16 @@ def test_original_parameter_names_in_each_stage():
         ("head.weight", "layers.1.weight", "layers.1.bias"),
     ]
     params = dict(model.named_parameters(remove_duplicate=False))
-    for stage in program.stages:
-        for name in stage.parameter_names:  # on the CPU, the stage holds the model's tensor
-            assert stage.module.get_parameter(name) is params[name]
+    # on the CPU the first stage to read a parameter holds the model's tensor; a later one
+    # holds an alias of it (its own leaf, so its own gradient, over the same memory)
+    first = program.stages[0].module.get_parameter("head.weight")
+    later = program.stages[2].module.get_parameter("head.weight")
+    assert first is params["head.weight"] and later is not first
+    assert later.data_ptr() == first.data_ptr() and later.requires_grad
+    for stage in program.stages[1:]:
+        for name in stage.parameter_names:
+            if name != "head.weight":
+                assert stage.module.get_parameter(name) is params[name]
     assert set(program.tensors) == set(params)
 
 
@@ -108,7 +123,8 @@ def test_one_parameter_used_by_two_stages_is_a_tie():
     assert tie.names == ("emb.weight", "head.weight")
     assert tie.copies == ((0, "head.weight"), (2, "head.weight"))
     first, last = program.tensors["emb.weight"]
-    assert (first[0], last[0]) == (0, 2) and first[1] is last[1]  # one device: one object
+    assert (first[0], last[0]) == (0, 2) and first[1] is not last[1]  # a leaf per stage,
+    assert first[1].data_ptr() == last[1].data_ptr()  # one memory on one device
 
     model, _, apart = _tied(devices=("cpu", "cpu", "meta"))
     (tie,) = apart.ties
@@ -143,7 +159,8 @@ def test_one_name_read_by_two_stages_is_a_tie_whose_copies_are_summed():
         ties = [t for t in program.ties if t.names == ("encode.weight",)]
         assert [t.copies for t in ties] == [((0, "encode.weight"), (1, "encode.weight"))]
         (_, first), (_, last) = program.tensors["encode.weight"]
-        assert (first is last) == (devices[1] == "cpu")  # one device: one object
+        assert first is not last and last.requires_grad  # each stage's own leaf
+        assert (first.data_ptr() == last.data_ptr()) == (devices[1] == "cpu")  # one memory
     one_stage = split(linear, (0, n), ["cpu"])
     assert one_stage.ties == ()  # one stage, one name: nothing to sum
 

@@ -79,8 +79,13 @@ def test_who_waits_for_whom() -> None:
     pipe = pc.compile(model, (x,), devices=2, schedule="1f1b", microbatches=4,
                       loss_fn=zoo.lm_loss, split_points=["layers.2"])
     waits, sums = sharing_stages(pipe.program, [0, 1])
-    # both CPU devices hold the tied weight as one object: stage 0 (first) waits for stage 1
-    assert waits == {0: frozenset({1}), 1: frozenset()} and sums == {0: [], 1: []}
+    # stage 1 holds an alias of the tied weight (its own leaf over the same CPU memory): stage 0
+    # (first) waits for it and sums the two gradients, its own first
+    owner = pipe.program.tensors["wte.weight"][0][1]
+    assert waits == {0: frozenset({1}), 1: frozenset()}
+    (copies,) = sums[0]
+    assert sums[1] == [] and copies[0] is owner and copies[1] is not owner
+    assert copies[1].data_ptr() == owner.data_ptr()
 
 
 class _Program(SimpleNamespace):
