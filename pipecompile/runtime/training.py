@@ -73,8 +73,12 @@ class TiedCopies:
 
     def follow(self) -> None:
         """Copy each owner that changed since the last call into its copies (an alias of the
-        owner's own memory, a second stage's on its device, already sees the change)."""
+        owner's own memory, a second stage's on its device, already sees the change), and
+        give the copies the owner's `requires_grad` (the user may freeze it after compile)."""
         for i, (owner, copies) in enumerate(self.groups):
+            for copy in copies:
+                if copy.requires_grad != owner.requires_grad:
+                    copy.requires_grad_(owner.requires_grad)
             if owner._version != self.seen[i]:
                 with torch.no_grad():
                     for copy in copies:

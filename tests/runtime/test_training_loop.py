@@ -180,6 +180,35 @@ def test_user_adamw_and_scheduler_on_a_model_tied_across_stages():
                                        else t, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def test_a_tied_weight_frozen_after_compile_stays_frozen_in_every_stage():
+    """`requires_grad_(False)` on the tied weight after compile: the last stage's leaf of it (an
+    alias) follows, so it gets no gradient and the optimizer leaves it, as in the model."""
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    reference = copy.deepcopy(case.model)
+    pipe = pc.compile(case.model, case.args, devices=2, microbatches=2, loss_fn=case.loss_fn)
+    pipe.step(*case.args, target=case.target)  # a step before the freeze
+    before = pipe.wte.weight.detach().clone()
+    pipe.wte.weight.requires_grad_(False)
+    reference.wte.weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in pipe.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = pipe.step(*case.args, target=case.target)
+        opt.step()
+        ref_loss, ref_grads = reference_step(reference, case.args, {}, case.target,
+                                             case.loss_fn, 2)
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    assert "wte.weight" not in ref_grads and pipe.wte.weight.grad is None
+    assert all(t.grad is None and not t.requires_grad for _, t in pipe.program.tensors["wte.weight"])
+    assert torch.equal(pipe.wte.weight, before)
+    want = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
 @pytest.fixture
 def second_device(monkeypatch):
     """Stages on "cpu:1" get their own copies of the tensors, as stages on a second
