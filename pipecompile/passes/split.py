@@ -302,7 +302,7 @@ class TensorPlacement:
         return value if device.type != "meta" and not taken else _meta_copy(value)
 
 
-def _alias(param: torch.nn.Parameter) -> torch.nn.Parameter:
+def _alias(param: torch.Tensor) -> torch.nn.Parameter:
     """Another leaf over `param`'s memory: an optimizer's in-place update of either is seen by
     both, and each keeps its own `.grad` (a meta one gets its own memory from to_empty)."""
     return torch.nn.Parameter(param.detach(), requires_grad=True)
