@@ -264,6 +264,34 @@ def test_user_adamw_when_the_tie_has_a_copy_on_another_device(second_device, cli
     torch.testing.assert_close(owner, reference.lm_head.weight, rtol=1e-10, atol=1e-12)
 
 
+def test_one_name_read_on_two_devices_trains_as_the_model(second_device):
+    """keyword_tuple reads `encode.weight` under one name at both ends: on two devices the
+    second stage's copy is a tie's copy (its gradient summed into the owner's, the owner
+    stepped, the copy following), as a tie under two names is."""
+    torch.manual_seed(0)
+    case = CASES["keyword_tuple"]()
+    reference = copy.deepcopy(case.model)
+    pipe = pc.compile(case.model, case.args, case.kwargs, devices=second_device,
+                      microbatches=2, loss_fn=case.loss_fn)
+    (_, owner), (_, other) = pipe.program.tensors["encode.weight"]
+    assert owner is not other and pipe.get_parameter("encode.weight") is owner
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = pipe.step(*case.args, target=case.target, **case.kwargs)
+        ref_loss, ref_grads = reference_step(reference, case.args, case.kwargs, case.target,
+                                             case.loss_fn, 2)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+        assert_grads_equal(pipe, ref_grads)
+        opt.step()
+        ref_opt.step()
+    with torch.no_grad():
+        pipe(*case.args, **case.kwargs)  # the copy follows before a forward
+    assert torch.equal(other, owner)
+    torch.testing.assert_close(owner, reference.encode.weight, rtol=1e-10, atol=1e-12)
+
+
 def test_tied_copies_follow_their_owner_after_any_update():
     from pipecompile.ir.records import StagedProgram
     from pipecompile.runtime.training import TiedCopies
