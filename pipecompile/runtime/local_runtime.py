@@ -39,6 +39,8 @@ class LocalRuntime(Runtime):
         captured = self.program.captured
         env = dict(zip(captured.input_names, captured.flatten_inputs(args, kwargs)))
         self.ties.follow()
+        if torch.is_grad_enabled():  # the caller may run backward: copies' grads to owners
+            self.ties.route_to_owners()
         outputs: tuple = ()
         for stage in self.program.stages:
             module = self.workers[stage.index].module  # the train- or eval-mode graph

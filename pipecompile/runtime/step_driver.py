@@ -32,7 +32,7 @@ from .microbatch import MicroBatch, forward_in_chunks, split_microbatches
 from .spec import RuntimeSpec, StepResult
 from .stage_modes import StageModes
 from .stage_steps import StageSteps
-from .training import AutocastState, TiedCopies, clip_grad_norm, counted_parameters
+from .training import AutocastState, TiedCopies, clip_grad_norm, counted_parameters, stepping
 from .workers import stage_optimizers, stage_workers
 
 __all__ = ["Runtime"]
@@ -102,10 +102,11 @@ class Runtime:
         scaled: contextlib.AbstractContextManager[None] = (
             last.scaled_loss(loss_scale, num_items) if last is not None
             else contextlib.nullcontext())
-        with scaled:
-            ran = self.executor.run(schedule, transport, mbs, flat, autocast=autocast,
-                                    finish=steps)
-        steps.complete()
+        with stepping():  # tie copies keep their gradients for the step's sum
+            with scaled:
+                ran = self.executor.run(schedule, transport, mbs, flat, autocast=autocast,
+                                        finish=steps)
+            steps.complete()
         losses = last.take_losses([mb.index for mb in mbs]) if last is not None else []
         m = self.spec.microbatches
         means = [self.mean_loss(losses[b * m:(b + 1) * m], summed=summed)

@@ -18,7 +18,9 @@ and a tie is copied only when its owner changed (`Tensor._version`, bumped by in
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -29,7 +31,7 @@ from ..errors import ConfigError
 from ..ir.tensors import local_tensor
 
 __all__ = ["check_num_items", "AutocastState", "TiedCopies", "clip_grad_norm", "counted_parameters",
-           "loss_scale_value"]
+           "loss_scale_value", "stepping"]
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,9 @@ class AutocastState:
 
 class TiedCopies:
     """Tied parameters with several tensor objects in this process (stages on different
-    devices, or an alias per stage on one): after the owner (the copy `pipe.parameters()` lists) was updated in place, by
-    any optimizer, `follow()` copies it into the other copies."""
+    devices, or an alias per stage on one): after the owner (the copy `pipe.parameters()`
+    lists) was updated in place, by any optimizer, `follow()` copies it into the other copies;
+    `route_to_owners()` sends the copies' gradients of a backward the caller runs to it."""
 
     def __init__(self, program: Any, own_stages: Sequence[int]):
         self.groups: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
@@ -85,6 +88,53 @@ class TiedCopies:
                         if not _same_memory(owner, copy):
                             copy.copy_(owner.to(copy.device))
                 self.seen[i] = owner._version
+
+
+    def route_to_owners(self) -> None:
+        """Before a forward whose backward the caller runs (`pipe(x)` with autograd on): as
+        each copy's gradient accumulates, it moves into its owner's, as autograd accumulates
+        a tensor read twice. Inside a step (`stepping`) the copies keep theirs: the step sums
+        them in stage order (runtime/stage_steps.py)."""
+        for owner, copies in self.groups:
+            for copy in copies:
+                hooks = copy._post_accumulate_grad_hooks or {}
+                if not any(getattr(h, "func", None) is _to_owner for h in hooks.values()):
+                    copy.register_post_accumulate_grad_hook(functools.partial(_to_owner, owner))
+
+
+class _Steps:
+    """How many steps run now in this process: each tie's copies then keep their gradients."""
+
+    running = 0
+    lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def stepping() -> Iterator[None]:
+    """Around a step's schedule: a copy's gradient stays with it, for the step to sum."""
+    with _Steps.lock:
+        _Steps.running += 1
+    try:
+        yield
+    finally:
+        with _Steps.lock:
+            _Steps.running -= 1
+
+
+def _to_owner(owner: torch.Tensor, copy: torch.Tensor) -> None:
+    """A tie copy's gradient, just accumulated outside a step, added into its owner's."""
+    grad = copy.grad
+    if _Steps.running or grad is None:
+        return
+    copy.grad = None
+    if grad is owner.grad:
+        return  # one tensor since the last step's sum: the accumulation already landed
+    with torch.no_grad():
+        moved = grad.to(owner.device)
+        if owner.grad is None:
+            owner.grad = moved
+        else:
+            owner.grad.add_(moved)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -374,3 +374,28 @@ def test_loss_scale_and_grad_scaler_scale_the_gradients():
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p, before[name] - 0.1 * plain[name], rtol=1e-12,
                                    atol=1e-15, msg=name)
+
+
+@pytest.mark.parametrize("where", ["one device", "two devices"])
+def test_backward_through_pipe_call_gives_a_tied_weight_its_whole_gradient(where, request):
+    """`loss_fn(pipe(x), y).backward()`, the caller's own backward: the last stage's leaf of the
+    tied weight (an alias on one device, a copy on another) hands its gradient to the owner,
+    as autograd sums a tensor read twice; a step afterwards still keeps them apart."""
+    torch.manual_seed(0)
+    case = CASES["gpt"]()
+    reference = copy.deepcopy(case.model)
+    devices = 2 if where == "one device" else request.getfixturevalue("second_device")
+    pipe = pc.compile(case.model, case.args, devices=devices, microbatches=2,
+                      loss_fn=case.loss_fn)
+    (_, owner), (_, other) = pipe.program.tensors["wte.weight"]
+    for _ in range(2):  # the second backward accumulates onto the first, as autograd does
+        case.loss_fn(pipe(*case.args), case.target).backward()
+        case.loss_fn(reference(*case.args), case.target).backward()
+    assert other.grad is None and owner is pipe.wte.weight
+    want = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-10, atol=1e-14, msg=name)
+    loss = pipe.step(*case.args, target=case.target)  # a step starts from zero again
+    ref_loss, ref_grads = reference_step(reference, case.args, {}, case.target, case.loss_fn, 2)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    assert_grads_equal(pipe, ref_grads)
