@@ -97,6 +97,7 @@ class TiedCopies:
         them in stage order (runtime/stage_steps.py)."""
         for owner, copies in self.groups:
             for copy in copies:
+                copy.grad = None  # a step's sum, left with it: the owner holds that gradient
                 hooks = copy._post_accumulate_grad_hooks or {}
                 if not any(getattr(h, "func", None) is _to_owner for h in hooks.values()):
                     copy.register_post_accumulate_grad_hook(functools.partial(_to_owner, owner))
@@ -127,8 +128,6 @@ def _to_owner(owner: torch.Tensor, copy: torch.Tensor) -> None:
     if _Steps.running or grad is None:
         return
     copy.grad = None
-    if grad is owner.grad:
-        return  # one tensor since the last step's sum: the accumulation already landed
     with torch.no_grad():
         moved = grad.to(owner.device)
         if owner.grad is None:

@@ -399,3 +399,9 @@ def test_backward_through_pipe_call_gives_a_tied_weight_its_whole_gradient(where
     ref_loss, ref_grads = reference_step(reference, case.args, {}, case.target, case.loss_fn, 2)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
     assert_grads_equal(pipe, ref_grads)
+    pipe.zero_grad()  # then the caller's own backward again: the step's sum is not counted
+    reference.zero_grad()
+    case.loss_fn(pipe(*case.args), case.target).backward()
+    case.loss_fn(reference(*case.args), case.target).backward()
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-10, atol=1e-14, msg=name)
