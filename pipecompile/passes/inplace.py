@@ -13,6 +13,11 @@ an in-place operation"), and a reader in a third stage would see the value befor
                           with the op: `split` clones those right after the placeholder.
 
 In-place writes to parameters/buffers (BatchNorm's running statistics) and to views are kept.
+
+    shared_state(graph, stage_of)  buffers written in place that several stages use: split
+                          refuses them (the unsplit model updates them use by use, micro-batch
+                          by micro-batch; split, the stages' uses interleave otherwise, and
+                          ranks hold copies of their own)
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch.fx as fx
 
 from ..ir.nodes import recreate_as_call
 
-__all__ = ["functionalize", "mutated_inputs", "mutated_argument", "is_view", "cross_stage_writes"]
+__all__ = ["functionalize", "mutated_inputs", "mutated_argument", "is_view", "cross_stage_writes",
+           "shared_state"]
 
 
 def functionalize(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[str, ...]]:
@@ -175,3 +181,51 @@ def _sees_write(m: fx.Node, c: int | None, w: int | None, stage_of: dict[str, in
         if first is None or not is_view(m):
             return False
         m = first
+
+
+def shared_state(graph: fx.Graph, stage_of: dict[str, int]
+                 ) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Model state (a get_attr's tensor, BatchNorm's running statistics) that an op writes in
+    place and more than one stage uses: (writing op, tensor, the stages using it)."""
+    base = _bases(graph)
+    users: dict[str, set[int]] = {}
+    writers: dict[str, str] = {}
+    for node in graph.nodes:
+        stage = stage_of.get(node.name)
+        if stage is None:
+            continue
+        for arg, written in _arguments(node):
+            root = base.get(arg)
+            if root is not None and root.op == "get_attr":
+                users.setdefault(str(root.target), set()).add(stage)
+                if written:
+                    writers.setdefault(str(root.target), node.name)
+        if node.op == "call_module" and _tracks_statistics(node):
+            users.setdefault(str(node.target), set()).add(stage)  # torch.fx capture
+            writers.setdefault(str(node.target), node.name)
+    return [(op, name, tuple(sorted(users[name]))) for name, op in writers.items()
+            if len(users[name]) > 1]
+
+
+def _arguments(node: fx.Node) -> list[tuple[fx.Node, bool]]:
+    """(argument node, written in place?) for each node argument of `node`."""
+    schema = (node.target._schema if node.op == "call_function"
+              and isinstance(node.target, torch._ops.OpOverload) else None)
+    found = []
+    for i, arg in enumerate(node.args):
+        if isinstance(arg, fx.Node):
+            info = schema.arguments[i].alias_info if schema and i < len(schema.arguments) else None
+            found.append((arg, bool(info is not None and info.is_write)
+                          or (i == 0 and mutated_argument(node) is arg)))
+    return found
+
+
+def _tracks_statistics(node: fx.Node) -> bool:
+    """A call of a normalization module that updates running statistics as it trains."""
+    module = node.graph.owning_module
+    try:
+        sub = module.get_submodule(str(node.target)) if module is not None else None
+    except AttributeError:
+        return False
+    return (isinstance(sub, torch.nn.modules.batchnorm._NormBase)
+            and sub.track_running_stats and sub.training)

@@ -69,6 +69,43 @@ def test_write_seen_by_a_later_stage_is_refused_naming_op_and_value():
                    split_points=["layers.1", "layers.2"])
 
 
+class _SharedNorm(torch.nn.Module):
+    """One BatchNorm used at two depths: its running statistics are updated by both uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = torch.relu(self.b(self.norm(self.a(x))))
+        return self.c(self.norm(h))
+
+
+@pytest.mark.parametrize("capture", ["export", "fx"])
+def test_state_updated_in_place_by_two_stages_is_refused_naming_it(capture):
+    """Split, the stages would update the running statistics in another order than the model
+    (on ranks, each its own copy): refused, naming the state and the stages; in one stage the
+    shared norm trains exactly, its statistics included."""
+    torch.manual_seed(0)
+    model = _SharedNorm().double()
+    x = torch.randn(16, 8, dtype=torch.float64)
+    with pytest.raises(InPlaceError, match=r"'norm.*' is model state that op .* updates in "
+                                           r"place, used by stages \[0, 1\].*split_points"):
+        pc.compile(copy.deepcopy(model), (x,), loss_fn=F.mse_loss, devices=2, microbatches=2,
+                   split_points=["b"], capture=capture)
+    reference = copy.deepcopy(model)
+    pipe = pc.compile(model, (x,), loss_fn=F.mse_loss, devices=2, microbatches=2,
+                      split_points=["c"], capture=capture, schedule="gpipe")
+    loss = pipe.step(x, target=x)
+    ref_loss, ref_grads = reference_step(reference, (x,), {}, x, F.mse_loss, 2)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    assert_grads_equal(pipe, ref_grads)
+    want = reference.state_dict()
+    for name, value in pipe.state_dict().items():
+        torch.testing.assert_close(value, want[name], rtol=1e-12, atol=0, msg=name)
+
+
 def _graph(fn, *args):
     return torch.export.export(fn, args).module()
 
