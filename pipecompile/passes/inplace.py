@@ -23,7 +23,7 @@ In-place writes to parameters/buffers (BatchNorm's running statistics) and to vi
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -183,7 +183,7 @@ def _sees_write(m: fx.Node, c: int | None, w: int | None, stage_of: dict[str, in
         m = first
 
 
-def shared_state(graph: fx.Graph, stage_of: dict[str, int]
+def shared_state(graph: fx.Graph, stage_of: Mapping[str, int]
                  ) -> list[tuple[str, str, tuple[int, ...]]]:
     """Model state (a get_attr's tensor, BatchNorm's running statistics) that an op writes in
     place and more than one stage uses: (writing op, tensor, the stages using it)."""
