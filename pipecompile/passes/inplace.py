@@ -14,10 +14,10 @@ an in-place operation"), and a reader in a third stage would see the value befor
 
 In-place writes to parameters/buffers (BatchNorm's running statistics) and to views are kept.
 
-    shared_state(graph, stage_of)  buffers written in place that several stages use: split
-                          refuses them (the unsplit model updates them use by use, micro-batch
-                          by micro-batch; split, the stages' uses interleave otherwise, and
-                          ranks hold copies of their own)
+    shared_state(graph, block_of)  state written in place that several blocks use: linearize
+                          joins those blocks (the unsplit model updates it use by use,
+                          micro-batch by micro-batch; split, the stages' uses would interleave
+                          otherwise, and ranks would hold copies of their own)
 """
 
 from __future__ import annotations
@@ -186,7 +186,8 @@ def _sees_write(m: fx.Node, c: int | None, w: int | None, stage_of: dict[str, in
 def shared_state(graph: fx.Graph, stage_of: Mapping[str, int]
                  ) -> list[tuple[str, str, tuple[int, ...]]]:
     """Model state (a get_attr's tensor, BatchNorm's running statistics) that an op writes in
-    place and more than one stage uses: (writing op, tensor, the stages using it)."""
+    place and more than one part of `stage_of` (node name -> stage or block) uses: (writing op,
+    tensor, the parts using it)."""
     base = _bases(graph)
     users: dict[str, set[int]] = {}
     writers: dict[str, str] = {}
@@ -207,16 +208,24 @@ def shared_state(graph: fx.Graph, stage_of: Mapping[str, int]
             if len(users[name]) > 1]
 
 
+# composite ops whose schema does not mark the running statistics they update (arguments 3
+# and 4) while their argument 5 (`training`, `use_input_stats`) is true
+_STATISTICS_WRITERS = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)
+
+
 def _arguments(node: fx.Node) -> list[tuple[fx.Node, bool]]:
     """(argument node, written in place?) for each node argument of `node`."""
     schema = (node.target._schema if node.op == "call_function"
               and isinstance(node.target, torch._ops.OpOverload) else None)
+    statistics = (node.target in _STATISTICS_WRITERS and len(node.args) > 5
+                  and node.args[5] is True)
     found = []
     for i, arg in enumerate(node.args):
         if isinstance(arg, fx.Node):
             info = schema.arguments[i].alias_info if schema and i < len(schema.arguments) else None
             found.append((arg, bool(info is not None and info.is_write)
-                          or (i == 0 and mutated_argument(node) is arg)))
+                          or (i == 0 and mutated_argument(node) is arg)
+                          or (statistics and i in (3, 4))))
     return found
 
 

@@ -13,7 +13,9 @@ container (a repeated layer: `transformer.h.3`) or a leaf module (`lm_head`); "l
 "layer+2", ... go that many module levels deeper inside a layer (attention and MLP become
 separate blocks); "op" makes every compute node a block. Consecutive compute nodes with the same
 key form one block. Nodes with no module key (functional glue between layers) join the next
-block; glue with no user (an in-place buffer update, an assert) joins the previous one.
+block; glue with no user (an in-place buffer update, an assert) joins the previous one. The
+blocks from the first to the last use of state updated in place (one BatchNorm used at two
+depths) join into one, so that no cut separates its updates.
 
     nodes:   [emb] [glue] [h.0 ...] [h.1 ...] [glue] [lm_head]
     blocks:   B0   |----B1-------|   B2      |----B3--------|
@@ -32,6 +34,7 @@ from ..ir.nodes import getattr_path as _getattr_path, node_target_str
 
 from ..errors import ConfigError
 from ..ir.records import Block, CapturedModel, LinearGraph, NodeRole
+from .inplace import shared_state
 
 __all__ = ["linearize", "classify", "GRANULARITIES"]
 
@@ -48,7 +51,7 @@ def linearize(captured: CapturedModel, *, granularity: str = "layer") -> LinearG
     compute = [n for n in graph.nodes if roles[n.name] == NodeRole.COMPUTE]
 
     keys = [_block_key(n, granularity, layers, leaves) for n in compute]
-    groups = _group(compute, keys)
+    groups = _join_shared_state(_group(compute, keys), graph)
     blocks = tuple(
         Block(i, name, tuple(n.name for n in nodes)) for i, (name, nodes) in enumerate(groups)
     )
@@ -179,6 +182,22 @@ def _group(nodes: list[fx.Node], keys: list[str | None]) -> list[tuple[str, list
         else:
             groups.append((f"<ops:{pending[0].name}>", pending))
     return _unique_names(groups)
+
+
+def _join_shared_state(groups: list[tuple[str, list[fx.Node]]], graph: fx.Graph
+                       ) -> list[tuple[str, list[fx.Node]]]:
+    """The runs from the first to the last use of state updated in place (one BatchNorm at two
+    depths: its running statistics) joined into one block, under the first run's name: stages
+    running micro-batches at once would update it in another order than the model, so no cut
+    may fall between its uses (`inplace.shared_state`)."""
+    while True:
+        group_of = {n.name: i for i, (_, nodes) in enumerate(groups) for n in nodes}
+        spans = [(min(uses), max(uses)) for _, _, uses in shared_state(graph, group_of)]
+        if not spans:
+            return groups
+        a, b = spans[0]
+        joined = (groups[a][0], [n for _, nodes in groups[a:b + 1] for n in nodes])
+        groups = [*groups[:a], joined, *groups[b + 1:]]
 
 
 def _unique_names(groups):

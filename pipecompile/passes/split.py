@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from ..errors import ConfigError, InPlaceError
 from ..ir.records import LinearGraph, NodeRole, Stage, StagedProgram, TiedParameter
-from .inplace import cross_stage_writes, mutated_inputs, shared_state
+from .inplace import cross_stage_writes, mutated_inputs
 from .linearize import compute_inputs
 from ..ir.nodes import getattr_path as _getattr_path
 
@@ -250,15 +250,6 @@ def _meta_to(module: fx.GraphModule, device: torch.device,
 
 def _check_writes(graph: fx.Graph, stage_of: Mapping[str, int], output_node, last: int) -> None:
     """Refuse cuts that would let a stage miss another stage's in-place write."""
-    shared = shared_state(graph, stage_of)
-    if shared:
-        op, name, stages = shared[0]
-        raise InPlaceError(
-            f"{name!r} is model state that op {op!r} updates in place, used by stages "
-            f"{list(stages)}: the unsplit model updates it use by use, micro-batch by "
-            f"micro-batch, which stages running micro-batches at once cannot repeat (on ranks "
-            f"each would update its own copy). Keep its uses in one stage (split_points=...), "
-            f"or use a separate module for each use")
     hazards = cross_stage_writes(graph, {**stage_of, output_node.name: last})
     if hazards:
         op, value, reader = hazards[0]

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import pipecompile as pc
+from pipecompile.capture.capture import capture as capture_model
 from pipecompile.errors import InPlaceError
+from pipecompile.passes.linearize import linearize
 from tests.support.capture_models import InplaceResNet, ViewWrite
 from tests.support.reference import assert_grads_equal, reference_step
 
@@ -83,20 +85,21 @@ class _SharedNorm(torch.nn.Module):
 
 
 @pytest.mark.parametrize("capture", ["export", "fx"])
-def test_state_updated_in_place_by_two_stages_is_refused_naming_it(capture):
-    """Split, the stages would update the running statistics in another order than the model
-    (on ranks, each its own copy): refused, naming the state and the stages; in one stage the
-    shared norm trains exactly, its statistics included."""
+def test_state_updated_in_place_at_two_depths_stays_in_one_stage(capture):
+    """One BatchNorm at two depths: its running statistics are updated at both uses, in the
+    model's order only if no cut separates them. The blocks between its uses are one block;
+    the pipeline trains exactly, statistics included, and no cut can fall in between."""
     torch.manual_seed(0)
     model = _SharedNorm().double()
     x = torch.randn(16, 8, dtype=torch.float64)
-    with pytest.raises(InPlaceError, match=r"'norm.*' is model state that op .* updates in "
-                                           r"place, used by stages \[0, 1\].*split_points"):
-        pc.compile(copy.deepcopy(model), (x,), loss_fn=F.mse_loss, devices=2, microbatches=2,
-                   split_points=["b"], capture=capture)
+    linear = linearize(capture_model(copy.deepcopy(model), (x,), {}, method=capture))
+    names = [b.name for b in linear.blocks]
+    assert names[0].startswith("a") and names[-1].startswith("c") and len(names) == 3, names
+    joined = set(linear.blocks[1].nodes)
+    assert sum(1 for n in joined if "batch_norm" in n or n.startswith("norm")) >= 2, joined
     reference = copy.deepcopy(model)
     pipe = pc.compile(model, (x,), loss_fn=F.mse_loss, devices=2, microbatches=2,
-                      split_points=["c"], capture=capture, schedule="gpipe")
+                      capture=capture, schedule="gpipe")
     loss = pipe.step(x, target=x)
     ref_loss, ref_grads = reference_step(reference, (x,), {}, x, F.mse_loss, 2)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
@@ -104,6 +107,9 @@ def test_state_updated_in_place_by_two_stages_is_refused_naming_it(capture):
     want = reference.state_dict()
     for name, value in pipe.state_dict().items():
         torch.testing.assert_close(value, want[name], rtol=1e-12, atol=0, msg=name)
+    with pytest.raises(pc.ConfigError, match="split point 'b' names no block"):
+        pc.compile(copy.deepcopy(reference), (x,), loss_fn=F.mse_loss, devices=2,
+                   split_points=["b"], capture=capture)
 
 
 def _graph(fn, *args):
