@@ -5,8 +5,8 @@
                     thread-local: worker threads would otherwise run in float32)
     TiedCopies      copies of a tied parameter on other devices of this process follow their
                     owner after any optimizer updated it (an alias on the owner's device shares
-                    its memory) (the user's own optimizer sees only
-                    the owner, `pipe.parameters()` lists a tied parameter once)
+                    its memory; the user's own optimizer sees only the owner,
+                    `pipe.parameters()` lists a tied parameter once)
     clip_grad_norm  `torch.nn.utils.clip_grad_norm_` over every stage of every rank: partial
                     norms of this process's gradients, reduced over the pipeline's ranks (data-
                     parallel replicas hold identical reduced gradients), ties counted once
