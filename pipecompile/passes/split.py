@@ -292,7 +292,6 @@ class TensorPlacement:
             held[stage] = _alias(base) if held and trained else base
         return held[stage]
 
-
     def _meta(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The model's own meta tensor for the first real device that uses it (so the model's
         modules hold what this process materialises), a meta copy for any other device; a

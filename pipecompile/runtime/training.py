@@ -89,7 +89,6 @@ class TiedCopies:
                             copy.copy_(owner.to(copy.device))
                 self.seen[i] = owner._version
 
-
     def route_to_owners(self) -> None:
         """Before a forward whose backward the caller runs (`pipe(x)` with autograd on): as
         each copy's gradient accumulates, it moves into its owner's, as autograd accumulates
